@@ -1,0 +1,4 @@
+from engine_daemon.cli import main
+import sys
+
+sys.exit(main())

@@ -1,0 +1,100 @@
+"""`engined`: the daemon that owns the MLX model and serves front-ends over ZeroMQ."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+from protocol.endpoints import ENDPOINT_ENV, default_endpoint
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+def _env_float(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="engined",
+        description="mlx-engined daemon: loads an MLX model and streams generations to front-ends "
+                    "over ZeroMQ. Every flag has an environment variable equivalent (in brackets).",
+    )
+    parser.add_argument("--model", default=os.environ.get("MLX_ENGINE_MODEL"),
+                        help="model to load at start: a Hugging Face repo id (local cache first, then "
+                             "downloaded) or a local directory. Optional: without it the first request's "
+                             "'model' loads one. [MLX_ENGINE_MODEL]")
+    parser.add_argument("--endpoint", default=default_endpoint(),
+                        help=f"ZeroMQ endpoint to bind: ipc://PATH or tcp://HOST:PORT. [{ENDPOINT_ENV}] "
+                             "(default: %(default)s)")
+    parser.add_argument("--allow-download", action="store_true", default=_env_flag("MLX_ENGINE_ALLOW_DOWNLOAD"),
+                        help="let request 'model' names download from the Hugging Face Hub when they are not "
+                             "cached (the --model given at start is always fetched if missing). "
+                             "[MLX_ENGINE_ALLOW_DOWNLOAD=1]")
+    parser.add_argument("--default-max-tokens", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_DEFAULT_MAX_TOKENS", "4096")),
+                        help="max_tokens for requests that give none; capped by the context window. "
+                             "[MLX_ENGINE_DEFAULT_MAX_TOKENS] (default: %(default)s)")
+    parser.add_argument("--prefill-step-size", type=int, default=int(os.environ.get("PREFILL_STEP_SIZE", "2048")),
+                        help="prompt tokens processed per model call. [PREFILL_STEP_SIZE] (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=_env_float("MLX_ENGINE_TEMPERATURE"),
+                        help="default temperature when neither the request nor the model's "
+                             "generation_config.json sets one (then 1.0). [MLX_ENGINE_TEMPERATURE]")
+    parser.add_argument("--top-p", type=float, default=_env_float("MLX_ENGINE_TOP_P"),
+                        help="default top_p, as --temperature. [MLX_ENGINE_TOP_P]")
+    parser.add_argument("--peer-timeout", type=float, default=float(os.environ.get("MLX_ENGINE_PEER_TIMEOUT", "10")),
+                        help="seconds of silence after which a front-end's requests are aborted. "
+                             "[MLX_ENGINE_PEER_TIMEOUT] (default: %(default)s)")
+    parser.add_argument("--log-level", default=os.environ.get("MLX_ENGINE_LOG_LEVEL", "INFO"),
+                        help="logging level. [MLX_ENGINE_LOG_LEVEL] (default: %(default)s)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s engined[%(process)d] %(name)s: %(message)s")
+    log = logging.getLogger("engined")
+    # Imported here so `engined --help` answers without loading mlx.
+    from engine_daemon.blas_check import warn_if_slow_blas
+    from engine_daemon.scheduler import SchedulerConfig
+    from engine_daemon.server import EndpointInUse, EngineServer
+
+    warn_if_slow_blas()
+    defaults = {"temperature": args.temperature if args.temperature is not None else 1.0}
+    if args.top_p is not None:
+        defaults["top_p"] = args.top_p
+    config = SchedulerConfig(
+        default_model=args.model,
+        allow_download=args.allow_download,
+        default_max_tokens=args.default_max_tokens,
+        prefill_step_size=args.prefill_step_size,
+        sampling_defaults=defaults,
+    )
+    if args.model:
+        # The operator named it: fetch it now if it is not cached, before serving.
+        from engine_daemon.model_store import ModelNotFound, resolve
+        try:
+            resolve(args.model, allow_download=True)
+        except ModelNotFound as exc:
+            log.error("cannot load --model: %s", exc)
+            return 2
+    server = EngineServer(args.endpoint, config, preload=args.model, peer_timeout=args.peer_timeout)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    try:
+        server.serve()
+    except EndpointInUse as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The one model in memory: load, evict, unload. Runs on the mlx thread only."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load as mlx_lm_load
+
+from engine_daemon.model_store import ModelRef
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model with what requests need from it: tokenizer, limits and default sampling."""
+
+    ref: ModelRef
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    context_window: int | None
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    loaded_at: float = field(default_factory=time.time)
+
+
+# generation_config.json keys -> our sampling parameter names
+_GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def _read_generation_defaults(path: Path) -> dict[str, Any]:
+    """Sampling defaults the model ships (used when a request omits a field)."""
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {ours: config[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if theirs in config}
+
+
+def _context_window(config: dict[str, Any]) -> int | None:
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        value = config.get(key) or config.get("text_config", {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class ModelManager:
+    """Keeps at most one model loaded; a different model evicts the current one."""
+
+    def __init__(self) -> None:
+        self.current: LoadedModel | None = None
+        self.loads = 0
+        self.last_load_seconds = 0.0
+
+    def ensure(self, ref: ModelRef) -> LoadedModel:
+        """The loaded model for `ref`, loading it (and evicting another) when needed."""
+        if self.current is not None and self.current.ref == ref:
+            return self.current
+        self.unload()
+        log.info("loading model %s from %s", ref.id, ref.path)
+        started = time.perf_counter()
+        model, tokenizer, config = mlx_lm_load(str(ref.path), return_config=True)
+        self.last_load_seconds = time.perf_counter() - started
+        self.loads += 1
+        self.current = LoadedModel(
+            ref=ref,
+            model=model,
+            tokenizer=tokenizer,
+            context_window=_context_window(config),
+            generation_defaults=_read_generation_defaults(ref.path),
+        )
+        log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
+        return self.current
+
+    def unload(self) -> bool:
+        """Frees the current model; False when nothing was loaded."""
+        if self.current is None:
+            return False
+        log.info("unloading model %s", self.current.ref.id)
+        self.current = None
+        gc.collect()
+        mx.clear_cache()
+        return True

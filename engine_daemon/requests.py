@@ -1,0 +1,152 @@
+"""One generation request as the engine sees it, and how its output is decoded.
+
+Turns an ADD body into a prompt (chat template or raw text), settles max_tokens
+against the context window, and turns sampled token ids into text deltas with
+stop strings and finish reasons. Errors carry the HTTP-ish status the front-end
+returns, so admission problems surface before the first token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_daemon.model_manager import LoadedModel
+from engine_daemon.stop_strings import StopStringMatcher
+
+
+class RequestError(Exception):
+    """A request the engine refuses, with the status and code the client will see."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None,
+                 error_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+        self.error_type = error_type
+
+    def to_body(self, rid: str | None) -> dict[str, Any]:
+        return {"rid": rid, "status": self.status, "code": self.code, "message": str(self),
+                "type": self.error_type, "param": self.param}
+
+
+@dataclass
+class EngineRequest:
+    """Everything the scheduler tracks for one request, from ADD to its last delta."""
+
+    rid: str
+    peer: bytes
+    body: dict[str, Any]
+    model_id: str | None = None
+    prompt_tokens: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+    sampling: dict[str, Any] = field(default_factory=dict)
+    stop: StopStringMatcher | None = None
+    detokenizer: Any = None
+    eos_token_ids: frozenset[int] = frozenset()
+    generated: int = 0
+    seq: int = 0
+    finish_reason: str | None = None
+    accepted: bool = False
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.body["params"]
+
+
+def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
+    """Token ids of the prompt: chat messages through the model's template, or raw text/ids."""
+    tokenizer = loaded.tokenizer
+    messages = body.get("messages")
+    if messages is not None:
+        if not getattr(tokenizer, "has_chat_template", True):
+            raise RequestError(400, "chat_template_missing",
+                               f"Model '{loaded.ref.id}' has no chat template; use /v1/completions",
+                               param="messages")
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        try:
+            tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        except Exception as exc:  # jinja raises its own exception types for template errors
+            raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {exc}",
+                               param="messages") from None
+        return list(tokens)
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        return prompt
+    return list(tokenizer.encode(prompt))
+
+
+def settle_max_tokens(loaded: LoadedModel, prompt_len: int, requested: int | None, default: int) -> int:
+    """max_tokens for a request, or RequestError when the context window cannot hold it."""
+    window = loaded.context_window
+    if prompt_len == 0:
+        raise RequestError(400, "empty_prompt", "The prompt is empty", param="messages")
+    if requested is not None and requested < 1:
+        raise RequestError(400, "invalid_value", "max_tokens must be at least 1", param="max_tokens")
+    if window is None:
+        return requested or default
+    if prompt_len >= window:
+        raise RequestError(400, "context_length_exceeded",
+                           f"This model's maximum context length is {window} tokens, "
+                           f"but the prompt has {prompt_len} tokens", param="messages")
+    if requested is None:
+        return min(default, window - prompt_len)
+    if prompt_len + requested > window:
+        raise RequestError(400, "context_length_exceeded",
+                           f"This model's maximum context length is {window} tokens. However, you "
+                           f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, "
+                           f"{requested} in the completion)", param="max_tokens")
+    return requested
+
+
+def resolve_sampling(loaded: LoadedModel, params: dict[str, Any], server_defaults: dict[str, Any]) -> dict[str, Any]:
+    """Request field, else the model's generation_config.json, else the server's flags."""
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+    merged = {}
+    for key in keys:
+        for source in (params, loaded.generation_defaults, server_defaults):
+            if source.get(key) is not None:
+                merged[key] = source[key]
+                break
+    return merged
+
+
+def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int,
+            server_defaults: dict[str, Any]) -> None:
+    """Fills in prompt, limits, sampling and decoding state; raises RequestError to refuse."""
+    request.model_id = loaded.ref.id
+    request.prompt_tokens = build_prompt(loaded, request.body)
+    request.max_tokens = settle_max_tokens(loaded, len(request.prompt_tokens),
+                                           request.params.get("max_tokens"), default_max_tokens)
+    request.sampling = resolve_sampling(loaded, request.params, server_defaults)
+    request.stop = StopStringMatcher(request.params.get("stop"))
+    request.detokenizer = loaded.tokenizer.detokenizer
+    request.detokenizer.reset()
+    request.eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
+
+
+def consume_token(request: EngineRequest, token: int) -> str:
+    """Adds one sampled token; returns the text now safe to send and sets finish_reason when done."""
+    detokenizer = request.detokenizer
+    if token in request.eos_token_ids:
+        request.finish_reason = "stop"
+    else:
+        detokenizer.add_token(token)
+        request.generated += 1
+        if request.generated >= request.max_tokens:
+            request.finish_reason = "length"
+    if request.finish_reason is not None:
+        detokenizer.finalize()
+    text = request.stop.feed(detokenizer.last_segment)
+    if request.stop.matched is not None:
+        request.finish_reason = "stop"
+    elif request.finish_reason is not None:
+        text += request.stop.flush()
+    return text
+
+
+def usage(request: EngineRequest, cached_tokens: int = 0) -> dict[str, int]:
+    prompt = len(request.prompt_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": request.generated,
+            "total_tokens": prompt + request.generated, "cached_tokens": cached_tokens}

@@ -1,0 +1,254 @@
+"""The io thread: owns the ROUTER socket, knows the peers, answers pings, dispatches.
+
+Pings are answered here, never on the mlx thread, so a long prefill or a model
+load is not mistaken for a dead engine. Frames are validated by `protocol`
+before anything reaches the mlx thread; a malformed frame is answered with an
+ERROR when it names a request or call, and otherwise dropped and logged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import zmq
+
+from engine_daemon.model_store import list_cached_models
+from engine_daemon.scheduler import SchedulerConfig
+from engine_daemon.worker import MlxWorker
+from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+OUTBOX_ADDRESS = "inproc://mlx-outbox"
+SEND_HWM = 100_000
+
+
+class EndpointInUse(RuntimeError):
+    """Another engine holds the ipc endpoint's lock."""
+
+
+@dataclass
+class Peer:
+    frontend_id: str
+    last_seen: float
+    pid: int | None = None
+    host: str | None = None
+
+
+def lock_ipc_endpoint(endpoint: str) -> BinaryIO | None:
+    """Takes `<socket>.lock` so a second engine cannot silently steal the ipc path.
+
+    The socket directory is created private (0700): only this user can connect.
+    """
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = Path(endpoint[len("ipc://"):])
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = open(f"{path}.lock", "wb")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise EndpointInUse(f"another engine is bound to {endpoint}") from None
+    if path.exists():
+        path.unlink()  # a stale socket of a dead engine: we hold the lock, so it is ours
+    return lock
+
+
+class EngineServer:
+    """Binds the endpoint, runs the mlx worker, routes frames both ways until stopped."""
+
+    def __init__(self, endpoint: str, config: SchedulerConfig, preload: str | None = None,
+                 peer_timeout: float = 10.0):
+        self.endpoint = endpoint
+        self.peer_timeout = peer_timeout
+        self.epoch = time.time_ns() // 1000
+        self.started_at = time.time()
+        self.peers: dict[bytes, Peer] = {}
+        self.context = zmq.Context()
+        self.worker = MlxWorker(self.context, OUTBOX_ADDRESS, config, preload)
+        self._stop = threading.Event()
+        self._lock: BinaryIO | None = None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve(self) -> None:
+        self._lock = lock_ipc_endpoint(self.endpoint)
+        router = self.context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, SEND_HWM)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind(self.endpoint)
+        outbox = self.context.socket(zmq.PULL)
+        outbox.bind(OUTBOX_ADDRESS)
+        self.worker.start()
+        log.info("engine epoch %d listening on %s (pid %d)", self.epoch, self.endpoint, os.getpid())
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(outbox, zmq.POLLIN)
+        next_sweep = time.monotonic() + 1.0
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(200))
+                if outbox in ready:
+                    for _ in range(1000):  # bounded, so inbound frames are not starved
+                        try:
+                            peer, frame = outbox.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._send(router, peer, frame)
+                if router in ready:
+                    for _ in range(1000):
+                        try:
+                            parts = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._receive(router, parts)
+                if time.monotonic() >= next_sweep:
+                    self._sweep_peers()
+                    next_sweep = time.monotonic() + 1.0
+        finally:
+            self.worker.stop()
+            self.worker.join(timeout=5)
+            router.close()
+            outbox.close()
+            self.context.term()
+            if self._lock is not None:
+                self._lock.close()
+            log.info("engine stopped")
+
+    # -- sending ---------------------------------------------------------------
+    def _send(self, router: zmq.Socket, peer: bytes, frame: bytes) -> None:
+        try:
+            router.send_multipart([peer, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.
+            log.warning("dropping front-end %r: %s", peer, exc)
+            self._peer_gone(peer)
+
+    def _reply(self, router: zmq.Socket, peer: bytes, msg_type: MsgType, body: dict[str, Any]) -> None:
+        self._send(router, peer, encode(msg_type, body))
+
+    # -- receiving ---------------------------------------------------------------
+    def _receive(self, router: zmq.Socket, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            log.warning("dropping a message of %d frames (expected identity + 1)", len(parts))
+            return
+        peer, frame = parts
+        try:
+            msg_type, body = decode(frame)
+        except ProtocolError as exc:
+            log.warning("bad frame from %r: %s", peer, exc)
+            if exc.rid or exc.cid:
+                self._reply(router, peer, MsgType.ERROR, {
+                    "rid": exc.rid, "cid": exc.cid, "status": 400, "code": "bad_frame",
+                    "message": str(exc), "type": "invalid_request_error"})
+            return
+        known = self.peers.get(peer)
+        if known is not None:
+            known.last_seen = time.monotonic()
+        handler = getattr(self, f"_on_{msg_type.name.lower()}", None)
+        if handler is None:
+            log.warning("dropping %s from %r: not a front-end message", msg_type.name, peer)
+            return
+        handler(router, peer, body)
+
+    def _on_hello(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        if body["version"] != PROTOCOL_VERSION:
+            self._reply(router, peer, MsgType.ERROR, {
+                "status": 400, "code": "protocol_version_mismatch", "type": "invalid_request_error",
+                "message": f"engine speaks protocol {PROTOCOL_VERSION}, front-end {body['version']}"})
+            return
+        self.peers[peer] = Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host"))
+        log.info("front-end %s connected (pid %s on %s)", body["frontend_id"], body.get("pid"), body.get("host"))
+        status = self.worker.status
+        self._reply(router, peer, MsgType.WELCOME, {
+            "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": status.state,
+            "model": status.model, "adapter": None, "started_at": self.started_at, "pid": os.getpid()})
+
+    def _on_ping(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        if peer not in self.peers:
+            self.peers[peer] = Peer("", time.monotonic())
+        status = self.worker.status
+        self._reply(router, peer, MsgType.PONG, {
+            "epoch": self.epoch, "state": status.state, "queued": status.queued,
+            "running": status.running, "t": body.get("t", 0)})
+
+    def _on_add(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        epoch = body.get("epoch")
+        if epoch is not None and epoch != self.epoch:
+            self._reply(router, peer, MsgType.ERROR, {
+                "rid": body["rid"], "status": 503, "code": "engine_restarted", "type": "server_error",
+                "message": "The engine restarted; retry the request"})
+            return
+        self.peers.setdefault(peer, Peer("", time.monotonic()))
+        self.worker.commands.put(("add", peer, body))
+
+    def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        self.worker.commands.put(("abort", body["rids"], body.get("reason", "client")))
+
+    def _on_bye(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        self._peer_gone(peer)
+
+    def _on_call(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        method, args = body["method"], body.get("args") or {}
+        if method in ("unload",):
+            self.worker.commands.put(("call", peer, body["cid"], method, args))
+            return
+        if method == "status":
+            result: Any = self.status()
+        elif method == "list_models":
+            result = self.list_models()
+        elif method == "stats":
+            result = self.stats()
+        else:
+            self._reply(router, peer, MsgType.ERROR, {
+                "cid": body["cid"], "status": 400, "code": "unknown_method",
+                "type": "invalid_request_error", "message": f"unknown CALL method '{method}'"})
+            return
+        self._reply(router, peer, MsgType.RESULT, {"cid": body["cid"], "result": result})
+
+    # -- peers -------------------------------------------------------------------
+    def _peer_gone(self, peer: bytes) -> None:
+        self.peers.pop(peer, None)
+        self.worker.commands.put(("peer_gone", peer))
+
+    def _sweep_peers(self) -> None:
+        deadline = time.monotonic() - self.peer_timeout
+        for peer in [p for p, info in self.peers.items() if info.last_seen < deadline]:
+            log.info("front-end %s silent for %.0f s: aborting its requests",
+                     self.peers[peer].frontend_id or repr(peer), self.peer_timeout)
+            self._peer_gone(peer)
+
+    # -- read-only calls -----------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        status = self.worker.status
+        return {"epoch": self.epoch, "state": status.state, "model": status.model, "adapter": None,
+                "queued": status.queued, "running": status.running, "pid": os.getpid(),
+                "host": socket.gethostname(), "started_at": self.started_at,
+                "uptime": time.time() - self.started_at, "model_loads": self.worker.models.loads}
+
+    def list_models(self) -> list[dict[str, Any]]:
+        models = list_cached_models()
+        loaded = self.worker.status.model
+        ids = {m["id"] for m in models}
+        if loaded and loaded not in ids:
+            models.insert(0, {"id": loaded, "created": int(self.started_at)})
+        for entry in models:
+            entry.pop("path", None)
+            entry["loaded"] = entry["id"] == loaded
+        return models
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.worker.scheduler.stats
+        return {**self.status(), "frontends": len(self.peers), "steps": self.worker.status.steps,
+                **{k: v for k, v in vars(stats).items()}}

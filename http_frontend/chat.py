@@ -1,0 +1,248 @@
+"""POST /v1/chat/completions: OpenAI Chat JSON <-> protocol ADD / DELTAS."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import falcon.asgi
+from falcon.asgi import SSEvent
+
+from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream
+from http_frontend.errors import APIError, bad_request
+from http_frontend.validation import get_field, read_json_object
+
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_STOP_STRINGS = 16
+KEEPALIVE_SECONDS = 1.0
+
+# Fields this server does not implement yet: refused with a 400 rather than silently ignored.
+UNSUPPORTED = {
+    "tools": "Tool calling is not supported yet",
+    "functions": "Function calling is not supported yet",
+    "logit_bias": "'logit_bias' is not supported yet",
+    "audio": "Audio output is not supported",
+}
+
+
+def _message_text(message: dict[str, Any], index: int) -> str | None:
+    """Flattens OpenAI content (string or typed parts) into the text a chat template takes."""
+    content = message.get("content")
+    param = f"messages.[{index}].content"
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"Invalid type for '{param}': expected a string or an array of content parts",
+                          param=param, code="invalid_type")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise bad_request(f"Invalid content part in '{param}'", param=param, code="invalid_type")
+        if part["type"] in ("text", "input_text"):
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"A text part in '{param}' needs a string 'text'", param=param,
+                                  code="invalid_type")
+            texts.append(part["text"])
+        else:
+            raise bad_request(f"Content parts of type '{part['type']}' are not supported by this model",
+                              param=param, code="unsupported_content")
+    return "".join(texts)
+
+
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = get_field(body, "messages", (list,), required=True)
+    if not messages:
+        raise bad_request("'messages' must contain at least one message", param="messages")
+    parsed = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise bad_request(f"Invalid type for 'messages.[{index}]': expected an object",
+                              param=f"messages.[{index}]", code="invalid_type")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(f"Invalid value for 'messages.[{index}].role': {role!r}; expected one of "
+                              f"{sorted(ROLES)}", param=f"messages.[{index}].role")
+        text = _message_text(message, index)
+        parsed.append({"role": "system" if role == "developer" else role, "content": text or ""})
+    return parsed
+
+
+def parse_stop(body: dict[str, Any]) -> list[str] | None:
+    stop = get_field(body, "stop", (str, list))
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
+    return [s for s in stops if s]
+
+
+def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """Sampling and limit fields shared by the generation routes; omitted ones stay unset."""
+    max_tokens = get_field(body, "max_completion_tokens", (int,), minimum=1)
+    if max_tokens is None:
+        max_tokens = get_field(body, "max_tokens", (int,), minimum=1)
+    top_k = get_field(body, "top_k", (int,), minimum=-1)
+    params = {
+        "max_tokens": max_tokens,
+        "temperature": get_field(body, "temperature", (float,), minimum=0, maximum=2),
+        "top_p": get_field(body, "top_p", (float,), minimum=0, maximum=1),
+        "top_k": 0 if top_k == -1 else top_k,
+        "min_p": get_field(body, "min_p", (float,), minimum=0, maximum=1),
+        "repetition_penalty": get_field(body, "repetition_penalty", (float,), minimum=0.01),
+        "seed": get_field(body, "seed", (int,)),
+        "stop": parse_stop(body),
+    }
+    for name in ("presence_penalty", "frequency_penalty"):
+        if get_field(body, name, (float,), minimum=-2, maximum=2):
+            raise bad_request(f"'{name}' is not supported yet", param=name, code="unsupported_parameter")
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def check_unsupported(body: dict[str, Any]) -> None:
+    for name, message in UNSUPPORTED.items():
+        if body.get(name):
+            raise bad_request(message, param=name, code="unsupported_parameter")
+    n = get_field(body, "n", (int,), default=1)
+    if n != 1:
+        raise bad_request("Only n=1 is supported", param="n", code="unsupported_parameter")
+    if get_field(body, "logprobs", (bool,)):
+        raise bad_request("'logprobs' is not supported yet", param="logprobs", code="unsupported_parameter")
+    response_format = get_field(body, "response_format", (dict,))
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise bad_request(f"response_format type {response_format.get('type')!r} is not supported yet",
+                          param="response_format", code="unsupported_parameter")
+
+
+def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)}}
+
+
+class ChatCompletions:
+    """The chat route: validates, submits to the engine, answers JSON or SSE."""
+
+    def __init__(self, client: EngineClient, request_timeout: float):
+        self.client = client
+        self.request_timeout = request_timeout
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        body = await read_json_object(req)
+        messages = parse_messages(body)
+        check_unsupported(body)
+        params = parse_sampling(body)
+        model = get_field(body, "model", (str,))
+        stream_requested = get_field(body, "stream", (bool,), default=False)
+        stream_options = get_field(body, "stream_options", (dict,), default={})
+        include_usage = bool(stream_options.get("include_usage"))
+        template_kwargs = get_field(body, "chat_template_kwargs", (dict,))
+
+        stream = await submit_or_503(self.client, {"model": model, "messages": messages, "params": params,
+                                                   "chat_template_kwargs": template_kwargs})
+        handed_over = False
+        try:
+            accepted = await wait_accepted(stream, self.request_timeout)
+            meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                    "model": accepted.get("model") or model}
+            if stream_requested:
+                resp.content_type = "text/event-stream"
+                resp.set_header("Cache-Control", "no-cache")
+                resp.sse = self._events(stream, meta, include_usage)
+                handed_over = True
+            else:
+                resp.media = await self._complete(stream, meta)
+        finally:
+            if not handed_over:
+                self.client.release(stream, "request_ended")
+
+    async def _complete(self, stream: RequestStream, meta: dict[str, Any]) -> dict[str, Any]:
+        text, finish_reason, usage = [], None, None
+        async for update in relay(stream, self.request_timeout):
+            if update is None:
+                continue
+            text.append(update.text)
+            finish_reason, usage = update.finish_reason or finish_reason, update.usage or usage
+        return {
+            **meta, "object": "chat.completion", "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": _usage(usage),
+        }
+
+    async def _events(self, stream: RequestStream, meta: dict[str, Any],
+                      include_usage: bool) -> AsyncIterator[SSEvent | None]:
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> SSEvent:
+            payload = {**meta, "object": "chat.completion.chunk", "system_fingerprint": None,
+                       "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            if include_usage:
+                payload["usage"] = None
+            return SSEvent(json=payload)
+
+        reason = "client_disconnected"
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for update in relay(stream, self.request_timeout):
+                if update is None:
+                    yield None  # keep-alive comment: a gone client is noticed within a second
+                    continue
+                if update.text:
+                    yield chunk({"content": update.text})
+                if update.finish_reason:
+                    yield chunk({}, update.finish_reason)
+                    if include_usage:
+                        yield SSEvent(json={**meta, "object": "chat.completion.chunk", "system_fingerprint": None,
+                                            "choices": [], "usage": _usage(update.usage)})
+            reason = "finished"
+        except APIError as exc:
+            reason = "error"
+            yield SSEvent(json=exc.to_dict())
+        finally:
+            # Runs on every path, a vanished client included (falcon closes the generator).
+            self.client.release(stream, reason)
+        yield SSEvent(data=b"[DONE]")
+
+async def submit_or_503(client: EngineClient, request: dict[str, Any]) -> RequestStream:
+    try:
+        return await client.submit(request)
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+
+
+async def wait_accepted(stream: RequestStream, timeout: float) -> dict[str, Any]:
+    """ACCEPTED, or the engine's refusal as an HTTP error (before any byte of the response)."""
+    try:
+        return await stream.wait_accepted(timeout)
+    except EngineError as exc:
+        raise APIError.from_engine(exc.body) from None
+    except asyncio.TimeoutError:
+        raise APIError(504, f"The engine did not start the request within {timeout:.0f} s",
+                       code="timeout", error_type="server_error") from None
+
+
+async def relay(stream: RequestStream, timeout: float) -> AsyncIterator[Any]:
+    """Merged updates until the request finishes; None every idle second (for keep-alives).
+
+    Engine errors surface as APIError; a request idle past `timeout` is a 504-style error.
+    """
+    idle_since = time.monotonic()
+    while True:
+        try:
+            update = await stream.next_update(KEEPALIVE_SECONDS)
+        except EngineError as exc:
+            raise APIError.from_engine(exc.body) from None
+        if update is None:
+            if time.monotonic() - idle_since > timeout:
+                raise APIError(504, "The engine produced nothing for too long", code="timeout",
+                               error_type="server_error")
+            yield None
+            continue
+        idle_since = time.monotonic()
+        yield update
+        if update.finish_reason:
+            return

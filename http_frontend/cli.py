@@ -1,0 +1,78 @@
+"""`frontend`: run the HTTP front-end under gunicorn with N workers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from protocol.endpoints import ENDPOINT_ENV, default_endpoint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        prog="frontend",
+        description="mlx-engined HTTP front-end: OpenAI-compatible routes relayed to engined. "
+                    "Every flag has an environment variable equivalent (in brackets).")
+    parser.add_argument("--endpoint", default=default_endpoint(),
+                        help=f"engine endpoint to connect to. [{ENDPOINT_ENV}] (default: %(default)s)")
+    parser.add_argument("--host", default=env("MLX_FRONTEND_HOST", "127.0.0.1"),
+                        help="address to listen on. [MLX_FRONTEND_HOST] (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=int(env("MLX_FRONTEND_PORT", "8080")),
+                        help="port to listen on. [MLX_FRONTEND_PORT] (default: %(default)s)")
+    parser.add_argument("--workers", type=int, default=int(env("MLX_FRONTEND_WORKERS", "2")),
+                        help="gunicorn worker processes. [MLX_FRONTEND_WORKERS] (default: %(default)s)")
+    parser.add_argument("--worker-class", default=env("MLX_FRONTEND_WORKER_CLASS", "asgi"),
+                        help="gunicorn worker class: 'asgi' (gunicorn's native asyncio worker) or "
+                             "'uvicorn_worker.UvicornWorker'. [MLX_FRONTEND_WORKER_CLASS] (default: %(default)s)")
+    parser.add_argument("--request-timeout", type=float, default=float(env("MLX_FRONTEND_REQUEST_TIMEOUT", "600")),
+                        help="seconds a request may wait for the engine to start it or to produce output. "
+                             "[MLX_FRONTEND_REQUEST_TIMEOUT] (default: %(default)s)")
+    parser.add_argument("--graceful-timeout", type=int, default=int(env("MLX_FRONTEND_GRACEFUL_TIMEOUT", "30")),
+                        help="seconds old workers get to finish streams on reload/stop. "
+                             "[MLX_FRONTEND_GRACEFUL_TIMEOUT] (default: %(default)s)")
+    parser.add_argument("--log-level", default=env("MLX_FRONTEND_LOG_LEVEL", "info"),
+                        help="gunicorn log level. [MLX_FRONTEND_LOG_LEVEL] (default: %(default)s)")
+    parser.add_argument("--pid-file", default=env("MLX_FRONTEND_PID_FILE"),
+                        help="write the gunicorn master's pid here (for HUP reloads). [MLX_FRONTEND_PID_FILE]")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Workers read their settings from the environment (inherited across the fork and HUP reloads).
+    os.environ.update({
+        ENDPOINT_ENV: args.endpoint,
+        "MLX_FRONTEND_HOST": args.host,
+        "MLX_FRONTEND_PORT": str(args.port),
+        "MLX_FRONTEND_WORKERS": str(args.workers),
+        "MLX_FRONTEND_WORKER_CLASS": args.worker_class,
+        "MLX_FRONTEND_REQUEST_TIMEOUT": str(args.request_timeout),
+        "MLX_FRONTEND_GRACEFUL_TIMEOUT": str(args.graceful_timeout),
+        "MLX_FRONTEND_LOG_LEVEL": args.log_level,
+    })
+    from gunicorn.app.base import BaseApplication
+
+    from http_frontend.gunicorn_settings import options
+
+    settings = options()
+    if args.pid_file:
+        settings["pidfile"] = args.pid_file
+
+    class FrontendApplication(BaseApplication):
+        def load_config(self) -> None:
+            for key, value in settings.items():
+                self.cfg.set(key, value)
+
+        def load(self) -> Any:
+            from http_frontend.app import create_app
+            return create_app()
+
+    FrontendApplication().run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""One error envelope everywhere: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import falcon
+import falcon.asgi
+
+log = logging.getLogger(__name__)
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    """An error answered to the client in the OpenAI shape with its HTTP status."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 error_type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.error_type = error_type or _TYPE_BY_STATUS.get(status, "server_error")
+        self.headers = headers or {}
+
+    @classmethod
+    def from_engine(cls, body: dict[str, Any]) -> "APIError":
+        """An ERROR frame from the engine, as the client will see it."""
+        headers = {"Retry-After": "1"} if body["status"] in (429, 503) else None
+        return cls(body["status"], body["message"], code=body.get("code"), param=body.get("param"),
+                   error_type=body.get("type"), headers=headers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _write(resp: falcon.asgi.Response, error: APIError) -> None:
+    resp.status = error.status
+    resp.media = error.to_dict()
+    for name, value in error.headers.items():
+        resp.set_header(name, value)
+
+
+async def handle_api_error(req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: APIError,
+                           params: dict[str, Any]) -> None:
+    _write(resp, ex)
+
+
+async def handle_http_error(req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: falcon.HTTPError,
+                            params: dict[str, Any]) -> None:
+    """Falcon's own errors (unknown route, wrong method, bad media) in the OpenAI shape."""
+    status = ex.status_code
+    if isinstance(ex, falcon.HTTPRouteNotFound) or status == 404:
+        error = APIError(404, f"Unknown route: {req.method} {req.path}", code="not_found")
+    elif status == 405:
+        error = APIError(405, f"Method {req.method} is not allowed on {req.path}", code="method_not_allowed")
+    else:
+        error = APIError(status, ex.description or ex.title or "HTTP error", code=None)
+    _write(resp, error)
+    for name, value in (ex.headers or {}).items():
+        resp.set_header(name, value)
+
+
+async def handle_unexpected(req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: Exception,
+                            params: dict[str, Any]) -> None:
+    log.exception("unhandled error on %s %s", req.method, req.path)
+    _write(resp, APIError(500, f"Internal server error: {type(ex).__name__}", code="internal_error"))
+
+
+def install(app: falcon.asgi.App) -> None:
+    # Falcon picks the most specific handler for an exception's type.
+    app.add_error_handler(Exception, handle_unexpected)
+    app.add_error_handler(falcon.HTTPError, handle_http_error)
+    app.add_error_handler(APIError, handle_api_error)

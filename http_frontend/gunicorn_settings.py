@@ -1,0 +1,34 @@
+"""Gunicorn settings shared by the `frontend` command and deploy/gunicorn.conf.py.
+
+Read from the environment so both ways of starting the front-end agree.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+APP = "http_frontend.app:create_app()"
+
+# gunicorn's native asyncio ASGI worker: lifespan support, no extra dependency.
+DEFAULT_WORKER_CLASS = "asgi"
+
+
+def options() -> dict[str, Any]:
+    host = os.environ.get("MLX_FRONTEND_HOST", "127.0.0.1")
+    port = os.environ.get("MLX_FRONTEND_PORT", "8080")
+    return {
+        "bind": [f"{host}:{port}"],
+        "workers": int(os.environ.get("MLX_FRONTEND_WORKERS", "2")),
+        "worker_class": os.environ.get("MLX_FRONTEND_WORKER_CLASS", DEFAULT_WORKER_CLASS),
+        # Streams can be long: the arbiter's worker timeout must not kill a busy worker.
+        "timeout": int(os.environ.get("MLX_FRONTEND_WORKER_TIMEOUT", "120")),
+        # On HUP/TERM, in-flight streams get this long to finish on the old workers.
+        "graceful_timeout": int(os.environ.get("MLX_FRONTEND_GRACEFUL_TIMEOUT", "30")),
+        "keepalive": 5,
+        "worker_connections": int(os.environ.get("MLX_FRONTEND_WORKER_CONNECTIONS", "1000")),
+        "loglevel": os.environ.get("MLX_FRONTEND_LOG_LEVEL", "info").lower(),
+        "accesslog": os.environ.get("MLX_FRONTEND_ACCESS_LOG", "-"),
+        "errorlog": "-",
+        "preload_app": False,  # each worker creates its own ZMQ socket after the fork
+    }

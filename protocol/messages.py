@@ -1,0 +1,157 @@
+"""Message types, their body schemas and the request-id rules.
+
+Every body is a msgpack map. The schema of each type lists its top-level fields
+with the Python types allowed and whether the field is required; `codec.decode`
+checks them so a malformed frame never reaches the engine's model thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from typing import Any
+
+# Bump on any incompatible change. A HELLO with another version is refused.
+PROTOCOL_VERSION = 1
+
+# Frames larger than this are refused before msgpack decodes them.
+MAX_FRAME_BYTES = 32 * 1024 * 1024
+
+
+class MsgType(enum.IntEnum):
+    """The first byte of every frame: dispatch happens on it before decoding."""
+
+    # front-end -> engine
+    HELLO = 1
+    PING = 2
+    ADD = 3
+    ABORT = 4
+    CALL = 5
+    BYE = 6
+    # engine -> front-end
+    WELCOME = 16
+    PONG = 17
+    ACCEPTED = 18
+    DELTAS = 19
+    ERROR = 20
+    RESULT = 21
+
+
+FRONTEND_TO_ENGINE = frozenset(
+    {MsgType.HELLO, MsgType.PING, MsgType.ADD, MsgType.ABORT, MsgType.CALL, MsgType.BYE}
+)
+ENGINE_TO_FRONTEND = frozenset(MsgType) - FRONTEND_TO_ENGINE
+
+NUMBER = (int, float)
+NONE = type(None)
+
+# field -> (allowed types, required)
+Schema = dict[str, tuple[tuple[type, ...], bool]]
+
+SCHEMAS: dict[MsgType, Schema] = {
+    MsgType.HELLO: {
+        "version": ((int,), True),
+        "frontend_id": ((str,), True),
+        "pid": ((int,), False),
+        "host": ((str,), False),
+    },
+    MsgType.PING: {"t": (NUMBER, False)},
+    MsgType.ADD: {
+        "rid": ((str,), True),
+        "epoch": ((int, NONE), False),
+        "model": ((str, NONE), False),
+        "adapter": ((str, NONE), False),
+        "messages": ((list, NONE), False),
+        "prompt": ((str, list, NONE), False),
+        "params": ((dict,), True),
+        "chat_template_kwargs": ((dict, NONE), False),
+        "deadline": ((NUMBER, NONE), False),
+    },
+    MsgType.ABORT: {"rids": ((list,), True), "reason": ((str,), False)},
+    MsgType.CALL: {
+        "cid": ((str,), True),
+        "method": ((str,), True),
+        "args": ((dict,), False),
+    },
+    MsgType.BYE: {},
+    MsgType.WELCOME: {
+        "version": ((int,), True),
+        "epoch": ((int,), True),
+        "state": ((str,), True),
+        "model": ((str, NONE), False),
+        "adapter": ((str, NONE), False),
+        "started_at": (NUMBER, False),
+        "pid": ((int,), False),
+    },
+    MsgType.PONG: {
+        "epoch": ((int,), True),
+        "state": ((str,), True),
+        "queued": ((int,), False),
+        "running": ((int,), False),
+        "t": (NUMBER, False),
+    },
+    MsgType.ACCEPTED: {
+        "rid": ((str,), True),
+        "prompt_tokens": ((int,), True),
+        "cached_tokens": ((int,), False),
+        "model": ((str,), False),
+    },
+    MsgType.DELTAS: {"items": ((list,), True)},
+    MsgType.ERROR: {
+        "rid": ((str, NONE), False),
+        "cid": ((str, NONE), False),
+        "status": ((int,), True),
+        "code": ((str,), True),
+        "message": ((str,), True),
+        "type": ((str,), False),
+        "param": ((str, NONE), False),
+    },
+    MsgType.RESULT: {"cid": ((str,), True), "result": ((object,), False)},
+}
+
+# Sampling and limit fields an ADD may carry in `params`, with their types.
+PARAM_TYPES: dict[str, tuple[type, ...]] = {
+    "max_tokens": (int, NONE),
+    "temperature": NUMBER + (NONE,),
+    "top_p": NUMBER + (NONE,),
+    "top_k": (int, NONE),
+    "min_p": NUMBER + (NONE,),
+    "repetition_penalty": NUMBER + (NONE,),
+    "seed": (int, NONE),
+    "stop": (list, NONE),
+}
+
+# One item of a DELTAS message (documented here; the front-end reads these keys).
+DELTA_ITEM_KEYS = ("rid", "seq", "text", "token_ids", "finish_reason", "usage")
+
+# Engine states reported in WELCOME / PONG.
+ENGINE_STATES = ("idle", "loading", "ready", "stalled", "draining")
+
+
+def new_request_id(frontend_id: str) -> str:
+    """Request ids are `<frontend-id>:<uuid>` so the engine can tell owners apart."""
+    return f"{frontend_id}:{uuid.uuid4().hex}"
+
+
+def request_id_owner(rid: str) -> str:
+    """The front-end id part of a request id ('' when the id has no owner part)."""
+    owner, sep, _ = rid.partition(":")
+    return owner if sep else ""
+
+
+def check_fields(body: dict[str, Any], schema: Schema) -> str | None:
+    """Returns a description of the first schema violation, or None when valid."""
+    for name, (types, required) in schema.items():
+        if name not in body:
+            if required:
+                return f"missing field '{name}'"
+            continue
+        value = body[name]
+        if object in types:
+            continue
+        # bool is an int subclass: never accept it where a number is meant.
+        if isinstance(value, bool) and bool not in types:
+            return f"field '{name}' has wrong type bool"
+        if not isinstance(value, types):
+            return f"field '{name}' has wrong type {type(value).__name__}"
+    return None

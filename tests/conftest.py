@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny random-weight model, and one real engine + front-end per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Engine, Frontend
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine_daemon.model_builder import build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ipc_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Short paths: Unix socket paths are limited to ~104 bytes on macOS.
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="mlxe-"))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    logs = tmp_path_factory.mktemp("logs")
+    proc = Engine(f"ipc://{ipc_dir}/shared.sock", logs / "engined.log", model=str(tiny_model))
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def frontend(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontend]:
+    logs = tmp_path_factory.mktemp("logs")
+    proc = Frontend(engine.endpoint, logs / "frontend.log", workers=2)
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="session")
+def model_id(tiny_model: Path) -> str:
+    return str(tiny_model)

@@ -1,0 +1,131 @@
+"""Real processes for the tests: `engined` and `frontend` (gunicorn) started as a user would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import zmq
+
+from protocol import MsgType, decode, encode
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The engine inherits the test process's BLAS (LD_PRELOAD or not).
+
+    Tests compare served text with in-process mlx_lm output: both sides must run the
+    same BLAS, since two BLAS implementations round differently and greedy decoding
+    of a random-weight model can flip on the last bit.
+    """
+    env = dict(os.environ)
+    env.update(extra or {})
+    return env
+
+
+def ping_engine(endpoint: str, timeout: float = 1.0) -> dict | None:
+    """PONG body from the engine at `endpoint`, or None when it does not answer."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(encode(MsgType.PING, {"t": time.time()}))
+        if sock.poll(int(timeout * 1000)):
+            msg_type, body = decode(sock.recv())
+            return body if msg_type == MsgType.PONG else None
+        return None
+    finally:
+        sock.close()
+
+
+class Proc:
+    """A child process with its output in a log file, stopped gracefully then forcibly."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]):
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        self._log.close()
+
+
+class Engine(Proc):
+    def __init__(self, endpoint: str, log_path: Path, model: str | None = None, args: list[str] | None = None,
+                 env: dict[str, str] | None = None):
+        argv = [sys.executable, "-m", "engine_daemon", "--endpoint", endpoint, *(args or [])]
+        if model:
+            argv += ["--model", model]
+        super().__init__(argv, log_path, engine_env(env))
+        self.endpoint = endpoint
+
+    def wait_ready(self, timeout: float = 60.0, model_loaded: bool = True) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"engined exited with {self.popen.returncode}:\n{self.log()}")
+            pong = ping_engine(self.endpoint, 0.5)
+            if pong and (pong["state"] == "ready" or not model_loaded):
+                return pong
+            time.sleep(0.1)
+        raise TimeoutError(f"engined not ready after {timeout} s:\n{self.log()}")
+
+
+class Frontend(Proc):
+    def __init__(self, endpoint: str, log_path: Path, port: int | None = None, workers: int = 2,
+                 args: list[str] | None = None, pid_file: Path | None = None):
+        self.port = port or free_port()
+        self.pid_file = pid_file
+        argv = [sys.executable, "-m", "http_frontend.cli", "--endpoint", endpoint, "--port", str(self.port),
+                "--workers", str(workers), *(args or [])]
+        if pid_file:
+            argv += ["--pid-file", str(pid_file)]
+        super().__init__(argv, log_path, dict(os.environ))
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"frontend exited with {self.popen.returncode}:\n{self.log()}")
+            try:
+                last = httpx.get(f"{self.base_url}/health", timeout=2.0)
+                if last.status_code == 200:
+                    return last.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"frontend not healthy after {timeout} s (last: {last}):\n{self.log()}")

@@ -1,0 +1,60 @@
+"""The wire contract: round trips, and malformed frames refused with a reason."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from protocol import MsgType, ProtocolError, decode, encode, new_request_id, request_id_owner
+from protocol.messages import MAX_FRAME_BYTES
+
+
+def add_body(**overrides):
+    body = {"rid": "fe:1", "messages": [{"role": "user", "content": "hi"}], "params": {"max_tokens": 4}}
+    body.update(overrides)
+    return body
+
+
+def test_round_trip_every_type_byte() -> None:
+    msg_type, body = decode(encode(MsgType.ADD, add_body()))
+    assert msg_type == MsgType.ADD and body == add_body()
+    assert decode(encode(MsgType.PING, {}))[0] == MsgType.PING
+    assert decode(encode(MsgType.DELTAS, {"items": [{"rid": "a:b", "seq": 0, "text": "x"}]}))[1]["items"][0]["text"] == "x"
+
+
+@pytest.mark.parametrize("frame, fragment", [
+    (b"", "empty"),
+    (b"\xff\x80", "unknown message type"),
+    (bytes([MsgType.PING]) + b"\xc1", "undecodable"),
+    (bytes([MsgType.PING]) + msgpack.packb([1, 2]), "must be a map"),
+    (encode(MsgType.HELLO, {"frontend_id": "x"}), "missing field 'version'"),
+    (encode(MsgType.HELLO, {"version": "1", "frontend_id": "x"}), "wrong type"),
+    (encode(MsgType.ADD, add_body(params={"max_tokens": True})), "max_tokens"),
+    (encode(MsgType.ADD, add_body(params={"stop": [1]})), "stop"),
+    (encode(MsgType.ADD, add_body(messages=None)), "needs 'messages' or 'prompt'"),
+    (encode(MsgType.ADD, add_body(messages=["x"])), "map"),
+    (encode(MsgType.ABORT, {"rids": [1]}), "strings"),
+    (encode(MsgType.DELTAS, {"items": [{"seq": 1}]}), "rid"),
+])
+def test_malformed_frames_are_refused(frame: bytes, fragment: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(frame)
+    assert fragment in str(info.value)
+
+
+def test_refusal_names_the_request_so_it_can_be_answered() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(MsgType.ADD, add_body(params={"temperature": "hot"})))
+    assert info.value.rid == "fe:1"
+
+
+def test_oversized_frame_is_refused_before_decoding() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(bytes([MsgType.PING]) + b"\0" * MAX_FRAME_BYTES)
+
+
+def test_request_ids_carry_their_owner() -> None:
+    rid = new_request_id("host-12-ab")
+    assert request_id_owner(rid) == "host-12-ab"
+    assert rid != new_request_id("host-12-ab")
+    assert request_id_owner("nocolon") == ""
