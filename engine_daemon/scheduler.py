@@ -171,7 +171,9 @@ class SerialScheduler:
             min_p=sampling.get("min_p", 0.0),
             top_k=sampling.get("top_k", 0),
         )
-        processors = make_logits_processors(repetition_penalty=sampling.get("repetition_penalty"))
+        penalty = sampling.get("repetition_penalty")
+        # 1.0 is "no penalty": skip the processor rather than multiply every logit by one.
+        processors = make_logits_processors(repetition_penalty=penalty if penalty not in (None, 1.0) else None)
         model = self.models.current.model
         self._tokens = generate_step(
             mx.array(request.prompt_tokens), model, max_tokens=request.max_tokens, sampler=sampler,

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     class FrontendApplication(BaseApplication):
         def load_config(self) -> None:
             for key, value in settings.items():
-                self.cfg.set(key, value)
+                if key in self.cfg.settings:  # older gunicorn lacks some settings
+                    self.cfg.set(key, value)
 
         def load(self) -> Any:
             from http_frontend.app import create_app

@@ -31,4 +31,6 @@ def options() -> dict[str, Any]:
         "accesslog": os.environ.get("MLX_FRONTEND_ACCESS_LOG", "-"),
         "errorlog": "-",
         "preload_app": False,  # each worker creates its own ZMQ socket after the fork
+        # gunicorn >= 24 opens a control socket at one per-user path: two front-ends would collide.
+        "control_socket_disable": True,
     }

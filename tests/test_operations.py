@@ -48,6 +48,15 @@ def test_models_lists_mlx_models_of_the_hf_cache(tiny_model: Path, ipc_dir: Path
         assert reply.model == "mlx-community/tiny-random-qwen2"
         assert httpx.get(f"{frontend.base_url}/health").json()["loaded_model"] == "mlx-community/tiny-random-qwen2"
         assert httpx.get(f"{frontend.base_url}/v1/models").json()["data"][0]["loaded"] is True
+        # A request naming another model evicts the loaded one: one model in memory at a time.
+        other = client.chat.completions.create(model=str(tiny_model), max_tokens=4,
+                                               messages=[{"role": "user", "content": "hi"}])
+        assert other.model == str(tiny_model)
+        health = httpx.get(f"{frontend.base_url}/health").json()
+        assert health["loaded_model"] == str(tiny_model) and health["engine"]["model_loads"] == 2
+        listed = httpx.get(f"{frontend.base_url}/v1/models").json()["data"]
+        assert {m["id"]: m["loaded"] for m in listed} == {str(tiny_model): True,
+                                                          "mlx-community/tiny-random-qwen2": False}
         assert httpx.post(f"{frontend.base_url}/unload").json() == {"status": "success"}
         assert httpx.post(f"{frontend.base_url}/unload").json() == {"status": "no_model_loaded"}
         assert httpx.get(f"{frontend.base_url}/health").json()["loaded_model"] is None
@@ -133,3 +142,23 @@ def test_client_disconnect_aborts_generation(engine: Engine, frontend: Frontend,
                          json={**body, "max_tokens": 4}) as response:
             next(response.iter_lines())
     assert time.monotonic() - started < 2.0
+
+
+def test_engine_unreachable_gives_503(tmp_path: Path, ipc_dir: Path) -> None:
+    frontend = Frontend(f"ipc://{ipc_dir}/nobody.sock", tmp_path / "frontend.log", workers=1)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                health = httpx.get(f"{frontend.base_url}/health", timeout=5)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy"
+        r = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=10,
+                       json={"model": "x", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        frontend.stop()
