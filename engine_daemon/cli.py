@@ -20,6 +20,22 @@ def _env_float(name: str) -> float | None:
     return float(value) if value else None
 
 
+def _int_or_none(value: str | None) -> int | None:
+    return int(value) if value else None
+
+
+def _size(value: str | None) -> int | None:
+    """'2GB', '512MB', '1048576' -> bytes."""
+    if not value:
+        return None
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
+    text = value.strip().upper().replace("IB", "B")
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * factor)
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="engined",
@@ -43,6 +59,40 @@ def build_parser() -> argparse.ArgumentParser:
                              "[MLX_ENGINE_DEFAULT_MAX_TOKENS] (default: %(default)s)")
     parser.add_argument("--prefill-step-size", type=int, default=int(os.environ.get("PREFILL_STEP_SIZE", "2048")),
                         help="prompt tokens processed per model call. [PREFILL_STEP_SIZE] (default: %(default)s)")
+    parser.add_argument("--interleave-prefill-tokens", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS", "256")),
+                        help="prompt tokens prefilled per step while other requests decode, so a long prompt "
+                             "does not stall running streams. [MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS] "
+                             "(default: %(default)s)")
+    parser.add_argument("--decode-concurrency", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_DECODE_CONCURRENCY", "32")),
+                        help="most requests decoding in one batch. [MLX_ENGINE_DECODE_CONCURRENCY] "
+                             "(default: %(default)s)")
+    parser.add_argument("--prompt-concurrency", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_PROMPT_CONCURRENCY", "8")),
+                        help="most prompts prefilled together. [MLX_ENGINE_PROMPT_CONCURRENCY] (default: %(default)s)")
+    parser.add_argument("--max-queued", type=int, default=int(os.environ.get("MLX_ENGINE_MAX_QUEUED", "256")),
+                        help="requests waiting to start before new ones get 429. [MLX_ENGINE_MAX_QUEUED] "
+                             "(default: %(default)s)")
+    parser.add_argument("--prompt-cache-size", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_PROMPT_CACHE_SIZE", "10")),
+                        help="most prefix-cache entries (LRU). [MLX_ENGINE_PROMPT_CACHE_SIZE] (default: %(default)s)")
+    parser.add_argument("--prompt-cache-bytes", type=_size, default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_BYTES")),
+                        help="byte cap of the prefix cache, e.g. 2GB or 512MB (default: a quarter of "
+                             "--memory-budget, else unbounded). [MLX_ENGINE_PROMPT_CACHE_BYTES]")
+    parser.add_argument("--max-kv-size", type=int, default=_int_or_none(os.environ.get("MAX_KV_SIZE")),
+                        help="rotating KV cache of this many tokens per request (default: off). [MAX_KV_SIZE]")
+    parser.add_argument("--kv-bits", type=int, default=_int_or_none(os.environ.get("KV_BITS")),
+                        help="quantize the KV cache to this many bits (default: off). mlx-lm cannot batch a "
+                             "quantized cache: requests then run one at a time, as the log and /stats say. [KV_BITS]")
+    parser.add_argument("--kv-group-size", type=int, default=int(os.environ.get("KV_GROUP_SIZE", "64")),
+                        help="group size of KV quantization. [KV_GROUP_SIZE] (default: %(default)s)")
+    parser.add_argument("--quantized-kv-start", type=int, default=int(os.environ.get("QUANTIZED_KV_START", "5000")),
+                        help="tokens after which the KV cache is quantized. [QUANTIZED_KV_START] (default: %(default)s)")
+    parser.add_argument("--memory-budget", type=float, default=_env_float("MLX_ENGINE_MEMORY_BUDGET"),
+                        help="GB the engine may use (weights + KV + caches). Requests whose KV would not fit get "
+                             "400 memory_budget_exceeded before generating, and MLX's memory limit is set to it. "
+                             "[MLX_ENGINE_MEMORY_BUDGET]")
     parser.add_argument("--temperature", type=float, default=_env_float("MLX_ENGINE_TEMPERATURE"),
                         help="default temperature when neither the request nor the model's "
                              "generation_config.json sets one (then 1.0). [MLX_ENGINE_TEMPERATURE]")
@@ -70,12 +120,30 @@ def main(argv: list[str] | None = None) -> int:
     defaults = {"temperature": args.temperature if args.temperature is not None else 1.0}
     if args.top_p is not None:
         defaults["top_p"] = args.top_p
+    budget = int(args.memory_budget * 2**30) if args.memory_budget else None
+    if budget:
+        import mlx.core as mx
+
+        mx.set_memory_limit(budget)
+        mx.set_cache_limit(budget // 4)
+        log.info("memory budget %.1f GB: MLX memory limit set", args.memory_budget)
     config = SchedulerConfig(
         default_model=args.model,
         allow_download=args.allow_download,
         default_max_tokens=args.default_max_tokens,
-        prefill_step_size=args.prefill_step_size,
         sampling_defaults=defaults,
+        prefill_step_size=args.prefill_step_size,
+        interleave_prefill_tokens=args.interleave_prefill_tokens,
+        decode_concurrency=args.decode_concurrency,
+        prompt_concurrency=args.prompt_concurrency,
+        max_queued=args.max_queued,
+        prompt_cache_size=args.prompt_cache_size,
+        prompt_cache_bytes=args.prompt_cache_bytes or (budget // 4 if budget else None),
+        max_kv_size=args.max_kv_size,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        quantized_kv_start=args.quantized_kv_start,
+        memory_budget_bytes=budget,
     )
     if args.model:
         # The operator named it: fetch it now if it is not cached, before serving.

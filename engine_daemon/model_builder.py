@@ -51,7 +51,7 @@ __all__ = ["PRESETS", "ARCHS", "build_model", "place_in_hf_cache", "main"]
 
 # Bump whenever the bytes written for a given (size, seed, arch) change, so that the
 # idempotency check in build_model() rebuilds stale directories instead of reusing them.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 MARKER_KEY = "mlx_engined_random_weights"
 BUILD_INFO_KEY = "mlx_engined_build"
@@ -64,8 +64,9 @@ PRESETS: dict[str, dict] = {
     "tiny": {
         "hidden_size": 64,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        # head_dim 32: the smallest MLX's quantized KV cache supports (group sizes 32/64/128).
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
         "intermediate_size": 128,
         "vocab_size": 2048,
         "max_position_embeddings": 32768,

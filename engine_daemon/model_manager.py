@@ -12,6 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
 from engine_daemon.model_store import ModelRef
@@ -27,6 +28,8 @@ class LoadedModel:
     model: nn.Module
     tokenizer: Any  # mlx_lm TokenizerWrapper
     context_window: int | None
+    weights_bytes: int = 0
+    kv_bytes_per_token: int = 0
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     loaded_at: float = field(default_factory=time.time)
 
@@ -50,6 +53,16 @@ def _read_generation_defaults(path: Path) -> dict[str, Any]:
     if config.get("do_sample") is False:
         return {"temperature": 0.0}
     return {ours: config[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if theirs in config}
+
+
+def _kv_bytes_per_token(config: dict[str, Any], itemsize: int) -> int:
+    """Keys + values of one token across all layers: what admission control budgets for."""
+    config = {**config, **config.get("text_config", {})}
+    layers = config.get("num_hidden_layers") or config.get("n_layer") or 0
+    heads = config.get("num_attention_heads") or config.get("n_head") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
+    return 2 * layers * kv_heads * head_dim * itemsize
 
 
 def _context_window(config: dict[str, Any]) -> int | None:
@@ -78,11 +91,15 @@ class ModelManager:
         model, tokenizer, config = mlx_lm_load(str(ref.path), return_config=True)
         self.last_load_seconds = time.perf_counter() - started
         self.loads += 1
+        parameters = [p for _, p in tree_flatten(model.parameters())]
+        itemsize = max((p.dtype.size for p in parameters if mx.issubdtype(p.dtype, mx.floating)), default=2)
         self.current = LoadedModel(
             ref=ref,
             model=model,
             tokenizer=tokenizer,
             context_window=_context_window(config),
+            weights_bytes=sum(p.nbytes for p in parameters),
+            kv_bytes_per_token=_kv_bytes_per_token(config, itemsize),
             generation_defaults=_read_generation_defaults(ref.path),
         )
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)

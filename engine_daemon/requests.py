@@ -46,6 +46,7 @@ class EngineRequest:
     detokenizer: Any = None
     eos_token_ids: frozenset[int] = frozenset()
     generated: int = 0
+    cached_tokens: int = 0
     seq: int = 0
     finish_reason: str | None = None
     accepted: bool = False
@@ -123,7 +124,9 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     request.stop = StopStringMatcher(request.params.get("stop"))
     request.detokenizer = loaded.tokenizer.detokenizer
     request.detokenizer.reset()
-    request.eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
+    # ignore_eos (a vLLM extension): generate exactly max_tokens, as benchmarks need.
+    if not request.params.get("ignore_eos"):
+        request.eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
 
 
 def consume_token(request: EngineRequest, token: int) -> str:

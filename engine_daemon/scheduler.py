@@ -1,32 +1,33 @@
-"""Serial scheduler: one request generates at a time, the rest wait in FIFO order.
+"""What every scheduler shares: admission, model resolution, request bookkeeping, stats.
 
-The interface (submit / abort / step) is what the mlx thread drives; each step
-produces at most one token for the running request, so new requests and aborts
-are looked at between every two tokens. Continuous batching replaces this class
-behind the same interface.
+The mlx thread drives a scheduler through `submit / abort / step`. Each step
+produces at most one token per running request, so new requests and aborts are
+looked at between every two tokens. `BatchScheduler` (continuous batching) is the
+default; `SerialScheduler` runs one request at a time and serves the
+combinations mlx-lm cannot batch (a quantized KV cache).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from engine_daemon import requests as rq
 from engine_daemon.model_manager import ModelManager
 from engine_daemon.model_store import ModelNotFound, ModelRef, resolve
 from engine_daemon.requests import EngineRequest, RequestError
+from engine_daemon.sampling import make_request_processors, make_request_sampler
 from protocol import MsgType
 
 log = logging.getLogger(__name__)
 
-# (peer identity, message type, body)
+# (peer identity, message type, body). DELTAS events carry one item; the worker groups them.
 Event = tuple[bytes, MsgType, dict[str, Any]]
 
 
@@ -35,8 +36,20 @@ class SchedulerConfig:
     default_model: str | None = None
     allow_download: bool = False
     default_max_tokens: int = 4096
-    prefill_step_size: int = 2048
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    prefill_step_size: int = 2048
+    # Prompt tokens per step while other requests decode: keeps their inter-token latency low.
+    interleave_prefill_tokens: int = 256
+    decode_concurrency: int = 32
+    prompt_concurrency: int = 8
+    max_queued: int = 256
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: int | None = None
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
+    memory_budget_bytes: int | None = None
 
 
 @dataclass
@@ -44,39 +57,68 @@ class SchedulerStats:
     requests_added: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
-    requests_rejected: int = 0
     tokens_generated: int = 0
     prompt_tokens: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
+    cached_tokens: int = 0
+    max_batch_size: int = 0
+    rejections: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        values = {k: v for k, v in vars(self).items() if k != "rejections"}
+        return {**values, "requests_rejected": sum(self.rejections.values()),
+                "rejections": dict(self.rejections)}
 
 
-class SerialScheduler:
-    """FIFO queue in front of one running generation; loads models on demand."""
+def error_event(request: EngineRequest, error: RequestError) -> Event:
+    return (request.peer, MsgType.ERROR, error.to_body(request.rid))
 
-    def __init__(self, models: ModelManager, config: SchedulerConfig):
+
+def engine_failure(exc: Exception) -> RequestError:
+    return RequestError(500, "engine_error", f"{type(exc).__name__}: {exc}", error_type="server_error")
+
+
+class BaseScheduler:
+    """Admission and bookkeeping; subclasses decide how admitted requests generate."""
+
+    batching = False
+    batching_note = ""
+
+    def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):
         self.models = models
         self.config = config
+        # Set by the mlx thread: MLX streams belong to the thread that creates them.
+        self.stream = stream
         self.stats = SchedulerStats()
+        # Requests that wait for another model (or, in the serial scheduler, for their turn).
         self.waiting: deque[tuple[EngineRequest, ModelRef]] = deque()
-        self.running: EngineRequest | None = None
-        self._tokens: Iterator[tuple[Any, Any]] | None = None
 
-    # -- queue -------------------------------------------------------------
+    # -- what the worker asks ------------------------------------------------------
     def has_work(self) -> bool:
-        return self.running is not None or bool(self.waiting)
+        raise NotImplementedError
 
     def queued(self) -> int:
-        return len(self.waiting)
+        raise NotImplementedError
 
+    def running(self) -> int:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"scheduler": type(self).__name__, "batching": self.batching, "batching_note": self.batching_note,
+                "decode_concurrency": self.config.decode_concurrency if self.batching else 1,
+                "prompt_concurrency": self.config.prompt_concurrency if self.batching else 1}
+
+    # -- admission -----------------------------------------------------------------
     def resolve_model(self, name: str | None) -> ModelRef:
         """The model a request names: the loaded one, the default, or one found on disk."""
         current = self.models.current
         if not name or name == "default":
             if current is not None:
                 return current.ref
-            if self.config.default_model:
-                name = self.config.default_model
-            else:
+            if not self.config.default_model:
                 raise RequestError(400, "model_required", "No model is loaded; name one in 'model'", param="model")
+            name = self.config.default_model
         if current is not None and name in (current.ref.id, str(current.ref.path)):
             return current.ref
         try:
@@ -90,29 +132,130 @@ class SerialScheduler:
         self.stats.requests_added += 1
         try:
             ref = self.resolve_model(body.get("model"))
-            events = []
             current = self.models.current
-            if current is not None and current.ref == ref:
-                events = self._accept(request)
+            # Behind a pending model switch, later requests wait too: nobody is starved.
+            if current is not None and current.ref == ref and not self.waiting:
+                self.accept(request)  # 400s come first: retrying a request that can never run is no use
+                self._check_queue()
+                return self._admit(request)
+            self._check_queue()
         except RequestError as exc:
-            self.stats.requests_rejected += 1
-            return [(peer, MsgType.ERROR, exc.to_body(request.rid))]
+            return [self.refuse(request, exc)]
         self.waiting.append((request, ref))
+        return []
+
+    def _check_queue(self) -> None:
+        if self.queued() >= self.config.max_queued:
+            raise RequestError(429, "queue_full", f"The engine queue is full ({self.config.max_queued} "
+                               "requests waiting); retry later", error_type="rate_limit_error")
+
+    def refuse(self, request: EngineRequest, error: RequestError) -> Event:
+        self.stats.rejections[error.code] += 1
+        return error_event(request, error)
+
+    def accept(self, request: EngineRequest) -> None:
+        """Tokenises and checks the request against the loaded model; raises RequestError to refuse."""
+        loaded = self.models.current
+        rq.prepare(request, loaded, self.config.default_max_tokens, self.config.sampling_defaults)
+        budget = self.config.memory_budget_bytes
+        if budget is not None:
+            needed = loaded.kv_bytes_per_token * (len(request.prompt_tokens) + request.max_tokens)
+            if loaded.weights_bytes + needed > budget:
+                raise RequestError(400, "memory_budget_exceeded",
+                                   f"This request needs {needed / 2**20:.0f} MiB of KV cache "
+                                   f"({len(request.prompt_tokens)} prompt + {request.max_tokens} new tokens); "
+                                   f"with the model's {loaded.weights_bytes / 2**20:.0f} MiB it exceeds the "
+                                   f"engine's memory budget of {budget / 2**20:.0f} MiB. Lower max_tokens.",
+                                   param="max_tokens")
+        request.accepted = True
+
+    @staticmethod
+    def accepted_event(request: EngineRequest) -> Event:
+        return (request.peer, MsgType.ACCEPTED, {"rid": request.rid, "prompt_tokens": len(request.prompt_tokens),
+                                                 "cached_tokens": request.cached_tokens, "model": request.model_id})
+
+    def _admit(self, request: EngineRequest) -> list[Event]:
+        """Hands an accepted request for the loaded model to the generator."""
+        raise NotImplementedError
+
+    # -- output ---------------------------------------------------------------------
+    def token_event(self, request: EngineRequest, token: int | None) -> Event:
+        """DELTAS item for one sampled token (None: the generation ended with no new token)."""
+        if token is None:
+            request.finish_reason = request.finish_reason or "length"
+            text = request.stop.flush()
+        else:
+            text = rq.consume_token(request, token)
+        item: dict[str, Any] = {"rid": request.rid, "seq": request.seq, "text": text}
+        if token is not None and token not in request.eos_token_ids:
+            item["token_ids"] = [token]
+            self.stats.tokens_generated += 1
+        request.seq += 1
+        if request.finish_reason is not None:
+            item["finish_reason"] = request.finish_reason
+            item["usage"] = rq.usage(request, request.cached_tokens)
+            self.stats.requests_finished += 1
+        return (request.peer, MsgType.DELTAS, item)
+
+    def fail_all(self, status: int, code: str, message: str) -> list[Event]:
+        """Ends every request with an error (model unload, shutdown)."""
+        error = RequestError(status, code, message, error_type="server_error")
+        events = [error_event(request, error) for request in self.all_requests()]
+        self.abort({request.rid for request in self.all_requests()})
         return events
 
-    def _accept(self, request: EngineRequest) -> list[Event]:
-        """Tokenises and checks the request against the loaded model; ACCEPTED on success."""
-        rq.prepare(request, self.models.current, self.config.default_max_tokens, self.config.sampling_defaults)
-        request.accepted = True
-        body = {"rid": request.rid, "prompt_tokens": len(request.prompt_tokens), "cached_tokens": 0,
-                "model": request.model_id}
-        return [(request.peer, MsgType.ACCEPTED, body)]
+    def abort_peer(self, peer: bytes) -> int:
+        rids = {request.rid for request in self.all_requests() if request.peer == peer}
+        return self.abort(rids) if rids else 0
+
+    def all_requests(self) -> list[EngineRequest]:
+        raise NotImplementedError
+
+    def on_unload(self) -> None:
+        """The model is about to be freed: drop whatever holds on to it."""
 
     def abort(self, rids: set[str]) -> int:
-        """Drops the requests at once; returns how many were found."""
+        raise NotImplementedError
+
+    def step(self) -> list[Event]:
+        raise NotImplementedError
+
+
+class SerialScheduler(BaseScheduler):
+    """FIFO queue in front of one running generation, on mlx-lm's generate_step.
+
+    Used where batching is impossible: mlx-lm's BatchGenerator has no quantized KV cache.
+    """
+
+    batching_note = "serial: one request at a time"
+
+    def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):
+        super().__init__(models, config, stream)
+        self.current: EngineRequest | None = None
+        self._tokens: Iterator[tuple[Any, Any]] | None = None
+        if config.kv_bits:
+            self.batching_note = f"--kv-bits {config.kv_bits}: mlx-lm cannot batch a quantized KV cache"
+
+    def has_work(self) -> bool:
+        return self.current is not None or bool(self.waiting)
+
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    def running(self) -> int:
+        return 1 if self.current is not None else 0
+
+    def all_requests(self) -> list[EngineRequest]:
+        return [r for r, _ in self.waiting] + ([self.current] if self.current else [])
+
+    def _admit(self, request: EngineRequest) -> list[Event]:
+        self.waiting.append((request, self.models.current.ref))
+        return [self.accepted_event(request)]
+
+    def abort(self, rids: set[str]) -> int:
         found = 0
-        if self.running is not None and self.running.rid in rids:
-            self._finish_running()
+        if self.current is not None and self.current.rid in rids:
+            self._finish_current()
             found += 1
         before = len(self.waiting)
         self.waiting = deque(item for item in self.waiting if item[0].rid not in rids)
@@ -120,98 +263,56 @@ class SerialScheduler:
         self.stats.requests_aborted += found
         return found
 
-    def abort_peer(self, peer: bytes) -> int:
-        rids = {r.rid for r, _ in self.waiting if r.peer == peer}
-        if self.running is not None and self.running.peer == peer:
-            rids.add(self.running.rid)
-        return self.abort(rids) if rids else 0
-
-    def abort_all(self, status: int, code: str, message: str) -> list[Event]:
-        """Ends every request with an error (model unload, shutdown)."""
-        events = []
-        everyone = [r for r, _ in self.waiting] + ([self.running] if self.running else [])
-        for request in everyone:
-            events.append((request.peer, MsgType.ERROR, RequestError(status, code, message,
-                           error_type="server_error").to_body(request.rid)))
-        self.waiting.clear()
-        if self.running is not None:
-            self._finish_running()
-        return events
-
-    # -- generation --------------------------------------------------------
     def step(self) -> list[Event]:
-        """Starts the next request if none runs, then generates one token."""
         events: list[Event] = []
-        while self.running is None and self.waiting:
+        while self.current is None and self.waiting:
             request, ref = self.waiting.popleft()
             try:
                 if not request.accepted:
                     self.models.ensure(ref)
-                    events += self._accept(request)
+                    self.accept(request)
+                    events.append(self.accepted_event(request))
                 self._start(request)
             except RequestError as exc:
-                self.stats.requests_rejected += 1
-                events.append((request.peer, MsgType.ERROR, exc.to_body(request.rid)))
+                events.append(self.refuse(request, exc))
             except Exception as exc:  # a failed load or prefill must not kill the engine
                 log.exception("request %s failed to start", request.rid)
-                events.append((request.peer, MsgType.ERROR, RequestError(
-                    500, "engine_error", f"{type(exc).__name__}: {exc}", error_type="server_error",
-                ).to_body(request.rid)))
-        if self.running is not None:
+                events.append(error_event(request, engine_failure(exc)))
+        if self.current is not None:
             events += self._advance()
         return events
 
     def _start(self, request: EngineRequest) -> None:
-        sampling = request.sampling
-        if sampling.get("seed") is not None:
-            mx.random.seed(sampling["seed"])
-        sampler = make_sampler(
-            temp=sampling.get("temperature", 0.0),
-            top_p=sampling.get("top_p", 0.0),
-            min_p=sampling.get("min_p", 0.0),
-            top_k=sampling.get("top_k", 0),
-        )
-        penalty = sampling.get("repetition_penalty")
-        # 1.0 is "no penalty": skip the processor rather than multiply every logit by one.
-        processors = make_logits_processors(repetition_penalty=penalty if penalty not in (None, 1.0) else None)
-        model = self.models.current.model
+        config = self.config
         self._tokens = generate_step(
-            mx.array(request.prompt_tokens), model, max_tokens=request.max_tokens, sampler=sampler,
-            logits_processors=processors, prefill_step_size=self.config.prefill_step_size,
+            mx.array(request.prompt_tokens), self.models.current.model, self.stream,
+            max_tokens=request.max_tokens, sampler=make_request_sampler(request.sampling),
+            logits_processors=make_request_processors(request.sampling),
+            prefill_step_size=config.prefill_step_size, max_kv_size=config.max_kv_size,
+            kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
+            quantized_kv_start=config.quantized_kv_start,
         )
-        self.running = request
+        self.current = request
         self.stats.prompt_tokens += len(request.prompt_tokens)
+        self.stats.max_batch_size = max(self.stats.max_batch_size, 1)
 
     def _advance(self) -> list[Event]:
-        request = self.running
+        request = self.current
         try:
             token, _ = next(self._tokens)
+            event = self.token_event(request, int(token))
         except StopIteration:
-            request.finish_reason = request.finish_reason or "length"
-            text = request.stop.flush()
+            event = self.token_event(request, None)
         except Exception as exc:
             log.exception("generation failed for %s", request.rid)
-            self._finish_running()
-            return [(request.peer, MsgType.ERROR, RequestError(
-                500, "engine_error", f"{type(exc).__name__}: {exc}", error_type="server_error",
-            ).to_body(request.rid))]
-        else:
-            text = rq.consume_token(request, int(token))
-            if request.finish_reason != "stop" or token not in request.eos_token_ids:
-                self.stats.tokens_generated += 1
-        item: dict[str, Any] = {"rid": request.rid, "seq": request.seq, "text": text}
-        if request.finish_reason is None:
-            item["token_ids"] = [int(token)]
-        request.seq += 1
+            self._finish_current()
+            return [error_event(request, engine_failure(exc))]
         if request.finish_reason is not None:
-            item["finish_reason"] = request.finish_reason
-            item["usage"] = rq.usage(request)
-            self.stats.requests_finished += 1
-            self._finish_running()
-        return [(request.peer, MsgType.DELTAS, item)]
+            self._finish_current()
+        return [event]
 
-    def _finish_running(self) -> None:
+    def _finish_current(self) -> None:
         if self._tokens is not None:
             self._tokens.close()
         self._tokens = None
-        self.running = None
+        self.current = None

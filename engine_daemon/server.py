@@ -249,6 +249,8 @@ class EngineServer:
         return models
 
     def stats(self) -> dict[str, Any]:
-        stats = self.worker.scheduler.stats
+        scheduler = self.worker.scheduler
+        cache = scheduler.prompt_cache_stats() if hasattr(scheduler, "prompt_cache_stats") else {}
         return {**self.status(), "frontends": len(self.peers), "steps": self.worker.status.steps,
-                **{k: v for k, v in vars(stats).items()}}
+                "batch_size": self.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
+                **cache}

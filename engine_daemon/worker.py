@@ -16,8 +16,11 @@ from typing import Any
 
 import zmq
 
+import mlx.core as mx
+
+from engine_daemon.batch_scheduler import BatchScheduler
 from engine_daemon.model_manager import ModelManager
-from engine_daemon.scheduler import Event, SchedulerConfig, SerialScheduler
+from engine_daemon.scheduler import BaseScheduler, Event, SchedulerConfig, SerialScheduler
 from protocol import MsgType, encode
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,15 @@ class EngineStatus:
     last_step_at: float = 0.0
 
 
+def make_scheduler(models: ModelManager, config: SchedulerConfig) -> BaseScheduler:
+    """Continuous batching, unless the KV options ask for something mlx-lm cannot batch."""
+    if config.kv_bits:
+        log.warning("--kv-bits %d: mlx-lm cannot batch a quantized KV cache, so requests run one at a time "
+                    "(serial scheduler). Drop --kv-bits to batch.", config.kv_bits)
+        return SerialScheduler(models, config)
+    return BatchScheduler(models, config)
+
+
 class MlxWorker(threading.Thread):
     """Drains commands, runs scheduler steps, emits frames; never blocks on a socket."""
 
@@ -44,7 +56,7 @@ class MlxWorker(threading.Thread):
         self.commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.status = EngineStatus()
         self.models = ModelManager()
-        self.scheduler = SerialScheduler(self.models, config)
+        self.scheduler = make_scheduler(self.models, config)
         self._context = context
         self._outbox_address = outbox_address
         self._preload = preload
@@ -58,6 +70,7 @@ class MlxWorker(threading.Thread):
         outbox = self._context.socket(zmq.PUSH)
         outbox.setsockopt(zmq.LINGER, 0)
         outbox.connect(self._outbox_address)
+        self.scheduler.stream = mx.default_stream(mx.default_device())
         try:
             if self._preload:
                 self._load(self._preload)
@@ -85,7 +98,7 @@ class MlxWorker(threading.Thread):
         self._update_status()
 
     def _mark_busy(self) -> None:
-        if self.scheduler.running is None and self.scheduler.waiting:
+        if self.scheduler.waiting:
             ref = self.scheduler.waiting[0][1]
             current = self.models.current
             if current is None or current.ref != ref:
@@ -95,7 +108,7 @@ class MlxWorker(threading.Thread):
         current = self.models.current
         self.status.model = current.ref.id if current else None
         self.status.queued = self.scheduler.queued()
-        self.status.running = 1 if self.scheduler.running is not None else 0
+        self.status.running = self.scheduler.running()
         self.status.state = "ready" if current else "idle"
 
     def _drain_commands(self, block: bool) -> list[Event]:
@@ -137,7 +150,8 @@ class MlxWorker(threading.Thread):
     def _call(self, method: str, args: dict[str, Any]) -> tuple[list[Event], Any]:
         """CALLs that change model state; read-only ones are answered by the io thread."""
         if method == "unload":
-            events = self.scheduler.abort_all(503, "model_unloaded", "The model was unloaded")
+            events = self.scheduler.fail_all(503, "model_unloaded", "The model was unloaded")
+            self.scheduler.on_unload()
             return events, {"status": "success" if self.models.unload() else "no_model_loaded"}
         return [], {"error": f"unknown method {method}"}
 

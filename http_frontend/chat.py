@@ -95,6 +95,7 @@ def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         "repetition_penalty": get_field(body, "repetition_penalty", (float,), minimum=0.01),
         "seed": get_field(body, "seed", (int,)),
         "stop": parse_stop(body),
+        "ignore_eos": get_field(body, "ignore_eos", (bool,)),
     }
     for name in ("presence_penalty", "frequency_penalty"):
         if get_field(body, name, (float,), minimum=-2, maximum=2):

@@ -45,7 +45,7 @@ def _check_add(body: dict[str, Any]) -> str | None:
     for name, types in PARAM_TYPES.items():
         if name in params:
             value = params[name]
-            if isinstance(value, bool) or not isinstance(value, types):
+            if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
                 return f"param '{name}' has wrong type {type(value).__name__}"
     stop = params.get("stop")
     if stop is not None and not all(isinstance(s, str) for s in stop):

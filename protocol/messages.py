@@ -119,6 +119,7 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "repetition_penalty": NUMBER + (NONE,),
     "seed": (int, NONE),
     "stop": (list, NONE),
+    "ignore_eos": (bool, NONE),
 }
 
 # One item of a DELTAS message (documented here; the front-end reads these keys).

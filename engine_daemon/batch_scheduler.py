@@ -1,0 +1,205 @@
+"""Continuous batching on mlx-lm's BatchGenerator, with a prefix cache in front of it.
+
+Requests join the running batch between steps and leave it the step they finish
+or are aborted. Each request brings its own sampler and logits processors, so
+different sampling settings share a batch. While others decode, prompts are
+prefilled in small chunks (`interleave_prefill_tokens`) so a long prompt never
+stalls running streams for its whole prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from engine_daemon.model_manager import ModelManager
+from engine_daemon.model_store import ModelRef
+from engine_daemon.requests import EngineRequest, RequestError
+from engine_daemon.sampling import make_request_processors, make_request_sampler
+from engine_daemon.scheduler import BaseScheduler, Event, SchedulerConfig, engine_failure, error_event
+
+log = logging.getLogger(__name__)
+
+
+class BatchScheduler(BaseScheduler):
+    batching = True
+    batching_note = "continuous batching"
+
+    def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):
+        super().__init__(models, config, stream)
+        self.generator: BatchGenerator | None = None
+        self.generator_ref: ModelRef | None = None
+        self.by_uid: dict[int, EngineRequest] = {}
+        self.uid_of: dict[str, int] = {}
+        self.prompt_cache = LRUPromptCache(max_size=config.prompt_cache_size,
+                                           max_bytes=config.prompt_cache_bytes or 1 << 62)
+
+    # -- counts ---------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.by_uid) or bool(self.waiting)
+
+    def decoding(self) -> int:
+        return sum(1 for request in self.by_uid.values() if request.seq > 0)
+
+    def queued(self) -> int:
+        return len(self.waiting) + len(self.by_uid) - self.decoding()
+
+    def running(self) -> int:
+        return self.decoding()
+
+    def all_requests(self) -> list[EngineRequest]:
+        return [r for r, _ in self.waiting] + list(self.by_uid.values())
+
+    def prompt_cache_stats(self) -> dict[str, int]:
+        return {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_bytes": self.prompt_cache.nbytes}
+
+    # -- admission ------------------------------------------------------------------
+    def _admit(self, request: EngineRequest) -> list[Event]:
+        self._ensure_generator()
+        self._insert(request)
+        return [self.accepted_event(request)]
+
+    def _cache_key(self) -> tuple[str, str | None]:
+        return (self.models.current.ref.id, None)  # (model, adapter)
+
+    def _insert(self, request: EngineRequest) -> None:
+        """Reuses the longest cached prefix of the prompt, then queues the rest for prefill."""
+        prompt = request.prompt_tokens
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(), prompt)
+        if cache is not None and not rest:
+            # An exact hit: the generator still needs one token to compute the first logits.
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = prompt[-1:]
+            else:
+                cache, rest = None, prompt
+        if cache is None:
+            rest = prompt
+        cached = len(prompt) - len(rest)
+        request.cached_tokens = cached
+        if cached:
+            self.stats.prompt_cache_hits += 1
+            self.stats.cached_tokens += cached
+        else:
+            self.stats.prompt_cache_misses += 1
+        eos = StopSequences([[token] for token in request.eos_token_ids])
+        (uid,) = self.generator.insert(
+            [rest], max_tokens=[request.max_tokens], caches=[cache], all_tokens=[prompt[:cached]],
+            samplers=[make_request_sampler(request.sampling)],
+            logits_processors=[make_request_processors(request.sampling)], stop_sequences=[eos])
+        self.by_uid[uid] = request
+        self.uid_of[request.rid] = uid
+        self.stats.prompt_tokens += len(prompt)
+
+    def _ensure_generator(self) -> None:
+        current = self.models.current
+        if self.generator is not None and self.generator_ref == current.ref:
+            return
+        self._close_generator()
+        config = self.config
+        self.generator = BatchGenerator(
+            current.model, max_tokens=config.default_max_tokens, completion_batch_size=config.decode_concurrency,
+            prefill_batch_size=config.prompt_concurrency, prefill_step_size=config.prefill_step_size,
+            max_kv_size=config.max_kv_size, stream=self.stream)
+        self.generator_ref = current.ref
+
+    def _close_generator(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+        self.generator, self.generator_ref = None, None
+
+    def on_unload(self) -> None:
+        self._close_generator()
+        self.prompt_cache = LRUPromptCache(max_size=self.config.prompt_cache_size,
+                                           max_bytes=self.config.prompt_cache_bytes or 1 << 62)
+
+    def _start_waiting(self) -> list[Event]:
+        """Admits queued requests, switching models once the batch of the old one drained."""
+        events: list[Event] = []
+        while self.waiting:
+            request, ref = self.waiting[0]
+            current = self.models.current
+            if current is None or current.ref != ref:
+                if self.by_uid:
+                    break  # the running batch finishes on the current model first
+                self.on_unload()
+                try:
+                    self.models.ensure(ref)
+                except Exception as exc:
+                    log.exception("could not load %s", ref.id)
+                    self.waiting.popleft()
+                    events.append(error_event(request, engine_failure(exc)))
+                    continue
+            self.waiting.popleft()
+            try:
+                self.accept(request)
+                events += self._admit(request)
+            except RequestError as exc:
+                events.append(self.refuse(request, exc))
+        return events
+
+    # -- stepping -------------------------------------------------------------------
+    def abort(self, rids: set[str]) -> int:
+        found = 0
+        before = len(self.waiting)
+        self.waiting = type(self.waiting)(item for item in self.waiting if item[0].rid not in rids)
+        found += before - len(self.waiting)
+        uids = [self.uid_of.pop(rid) for rid in rids if rid in self.uid_of]
+        for uid in uids:
+            del self.by_uid[uid]
+        if uids:
+            self.generator.remove(uids)
+        found += len(uids)
+        self.stats.requests_aborted += found
+        return found
+
+    def step(self) -> list[Event]:
+        events = self._start_waiting()
+        if not self.by_uid:
+            return events
+        generator = self.generator
+        # While others decode, prefill only a small chunk per step so their tokens keep flowing.
+        generator.prefill_step_size = (self.config.interleave_prefill_tokens if self.decoding()
+                                       else self.config.prefill_step_size)
+        try:
+            _, responses = generator.next()
+        except Exception as exc:
+            log.exception("batch step failed: failing %d request(s)", len(self.by_uid))
+            error = engine_failure(exc)
+            events += [error_event(request, error) for request in self.by_uid.values()]
+            self.by_uid.clear()
+            self.uid_of.clear()
+            self._close_generator()
+            self._ensure_generator()
+            return events
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(responses))
+        stopped_early = []
+        for response in responses:
+            request = self.by_uid.get(response.uid)
+            if request is None:
+                continue
+            events.append(self.token_event(request, int(response.token)))
+            if request.finish_reason is None and response.finish_reason is not None:
+                request.finish_reason = response.finish_reason  # the generator's own limit
+            if request.finish_reason is None:
+                continue
+            del self.by_uid[response.uid]
+            del self.uid_of[request.rid]
+            if response.finish_reason is not None:
+                self._remember(response.all_tokens, response.prompt_cache)
+            else:
+                stopped_early.append(response.uid)  # a stop string: still in the generator
+        if stopped_early:
+            for tokens_cache in generator.remove(stopped_early, return_prompt_caches=True).values():
+                cache, tokens = tokens_cache
+                self._remember(tokens, cache)
+        return events
+
+    def _remember(self, tokens: list[int], cache: list[Any]) -> None:
+        """Keeps a finished request's KV for the next turn of its conversation."""
+        if not tokens or not cache:
+            return
+        self.prompt_cache.insert_cache(self._cache_key(), list(tokens), cache)

@@ -1,0 +1,66 @@
+"""Per-request samplers and logits processors, so requests with different settings share a batch.
+
+A seeded request gets its own PRNG key chain: its draws do not depend on which
+other requests share the step, so a `seed` gives the same output alone or batched.
+Unseeded requests with identical settings share one sampler object, which lets
+mlx-lm's BatchGenerator sample them in one batched call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+def _filters(top_p: float, min_p: float, top_k: int) -> list[Callable[[mx.array], mx.array]]:
+    """The same filter chain, in the same order, as mlx_lm.sample_utils.make_sampler."""
+    chain = []
+    if 0 < top_p < 1.0:
+        chain.append(lambda x: apply_top_p(x, top_p))
+    if min_p != 0.0:
+        chain.append(lambda x: apply_min_p(x, min_p))
+    if top_k > 0:
+        chain.append(lambda x: apply_top_k(x, top_k))
+    return chain
+
+
+@functools.lru_cache(maxsize=256)
+def shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    """One sampler object per distinct setting (greedy is mlx-lm's own greedy sampler)."""
+    return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+
+
+def seeded_sampler(seed: int, temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    """A sampler that draws from its own key chain, one split per token."""
+    if temperature == 0:
+        return shared_sampler(0.0, 0.0, 0.0, 0)
+    chain = _filters(top_p, min_p, top_k)
+    key = mx.random.key(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, draw = mx.random.split(key)
+        for method in chain:
+            logprobs = method(logprobs)
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=draw)
+
+    return sample
+
+
+def make_request_sampler(sampling: dict[str, Any]) -> Sampler:
+    args = (float(sampling.get("temperature", 0.0)), float(sampling.get("top_p", 0.0) or 0.0),
+            float(sampling.get("min_p", 0.0) or 0.0), int(sampling.get("top_k", 0) or 0))
+    if sampling.get("seed") is not None:
+        return seeded_sampler(int(sampling["seed"]), *args)
+    return shared_sampler(*args)
+
+
+def make_request_processors(sampling: dict[str, Any]) -> list:
+    penalty = sampling.get("repetition_penalty")
+    # 1.0 is "no penalty": skip the processor rather than multiply every logit by one.
+    return make_logits_processors(repetition_penalty=penalty if penalty not in (None, 1.0) else None)
