@@ -10,12 +10,14 @@ stalls running streams for its whole prefill.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from engine_daemon.model_manager import ModelManager
+from engine_daemon.prefill_pacer import PrefillPacer
 from engine_daemon.model_store import ModelRef
 from engine_daemon.requests import EngineRequest, RequestError
 from engine_daemon.sampling import make_request_processors, make_request_sampler
@@ -36,6 +38,8 @@ class BatchScheduler(BaseScheduler):
         self.uid_of: dict[str, int] = {}
         self.prompt_cache = LRUPromptCache(max_size=config.prompt_cache_size,
                                            max_bytes=config.prompt_cache_bytes or 1 << 62)
+        self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size)
+        self._prefill_progress: dict[int, int] = {}
 
     # -- counts ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -150,6 +154,7 @@ class BatchScheduler(BaseScheduler):
         uids = [self.uid_of.pop(rid) for rid in rids if rid in self.uid_of]
         for uid in uids:
             del self.by_uid[uid]
+            self._prefill_progress.pop(uid, None)
         if uids:
             self.generator.remove(uids)
         found += len(uids)
@@ -161,11 +166,12 @@ class BatchScheduler(BaseScheduler):
         if not self.by_uid:
             return events
         generator = self.generator
-        # While others decode, prefill only a small chunk per step so their tokens keep flowing.
-        generator.prefill_step_size = (self.config.interleave_prefill_tokens if self.decoding()
-                                       else self.config.prefill_step_size)
+        # While others decode, prefill only a paced chunk per step so their tokens keep flowing.
+        decoding = self.decoding()
+        generator.prefill_step_size = self.pacer.chunk(decoding > 0, len(self.by_uid) - decoding)
+        started = time.perf_counter()
         try:
-            _, responses = generator.next()
+            progress, responses = generator.next()
         except Exception as exc:
             log.exception("batch step failed: failing %d request(s)", len(self.by_uid))
             error = engine_failure(exc)
@@ -175,6 +181,7 @@ class BatchScheduler(BaseScheduler):
             self._close_generator()
             self._ensure_generator()
             return events
+        self.pacer.observe(time.perf_counter() - started, decoding > 0, self._prompt_tokens_done(progress))
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(responses))
         stopped_early = []
         for response in responses:
@@ -197,6 +204,18 @@ class BatchScheduler(BaseScheduler):
                 cache, tokens = tokens_cache
                 self._remember(tokens, cache)
         return events
+
+    def _prompt_tokens_done(self, progress: list[Any]) -> int:
+        """Prompt tokens the last step processed, from the generator's cumulative progress."""
+        done = 0
+        for response in progress:
+            processed = response.progress[0]
+            done += processed - self._prefill_progress.get(response.uid, 0)
+            if response.end_of_prompt:
+                self._prefill_progress.pop(response.uid, None)
+            else:
+                self._prefill_progress[response.uid] = processed
+        return done
 
     def _remember(self, tokens: list[int], cache: list[Any]) -> None:
         """Keeps a finished request's KV for the next turn of its conversation."""

@@ -60,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill-step-size", type=int, default=int(os.environ.get("PREFILL_STEP_SIZE", "2048")),
                         help="prompt tokens processed per model call. [PREFILL_STEP_SIZE] (default: %(default)s)")
     parser.add_argument("--interleave-prefill-tokens", type=int,
-                        default=int(os.environ.get("MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS", "256")),
+                        default=int(os.environ.get("MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS", "0")),
                         help="prompt tokens prefilled per step while other requests decode, so a long prompt "
-                             "does not stall running streams. [MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS] "
-                             "(default: %(default)s)")
+                             "does not stall running streams; 0 sizes the chunk from measured step times so a "
+                             "step with prefill costs about one extra decode step. "
+                             "[MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS] (default: %(default)s)")
     parser.add_argument("--decode-concurrency", type=int,
                         default=int(os.environ.get("MLX_ENGINE_DECODE_CONCURRENCY", "32")),
                         help="most requests decoding in one batch. [MLX_ENGINE_DECODE_CONCURRENCY] "

@@ -38,8 +38,8 @@ class SchedulerConfig:
     default_max_tokens: int = 4096
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     prefill_step_size: int = 2048
-    # Prompt tokens per step while other requests decode: keeps their inter-token latency low.
-    interleave_prefill_tokens: int = 256
+    # Prompt tokens per step while other requests decode; 0 = paced by measurement (PrefillPacer).
+    interleave_prefill_tokens: int = 0
     decode_concurrency: int = 32
     prompt_concurrency: int = 8
     max_queued: int = 256
