@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -38,33 +39,44 @@ class BatchScheduler(BaseScheduler):
         self.uid_of: dict[str, int] = {}
         self.prompt_cache = LRUPromptCache(max_size=config.prompt_cache_size,
                                            max_bytes=config.prompt_cache_bytes or 1 << 62)
+        # Accepted for the loaded model, waiting for a free slot (at most decode_concurrency run).
+        self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size)
         self._prefill_progress: dict[int, int] = {}
 
     # -- counts ---------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.by_uid) or bool(self.waiting)
+        return bool(self.by_uid) or bool(self.waiting) or bool(self.pending)
 
     def decoding(self) -> int:
         return sum(1 for request in self.by_uid.values() if request.seq > 0)
 
     def queued(self) -> int:
-        return len(self.waiting) + len(self.by_uid) - self.decoding()
+        return len(self.waiting) + len(self.pending) + len(self.by_uid) - self.decoding()
 
     def running(self) -> int:
         return self.decoding()
 
     def all_requests(self) -> list[EngineRequest]:
-        return [r for r, _ in self.waiting] + list(self.by_uid.values())
+        return [r for r, _ in self.waiting] + list(self.pending) + list(self.by_uid.values())
 
     def prompt_cache_stats(self) -> dict[str, int]:
         return {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_bytes": self.prompt_cache.nbytes}
 
     # -- admission ------------------------------------------------------------------
     def _admit(self, request: EngineRequest) -> list[Event]:
-        self._ensure_generator()
-        self._insert(request)
-        return [self.accepted_event(request)]
+        """Queues an accepted request; it enters the batch (and is ACCEPTED) when a slot frees."""
+        self.pending.append(request)
+        return self._fill_slots()
+
+    def _fill_slots(self) -> list[Event]:
+        events: list[Event] = []
+        while self.pending and len(self.by_uid) < self.config.decode_concurrency:
+            request = self.pending.popleft()
+            self._ensure_generator()
+            self._insert(request)
+            events.append(self.accepted_event(request))
+        return events
 
     def _cache_key(self) -> tuple[str, str | None]:
         return (self.models.current.ref.id, None)  # (model, adapter)
@@ -127,7 +139,7 @@ class BatchScheduler(BaseScheduler):
             request, ref = self.waiting[0]
             current = self.models.current
             if current is None or current.ref != ref:
-                if self.by_uid:
+                if self.by_uid or self.pending:
                     break  # the running batch finishes on the current model first
                 self.on_unload()
                 try:
@@ -149,8 +161,11 @@ class BatchScheduler(BaseScheduler):
     def abort(self, rids: set[str]) -> int:
         found = 0
         before = len(self.waiting)
-        self.waiting = type(self.waiting)(item for item in self.waiting if item[0].rid not in rids)
+        self.waiting = deque(item for item in self.waiting if item[0].rid not in rids)
         found += before - len(self.waiting)
+        before = len(self.pending)
+        self.pending = deque(request for request in self.pending if request.rid not in rids)
+        found += before - len(self.pending)
         uids = [self.uid_of.pop(rid) for rid in rids if rid in self.uid_of]
         for uid in uids:
             del self.by_uid[uid]
@@ -162,7 +177,7 @@ class BatchScheduler(BaseScheduler):
         return found
 
     def step(self) -> list[Event]:
-        events = self._start_waiting()
+        events = self._start_waiting() + self._fill_slots()
         if not self.by_uid:
             return events
         generator = self.generator
