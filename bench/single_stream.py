@@ -45,7 +45,7 @@ for run in range(runs + 1):  # the first run warms up
         n = response.generation_tokens
     end = time.perf_counter()
     if run:
-        results.append({"ttft": first - start, "tokens": n, "decode_tps": (n - 1) / (end - first),
+        results.append({"ttft": first - start, "tokens": n, "decode_tps": (n - 1) / (end - first) if end > first else 0.0,
                         "prompt_tokens": len(prompt)})
 print(json.dumps(results))
 """
@@ -77,7 +77,7 @@ def through_stack(base_url: str, model: str, max_tokens: int) -> dict:
                     first = first or now
                     last = now
     n = usage["completion_tokens"]
-    return {"ttft": first - start, "tokens": n, "decode_tps": (n - 1) / (last - first),
+    return {"ttft": first - start, "tokens": n, "decode_tps": (n - 1) / (last - first) if last > first else 0.0,
             "prompt_tokens": usage["prompt_tokens"]}
 
 
