@@ -11,12 +11,19 @@ def test_fixed_chunk_while_decoding() -> None:
     assert PrefillPacer(64, maximum=2048).chunk(decoding=True, prefilling=1) == 64
 
 
-def test_chunk_costs_about_one_decode_step() -> None:
-    pacer = PrefillPacer(None, maximum=2048, minimum=8, smoothing=1.0)
-    assert pacer.chunk(True, 1) == 8  # nothing measured yet: cautious
-    pacer.observe(0.100, decoding=True, prompt_tokens=0)       # a decode step costs 100 ms
-    pacer.observe(0.100 + 0.080, decoding=True, prompt_tokens=8)  # 8 prompt tokens cost 80 ms
-    assert pacer.chunk(True, 1) == 10   # 100 ms of prefill at 10 ms per token
-    assert pacer.chunk(True, 2) == 8    # shared by two prompts, floored at the minimum
-    pacer.observe(0.5, decoding=False, prompt_tokens=500)       # a fast accelerator: 1 ms per token
-    assert pacer.chunk(True, 1) == 100
+def test_cautious_until_measured_then_explores() -> None:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.0, smoothing=1.0)
+    assert pacer.chunk(True, 1) == 8
+    pacer.observe(0.100, decoding=True, prompt_tokens=0)          # a decode step costs 100 ms
+    pacer.observe(0.100 + 0.160, decoding=True, prompt_tokens=8)  # 8 prompt tokens added 160 ms
+    assert pacer.chunk(True, 1) == 16  # one size seen: try twice as many to learn the line
+
+
+def test_fits_fixed_and_per_token_cost() -> None:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0)
+    pacer.observe(0.100, decoding=True, prompt_tokens=0)
+    for tokens in (8, 16, 32):  # each chunk costs 50 ms + 2 ms per token
+        pacer.observe(0.100 + 0.050 + 0.002 * tokens, decoding=True, prompt_tokens=tokens)
+    assert pacer.chunk(True, 1) == 50   # (150 ms budget - 50 ms fixed) / 2 ms
+    assert pacer.chunk(True, 2) == 25   # shared by two prompts
+    assert pacer.chunk(False, 2) == 2048
