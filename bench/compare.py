@@ -36,6 +36,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--shared-prefix-ratio", type=float, default=0.0)
     parser.add_argument("--skip-mlx-lm", action="store_true")
+    parser.add_argument("--workers", type=int, default=2, help="our front-end's gunicorn workers")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     model = bench_model(args.size)
@@ -44,7 +45,7 @@ def main() -> int:
         with mlx_lm_server(model, ["--decode-concurrency", str(args.clients)]) as base:
             results["mlx_lm.server"] = drive(base, str(model), args, {})
         print(format_summary("mlx_lm.server", results["mlx_lm.server"]), flush=True)
-    with our_stack(model, ["--decode-concurrency", str(args.clients)]) as (base, _):
+    with our_stack(model, ["--decode-concurrency", str(args.clients)], workers=args.workers) as (base, _):
         results["engined+frontend"] = drive(base, str(model), args, {"repetition_penalty": 1.0})
     print(format_summary("engined+frontend", results["engined+frontend"]), flush=True)
     if "mlx_lm.server" in results:

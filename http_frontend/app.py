@@ -14,6 +14,7 @@ import falcon.asgi
 
 from http_frontend import admin, errors
 from http_frontend.chat import ChatCompletions
+from http_frontend.disconnect import DisconnectWatch
 from http_frontend.engine_client import EngineClient
 from protocol.endpoints import default_endpoint
 
@@ -42,7 +43,7 @@ def add_route(app: falcon.asgi.App, path: str, resource: object) -> None:
         app.add_route(path[3:], resource)
 
 
-def create_app(endpoint: str | None = None) -> falcon.asgi.App:
+def create_app(endpoint: str | None = None) -> DisconnectWatch:
     client = EngineClient(endpoint or default_endpoint())
     request_timeout = float(os.environ.get(REQUEST_TIMEOUT_ENV, "600"))
     app = falcon.asgi.App(middleware=[EngineLifespan(client)])
@@ -52,4 +53,4 @@ def create_app(endpoint: str | None = None) -> falcon.asgi.App:
     app.add_route("/health", admin.Health(client))
     app.add_route("/unload", admin.Unload(client))
     app.add_route("/stats", admin.Stats(client))
-    return app
+    return DisconnectWatch(app)

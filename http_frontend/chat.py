@@ -11,6 +11,7 @@ from typing import Any
 import falcon.asgi
 from falcon.asgi import SSEvent
 
+from http_frontend.disconnect import disconnected_event
 from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream
 from http_frontend.errors import APIError, bad_request
 from http_frontend.validation import get_field, read_json_object
@@ -146,9 +147,10 @@ class ChatCompletions:
 
         stream = await submit_or_503(self.client, {"model": model, "messages": messages, "params": params,
                                                    "chat_template_kwargs": template_kwargs})
-        handed_over = False
+        handed_over, reason = False, "request_ended"
         try:
-            accepted = await wait_accepted(stream, self.request_timeout)
+            # A client that leaves while its request waits in the engine's queue aborts it too.
+            accepted = await until_disconnect(req, wait_accepted(stream, self.request_timeout))
             meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                     "model": accepted.get("model") or model}
             if stream_requested:
@@ -157,10 +159,14 @@ class ChatCompletions:
                 resp.sse = self._events(stream, meta, include_usage)
                 handed_over = True
             else:
-                resp.media = await self._complete(stream, meta)
+                resp.media = await until_disconnect(req, self._complete(stream, meta))
+        except APIError as exc:
+            if exc.code == "client_disconnected":
+                reason = exc.code
+            raise
         finally:
             if not handed_over:
-                self.client.release(stream, "request_ended")
+                self.client.release(stream, reason)
 
     async def _complete(self, stream: RequestStream, meta: dict[str, Any]) -> dict[str, Any]:
         text, finish_reason, usage = [], None, None
@@ -207,6 +213,20 @@ class ChatCompletions:
             # Runs on every path, a vanished client included (falcon closes the generator).
             self.client.release(stream, reason)
         yield SSEvent(data=b"[DONE]")
+
+async def until_disconnect(req: falcon.asgi.Request, work: Any) -> Any:
+    """Awaits `work` unless the client hangs up first (then the caller's finally aborts the request)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected_event(req.scope).wait())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "The client closed the connection", code="client_disconnected")
+    return task.result()
+
 
 async def submit_or_503(client: EngineClient, request: dict[str, Any]) -> RequestStream:
     try:
