@@ -73,8 +73,13 @@ class BatchScheduler(BaseScheduler):
         events: list[Event] = []
         while self.pending and len(self.by_uid) < self.config.decode_concurrency:
             request = self.pending.popleft()
-            self._ensure_generator()
-            self._insert(request)
+            try:
+                self._ensure_generator()
+                self._insert(request)
+            except Exception as exc:  # one bad request must never take the engine down
+                log.exception("rid=%s could not join the batch", request.rid)
+                events.append(error_event(request, engine_failure(exc)))
+                continue
             events.append(self.accepted_event(request))
         return events
 
@@ -126,6 +131,13 @@ class BatchScheduler(BaseScheduler):
         if self.generator is not None:
             self.generator.close()
         self.generator, self.generator_ref = None, None
+
+    def reset(self) -> None:
+        super().reset()
+        self.pending.clear()
+        self.by_uid.clear()
+        self.uid_of.clear()
+        self._prefill_progress.clear()
 
     def on_unload(self) -> None:
         self._close_generator()
@@ -191,10 +203,11 @@ class BatchScheduler(BaseScheduler):
             log.exception("batch step failed: failing %d request(s)", len(self.by_uid))
             error = engine_failure(exc)
             events += [error_event(request, error) for request in self.by_uid.values()]
+            self.stats.requests_aborted += len(self.by_uid)
             self.by_uid.clear()
             self.uid_of.clear()
+            self._prefill_progress.clear()
             self._close_generator()
-            self._ensure_generator()
             return events
         self.pacer.observe(time.perf_counter() - started, decoding > 0, self._prompt_tokens_done(progress))
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(responses))

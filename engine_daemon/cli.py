@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
@@ -18,6 +19,11 @@ def _env_flag(name: str) -> bool:
 def _env_float(name: str) -> float | None:
     value = os.environ.get(name)
     return float(value) if value else None
+
+
+def _path_or_none(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
 
 
 def _int_or_none(value: str | None) -> int | None:
@@ -41,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="engined",
         description="mlx-engined daemon: loads an MLX model and streams generations to front-ends "
                     "over ZeroMQ. Every flag has an environment variable equivalent (in brackets).",
+        epilog="`engined keygen DIR` creates CURVE certificates for tcp:// across hosts "
+               "(see `engined keygen --help`).",
     )
     parser.add_argument("--model", default=os.environ.get("MLX_ENGINE_MODEL"),
                         help="model to load at start: a Hugging Face repo id (local cache first, then "
@@ -53,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="let request 'model' names download from the Hugging Face Hub when they are not "
                              "cached (the --model given at start is always fetched if missing). "
                              "[MLX_ENGINE_ALLOW_DOWNLOAD=1]")
+    parser.add_argument("--model-dir", action="append", metavar="DIR",
+                        help="directory of model directories that requests may name (relative to it, or by an "
+                             "absolute path inside it); repeat for several. Other local paths in requests get 400. "
+                             "[MLX_ENGINE_MODEL_DIRS, os.pathsep-separated]")
+    parser.add_argument("--trust-remote-code", action="store_true", default=_env_flag("MLX_TRUST_REMOTE_CODE"),
+                        help="let models run the Python code they ship (mlx_lm trust_remote_code). Off by default: "
+                             "only for models you trust. [MLX_TRUST_REMOTE_CODE=1]")
     parser.add_argument("--default-max-tokens", type=int,
                         default=int(os.environ.get("MLX_ENGINE_DEFAULT_MAX_TOKENS", "4096")),
                         help="max_tokens for requests that give none; capped by the context window. "
@@ -102,16 +117,52 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peer-timeout", type=float, default=float(os.environ.get("MLX_ENGINE_PEER_TIMEOUT", "10")),
                         help="seconds of silence after which a front-end's requests are aborted. "
                              "[MLX_ENGINE_PEER_TIMEOUT] (default: %(default)s)")
+    parser.add_argument("--stall-timeout", type=float,
+                        default=float(os.environ.get("MLX_ENGINE_STALL_TIMEOUT", "60")),
+                        help="seconds one step (or command) of the mlx thread may run before the engine reports "
+                             "itself 'stalled' in pings and /health (model loads excepted). "
+                             "[MLX_ENGINE_STALL_TIMEOUT] (default: %(default)s)")
+    parser.add_argument("--curve-secret-key", type=Path, default=_path_or_none("MLX_ENGINE_CURVE_SECRET_KEY"),
+                        help="the engine's secret CURVE certificate (server.key_secret from `engined keygen`): "
+                             "encrypt the socket and authenticate front-ends; needs --curve-authorized-keys. "
+                             "[MLX_ENGINE_CURVE_SECRET_KEY]")
+    parser.add_argument("--curve-authorized-keys", type=Path,
+                        default=_path_or_none("MLX_ENGINE_CURVE_AUTHORIZED_KEYS"),
+                        help="directory of the public certificates (*.key) of the front-ends allowed to connect, "
+                             "read at start. [MLX_ENGINE_CURVE_AUTHORIZED_KEYS]")
+    parser.add_argument("--allow-insecure-tcp", action="store_true", default=_env_flag("MLX_ENGINE_ALLOW_INSECURE_TCP"),
+                        help="bind a non-loopback tcp:// endpoint without CURVE (refused otherwise): only on a "
+                             "network you trust. [MLX_ENGINE_ALLOW_INSECURE_TCP=1]")
     parser.add_argument("--log-level", default=os.environ.get("MLX_ENGINE_LOG_LEVEL", "INFO"),
                         help="logging level. [MLX_ENGINE_LOG_LEVEL] (default: %(default)s)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keygen"]:
+        from engine_daemon.socket_security import keygen_main
+        return keygen_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s engined[%(process)d] %(name)s: %(message)s")
     log = logging.getLogger("engined")
+    # Refused before mlx loads or a model downloads: a misconfigured socket is an operator error.
+    from engine_daemon.model_store import model_roots
+    from engine_daemon.socket_security import InsecureEndpoint, SocketSecurity, check_endpoint
+    security = SocketSecurity(args.curve_secret_key, args.curve_authorized_keys, args.allow_insecure_tcp)
+    try:
+        check_endpoint(args.endpoint, security)
+    except InsecureEndpoint as exc:
+        log.error("%s", exc)
+        return 2
+    roots = model_roots(args.model_dir or os.environ.get("MLX_ENGINE_MODEL_DIRS", "").split(os.pathsep))
+    missing = [str(root) for root in roots if not root.is_dir()]
+    if missing:
+        log.error("--model-dir: not a directory: %s", ", ".join(missing))
+        return 2
+    if args.trust_remote_code:
+        log.warning("--trust-remote-code: models may run the Python code they ship")
     # Imported here so `engined --help` answers without loading mlx.
     from engine_daemon.blas_check import warn_if_slow_blas
     from engine_daemon.scheduler import SchedulerConfig
@@ -145,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_group_size=args.kv_group_size,
         quantized_kv_start=args.quantized_kv_start,
         memory_budget_bytes=budget,
+        model_dirs=roots,
+        trust_remote_code=args.trust_remote_code,
     )
     if args.model:
         # The operator named it: fetch it now if it is not cached, before serving.
@@ -154,12 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         except ModelNotFound as exc:
             log.error("cannot load --model: %s", exc)
             return 2
-    server = EngineServer(args.endpoint, config, preload=args.model, peer_timeout=args.peer_timeout)
+    server = EngineServer(args.endpoint, config, preload=args.model, peer_timeout=args.peer_timeout,
+                          stall_timeout=args.stall_timeout, security=security)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     try:
         server.serve()
-    except EndpointInUse as exc:
+    except (EndpointInUse, InsecureEndpoint) as exc:
         log.error("%s", exc)
         return 1
     return 0

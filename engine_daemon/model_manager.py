@@ -28,6 +28,7 @@ class LoadedModel:
     model: nn.Module
     tokenizer: Any  # mlx_lm TokenizerWrapper
     context_window: int | None
+    vocab_size: int = 0
     weights_bytes: int = 0
     kv_bytes_per_token: int = 0
     generation_defaults: dict[str, Any] = field(default_factory=dict)
@@ -76,7 +77,9 @@ def _context_window(config: dict[str, Any]) -> int | None:
 class ModelManager:
     """Keeps at most one model loaded; a different model evicts the current one."""
 
-    def __init__(self) -> None:
+    def __init__(self, trust_remote_code: bool = False) -> None:
+        # Off by default: a model directory's *.py would run inside the engine (--trust-remote-code).
+        self.trust_remote_code = trust_remote_code
         self.current: LoadedModel | None = None
         self.loads = 0
         self.last_load_seconds = 0.0
@@ -88,7 +91,9 @@ class ModelManager:
         self.unload()
         log.info("loading model %s from %s", ref.id, ref.path)
         started = time.perf_counter()
-        model, tokenizer, config = mlx_lm_load(str(ref.path), return_config=True)
+        model, tokenizer, config = mlx_lm_load(
+            str(ref.path), return_config=True, trust_remote_code=self.trust_remote_code,
+            tokenizer_config={"trust_remote_code": True} if self.trust_remote_code else None)
         self.last_load_seconds = time.perf_counter() - started
         self.loads += 1
         parameters = [p for _, p in tree_flatten(model.parameters())]
@@ -98,6 +103,7 @@ class ModelManager:
             model=model,
             tokenizer=tokenizer,
             context_window=_context_window(config),
+            vocab_size=int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0),
             weights_bytes=sum(p.nbytes for p in parameters),
             kv_bytes_per_token=_kv_bytes_per_token(config, itemsize),
             generation_defaults=_read_generation_defaults(ref.path),

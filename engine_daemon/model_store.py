@@ -1,7 +1,8 @@
 """Where models come from: local directories and the Hugging Face cache.
 
 Offline first: a name is looked up as a local directory, then in the local HF
-cache; the Hub is asked only when downloads are allowed. Nothing here imports mlx,
+cache; the Hub is asked only when downloads are allowed. Names from requests are
+confined to the `--model-dir` roots and the HF cache (`resolve_request_model`). Nothing here imports mlx,
 so the io thread can list models while the mlx thread is busy.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +24,10 @@ MODEL_FILE_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.
 
 class ModelNotFound(LookupError):
     """The requested model is neither a local model directory nor in the HF cache."""
+
+
+class InvalidModelName(ValueError):
+    """A request's model name that could reach outside the model roots: refused before any lookup."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +57,15 @@ def _looks_like_repo_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
 
 
-def resolve(name: str, allow_download: bool = False) -> ModelRef:
-    """Maps a request's model name to a loadable directory, or raises ModelNotFound."""
+def resolve(name: str, allow_download: bool = False, roots: Sequence[Path] | None = None) -> ModelRef:
+    """Maps a model name to a loadable directory, or raises ModelNotFound / InvalidModelName.
+
+    `roots=None` is for names the operator typed (`--model`): any local directory,
+    then the HF cache. A sequence (possibly empty) is for names that arrive in
+    requests: confined to those roots and the HF cache, see `resolve_request_model`.
+    """
+    if roots is not None:
+        return resolve_request_model(name, roots, allow_download)
     local = Path(name).expanduser()
     if local.is_dir():
         if is_mlx_model_dir(local):
@@ -59,6 +73,10 @@ def resolve(name: str, allow_download: bool = False) -> ModelRef:
         raise ModelNotFound(f"'{name}' is a directory but not an MLX model")
     if not _looks_like_repo_id(name):
         raise ModelNotFound(f"The model '{name}' does not exist")
+    return _from_hf_cache(name, allow_download)
+
+
+def _from_hf_cache(name: str, allow_download: bool, roots: Sequence[Path] | None = None) -> ModelRef:
     from huggingface_hub import snapshot_download
 
     try:
@@ -67,6 +85,7 @@ def resolve(name: str, allow_download: bool = False) -> ModelRef:
         if not allow_download:
             raise ModelNotFound(
                 f"The model '{name}' is not in the local Hugging Face cache and downloads are off"
+                + ("" if roots is None else available_note(roots))
             ) from None
         log.info("downloading %s from the Hugging Face Hub", name)
         try:
@@ -76,6 +95,82 @@ def resolve(name: str, allow_download: bool = False) -> ModelRef:
     if not is_mlx_model_dir(path):
         raise ModelNotFound(f"The model '{name}' is not an MLX model")
     return ModelRef(id=name, path=path)
+
+
+def _inside(path: Path, roots: Sequence[Path]) -> bool:
+    """`path` is one of the roots or below one (lexically: callers resolve first where it matters)."""
+    return any(path == root or path.is_relative_to(root) for root in roots)
+
+
+def resolve_request_model(name: str, roots: Sequence[Path], allow_download: bool = False) -> ModelRef:
+    """A request's model name: a directory under a `--model-dir` root, or an HF repo id.
+
+    Why so strict: the name comes from any HTTP client, and without a fence it
+    could make the engine stat, read or even execute (remote code) files anywhere
+    the engine's user can. So a name with a `..` component, or an absolute path
+    that is not lexically under a root, is refused before the filesystem is
+    touched; a path under a root must still resolve (symlinks followed) inside
+    one. Roots must be absolute and resolved (`model_roots`).
+    """
+    if not name.strip() or "\0" in name:
+        raise InvalidModelName(f"'{name}' is not a valid model name")
+    if ".." in name.replace("\\", "/").split("/"):
+        raise InvalidModelName(f"The model name '{name}' may not contain '..'")
+    expanded = os.path.expanduser(name) if name.startswith("~") else name
+    if os.path.isabs(expanded):
+        lexical = Path(os.path.normpath(expanded))
+        if not _inside(lexical, roots):
+            raise InvalidModelName(f"The model path '{name}' is outside the engine's model directories "
+                                   "(--model-dir); name a model under one of them, or an HF repo id")
+        candidates = [lexical]
+    else:
+        candidates = [root / name for root in roots]
+    not_mlx = False
+    for candidate in candidates:
+        real = candidate.resolve()  # follows links; the result must still lie inside a root
+        if not _inside(real, roots):
+            raise InvalidModelName(f"The model '{name}' leads outside the engine's model directories")
+        if real.is_dir():
+            if is_mlx_model_dir(real):
+                return ModelRef(id=name, path=real)
+            not_mlx = True
+    if not_mlx:
+        raise ModelNotFound(f"'{name}' is a directory but not an MLX model" + available_note(roots))
+    if os.path.isabs(expanded) or not _looks_like_repo_id(name):
+        raise ModelNotFound(f"The model '{name}' does not exist" + available_note(roots))
+    return _from_hf_cache(name, allow_download, roots)
+
+
+def model_roots(dirs: Sequence[str | Path]) -> tuple[Path, ...]:
+    """`--model-dir` values as absolute, resolved directories (so lexical checks compare like with like)."""
+    return tuple(Path(d).expanduser().resolve() for d in dirs if str(d))
+
+
+def list_root_models(roots: Sequence[Path]) -> list[dict]:
+    """MLX model directories directly under each root, named relative to it (what a request sends)."""
+    found: dict[str, dict] = {}
+    for root in roots:
+        try:
+            children = sorted(root.iterdir())
+        except OSError as exc:
+            log.warning("cannot list --model-dir %s: %s", root, exc)
+            continue
+        for child in children:
+            if child.name in found or not child.is_dir():
+                continue
+            real = child.resolve()
+            if _inside(real, roots) and is_mlx_model_dir(real):
+                found[child.name] = {"id": child.name, "created": int(child.stat().st_mtime), "path": str(real)}
+    return list(found.values())
+
+
+def available_note(roots: Sequence[Path], limit: int = 20) -> str:
+    """'. Available models: a, b' for a 404, so a client can correct its request without asking the operator."""
+    ids = list(dict.fromkeys([m["id"] for m in list_root_models(roots)] + [m["id"] for m in list_cached_models()]))
+    if not ids:
+        return ". No models are available in the engine's model directories or Hugging Face cache"
+    more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
+    return ". Available models: " + ", ".join(ids[:limit]) + more
 
 
 def list_cached_models() -> list[dict]:

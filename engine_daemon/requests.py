@@ -8,6 +8,7 @@ returns, so admission problems surface before the first token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,11 +114,42 @@ def resolve_sampling(loaded: LoadedModel, params: dict[str, Any], server_default
     return merged
 
 
+# param -> (lowest, highest) allowed; the engine checks what the front-end should already have.
+PARAM_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 100.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "top_k": (-1, 2**31 - 1),
+    "repetition_penalty": (1e-6, 100.0),
+    "seed": (0, 2**63 - 1),
+    "max_tokens": (1, 2**31 - 1),
+}
+
+
+def check_params(params: dict[str, Any]) -> None:
+    """Out-of-range sampling values would fail inside a shared batch step: refuse them up front."""
+    for name, (low, high) in PARAM_RANGES.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        if not math.isfinite(value) or not low <= value <= high:
+            raise RequestError(400, "invalid_value", f"'{name}' must be between {low} and {high}, got {value}",
+                               param=name)
+
+
+def check_token_ids(tokens: list[int], vocab_size: int) -> None:
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise RequestError(400, "invalid_value", f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+
+
 def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int,
             server_defaults: dict[str, Any]) -> None:
     """Fills in prompt, limits, sampling and decoding state; raises RequestError to refuse."""
     request.model_id = loaded.ref.id
+    check_params(request.params)
     request.prompt_tokens = build_prompt(loaded, request.body)
+    if isinstance(request.body.get("prompt"), list):
+        check_token_ids(request.prompt_tokens, loaded.vocab_size)
     request.max_tokens = settle_max_tokens(loaded, len(request.prompt_tokens),
                                            request.params.get("max_tokens"), default_max_tokens)
     request.sampling = resolve_sampling(loaded, request.params, server_defaults)

@@ -13,6 +13,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -20,7 +21,7 @@ from mlx_lm.generate import generate_step
 
 from engine_daemon import requests as rq
 from engine_daemon.model_manager import ModelManager
-from engine_daemon.model_store import ModelNotFound, ModelRef, resolve
+from engine_daemon.model_store import InvalidModelName, ModelNotFound, ModelRef, resolve
 from engine_daemon.requests import EngineRequest, RequestError
 from engine_daemon.sampling import make_request_processors, make_request_sampler
 from protocol import MsgType
@@ -50,6 +51,10 @@ class SchedulerConfig:
     kv_group_size: int = 64
     quantized_kv_start: int = 5000
     memory_budget_bytes: int | None = None
+    # Directories whose model subdirectories requests may name (absolute, resolved: model_store.model_roots).
+    model_dirs: tuple[Path, ...] = ()
+    # Let mlx_lm run Python files shipped with a model (never by default: models come from requests too).
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -121,8 +126,12 @@ class BaseScheduler:
             name = self.config.default_model
         if current is not None and name in (current.ref.id, str(current.ref.path)):
             return current.ref
+        # The operator's --model is trusted as typed; any other name is confined to --model-dir and the HF cache.
+        roots = None if name == self.config.default_model else self.config.model_dirs
         try:
-            return resolve(name, allow_download=self.config.allow_download)
+            return resolve(name, allow_download=self.config.allow_download, roots=roots)
+        except InvalidModelName as exc:
+            raise RequestError(400, "invalid_model_name", str(exc), param="model") from None
         except ModelNotFound as exc:
             raise RequestError(404, "model_not_found", str(exc), param="model") from None
 
@@ -131,6 +140,8 @@ class BaseScheduler:
         request = EngineRequest(rid=body["rid"], peer=peer, body=body)
         self.stats.requests_added += 1
         try:
+            if any(other.rid == request.rid for other in self.all_requests()):
+                raise RequestError(400, "duplicate_request_id", f"Request id {request.rid!r} is already in flight")
             ref = self.resolve_model(body.get("model"))
             current = self.models.current
             # Behind a pending model switch, later requests wait too: nobody is starved.
@@ -151,6 +162,7 @@ class BaseScheduler:
 
     def refuse(self, request: EngineRequest, error: RequestError) -> Event:
         self.stats.rejections[error.code] += 1
+        log.info("rid=%s refused status=%d code=%s", request.rid, error.status, error.code)
         return error_event(request, error)
 
     def accept(self, request: EngineRequest) -> None:
@@ -171,6 +183,8 @@ class BaseScheduler:
 
     @staticmethod
     def accepted_event(request: EngineRequest) -> Event:
+        log.info("rid=%s accepted model=%s prompt_tokens=%d cached_tokens=%d max_tokens=%d", request.rid,
+                 request.model_id, len(request.prompt_tokens), request.cached_tokens, request.max_tokens)
         return (request.peer, MsgType.ACCEPTED, {"rid": request.rid, "prompt_tokens": len(request.prompt_tokens),
                                                  "cached_tokens": request.cached_tokens, "model": request.model_id})
 
@@ -195,14 +209,22 @@ class BaseScheduler:
             item["finish_reason"] = request.finish_reason
             item["usage"] = rq.usage(request, request.cached_tokens)
             self.stats.requests_finished += 1
+            log.info("rid=%s finished reason=%s completion_tokens=%d", request.rid, request.finish_reason,
+                     request.generated)
         return (request.peer, MsgType.DELTAS, item)
 
     def fail_all(self, status: int, code: str, message: str) -> list[Event]:
-        """Ends every request with an error (model unload, shutdown)."""
+        """Ends every request with an error and drops all generation state (unload, internal error)."""
         error = RequestError(status, code, message, error_type="server_error")
-        events = [error_event(request, error) for request in self.all_requests()]
-        self.abort({request.rid for request in self.all_requests()})
-        return events
+        requests = self.all_requests()
+        self.stats.requests_aborted += len(requests)
+        self.reset()
+        return [error_event(request, error) for request in requests]
+
+    def reset(self) -> None:
+        """Forgets every request and whatever holds on to the model."""
+        self.waiting.clear()
+        self.on_unload()
 
     def abort_peer(self, peer: bytes) -> int:
         rids = {request.rid for request in self.all_requests() if request.peer == peer}
@@ -310,6 +332,10 @@ class SerialScheduler(BaseScheduler):
         if request.finish_reason is not None:
             self._finish_current()
         return [event]
+
+    def reset(self) -> None:
+        super().reset()
+        self._finish_current()
 
     def _finish_current(self) -> None:
         if self._tokens is not None:

@@ -20,8 +20,9 @@ from typing import Any, BinaryIO
 
 import zmq
 
-from engine_daemon.model_store import list_cached_models
+from engine_daemon.model_store import list_cached_models, list_root_models
 from engine_daemon.scheduler import SchedulerConfig
+from engine_daemon.socket_security import SocketSecurity, ThreadAuthenticator, secure_router
 from engine_daemon.worker import MlxWorker
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 
@@ -67,9 +68,11 @@ class EngineServer:
     """Binds the endpoint, runs the mlx worker, routes frames both ways until stopped."""
 
     def __init__(self, endpoint: str, config: SchedulerConfig, preload: str | None = None,
-                 peer_timeout: float = 10.0):
+                 peer_timeout: float = 10.0, stall_timeout: float = 60.0,
+                 security: SocketSecurity | None = None):
         self.endpoint = endpoint
         self.peer_timeout = peer_timeout
+        self.stall_timeout = stall_timeout
         self.epoch = time.time_ns() // 1000
         self.started_at = time.time()
         self.peers: dict[bytes, Peer] = {}
@@ -77,6 +80,8 @@ class EngineServer:
         self.worker = MlxWorker(self.context, OUTBOX_ADDRESS, config, preload)
         self._stop = threading.Event()
         self._lock: BinaryIO | None = None
+        self.security = security or SocketSecurity()
+        self._auth: ThreadAuthenticator | None = None
 
     def stop(self) -> None:
         self._stop.set()
@@ -87,6 +92,7 @@ class EngineServer:
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, SEND_HWM)
         router.setsockopt(zmq.LINGER, 0)
+        self._auth = secure_router(self.context, router, self.endpoint, self.security)  # CURVE + ZAP allow-list
         router.bind(self.endpoint)
         outbox = self.context.socket(zmq.PULL)
         outbox.bind(OUTBOX_ADDRESS)
@@ -121,6 +127,8 @@ class EngineServer:
             self.worker.join(timeout=5)
             router.close()
             outbox.close()
+            if self._auth is not None:
+                self._auth.stop()  # its sockets would keep context.term() waiting
             self.context.term()
             if self._lock is not None:
                 self._lock.close()
@@ -175,12 +183,25 @@ class EngineServer:
             "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": status.state,
             "model": status.model, "adapter": None, "started_at": self.started_at, "pid": os.getpid()})
 
+    def state(self) -> str:
+        """The worker's state, or 'stalled' when one piece of its work runs past --stall-timeout.
+
+        Told apart from dead: the io thread still answers, so front-ends keep their
+        streams and /health says what is wrong. A model load is never a stall.
+        """
+        status = self.worker.status
+        busy_since = status.busy_since
+        if (status.state != "loading" and busy_since
+                and time.monotonic() - busy_since > self.stall_timeout):
+            return "stalled"
+        return status.state
+
     def _on_ping(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         if peer not in self.peers:
             self.peers[peer] = Peer("", time.monotonic())
         status = self.worker.status
         self._reply(router, peer, MsgType.PONG, {
-            "epoch": self.epoch, "state": status.state, "queued": status.queued,
+            "epoch": self.epoch, "state": self.state(), "queued": status.queued,
             "running": status.running, "t": body.get("t", 0)})
 
     def _on_add(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
@@ -201,7 +222,7 @@ class EngineServer:
 
     def _on_call(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         method, args = body["method"], body.get("args") or {}
-        if method in ("unload",):
+        if method in ("unload", "debug_sleep"):
             self.worker.commands.put(("call", peer, body["cid"], method, args))
             return
         if method == "status":
@@ -232,13 +253,18 @@ class EngineServer:
     # -- read-only calls -----------------------------------------------------------
     def status(self) -> dict[str, Any]:
         status = self.worker.status
-        return {"epoch": self.epoch, "state": status.state, "model": status.model, "adapter": None,
+        busy = time.monotonic() - status.busy_since if status.busy_since else 0.0
+        return {"epoch": self.epoch, "state": self.state(), "busy_seconds": busy, "model": status.model,
+                "adapter": None,
                 "queued": status.queued, "running": status.running, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": self.started_at,
                 "uptime": time.time() - self.started_at, "model_loads": self.worker.models.loads}
 
     def list_models(self) -> list[dict[str, Any]]:
-        models = list_cached_models()
+        # Models under --model-dir first: a name resolves there before the HF cache.
+        models = list_root_models(self.worker.scheduler.config.model_dirs)
+        local = {m["id"] for m in models}
+        models += [m for m in list_cached_models() if m["id"] not in local]
         loaded = self.worker.status.model
         ids = {m["id"] for m in models}
         if loaded and loaded not in ids:

@@ -8,6 +8,7 @@ as encoded frames through an inproc PUSH socket the io thread polls.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,9 @@ from protocol import MsgType, encode
 
 log = logging.getLogger(__name__)
 
+# Set to 1 (tests only) to enable CALLs that deliberately wedge the engine.
+FAULT_INJECTION_ENV = "MLX_ENGINE_FAULT_INJECTION"
+
 
 @dataclass
 class EngineStatus:
@@ -36,6 +40,8 @@ class EngineStatus:
     running: int = 0
     steps: int = 0
     last_step_at: float = 0.0
+    # monotonic time the mlx thread started its current piece of work; 0 while it waits for work
+    busy_since: float = 0.0
 
 
 def make_scheduler(models: ModelManager, config: SchedulerConfig) -> BaseScheduler:
@@ -55,7 +61,7 @@ class MlxWorker(threading.Thread):
         super().__init__(name="mlx", daemon=True)
         self.commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.status = EngineStatus()
-        self.models = ModelManager()
+        self.models = ModelManager(trust_remote_code=config.trust_remote_code)
         self.scheduler = make_scheduler(self.models, config)
         self._context = context
         self._outbox_address = outbox_address
@@ -78,16 +84,26 @@ class MlxWorker(threading.Thread):
                 events = self._drain_commands(block=not self.scheduler.has_work())
                 if self.scheduler.has_work():
                     self._mark_busy()
-                    events += self.scheduler.step()
+                    self.status.busy_since = self.status.busy_since or time.monotonic()
+                    events += self._step()
                     self.status.steps += 1
                     self.status.last_step_at = time.monotonic()
                 self._publish(outbox, events)
                 self._update_status()
+                self.status.busy_since = 0.0
         except Exception:
             log.exception("mlx thread crashed")
             raise
         finally:
             outbox.close()
+
+    def _step(self) -> list[Event]:
+        """One scheduler step; a bug in it fails the requests in flight, never the thread."""
+        try:
+            return self.scheduler.step()
+        except Exception:
+            log.exception("scheduler step failed: failing every request in flight")
+            return self.scheduler.fail_all(500, "engine_error", "The engine hit an internal error")
 
     def _load(self, name: str) -> None:
         self.status.state = "loading"
@@ -118,12 +134,32 @@ class MlxWorker(threading.Thread):
             command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
         except queue.Empty:
             return events
+        self.status.busy_since = self.status.busy_since or time.monotonic()
         while True:
-            events += self._handle(command)
+            try:
+                events += self._handle(command)
+            except Exception:
+                log.exception("command %s failed", command[0])
+                events += self._refuse_failed(command)
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return events
+
+    @staticmethod
+    def _refuse_failed(command: tuple[Any, ...]) -> list[Event]:
+        """Answers the sender of a command that raised, so no client waits forever."""
+        kind = command[0]
+        if kind == "add":
+            _, peer, body = command
+            return [(peer, MsgType.ERROR, {"rid": body["rid"], "status": 500, "code": "engine_error",
+                                           "message": "The engine could not take this request",
+                                           "type": "server_error"})]
+        if kind == "call":
+            _, peer, cid, method, _ = command
+            return [(peer, MsgType.ERROR, {"cid": cid, "status": 500, "code": "engine_error",
+                                           "message": f"CALL {method} failed", "type": "server_error"})]
+        return []
 
     def _handle(self, command: tuple[Any, ...]) -> list[Event]:
         kind = command[0]
@@ -134,7 +170,7 @@ class MlxWorker(threading.Thread):
             _, rids, reason = command
             found = self.scheduler.abort(set(rids))
             if found:
-                log.info("aborted %d request(s) (%s): %s", found, reason, ", ".join(rids))
+                log.info("aborted %d request(s) (%s): rid=%s", found, reason, ",".join(rids))
             return []
         if kind == "peer_gone":
             found = self.scheduler.abort_peer(command[1])
@@ -151,8 +187,12 @@ class MlxWorker(threading.Thread):
         """CALLs that change model state; read-only ones are answered by the io thread."""
         if method == "unload":
             events = self.scheduler.fail_all(503, "model_unloaded", "The model was unloaded")
-            self.scheduler.on_unload()
             return events, {"status": "success" if self.models.unload() else "no_model_loaded"}
+        if method == "debug_sleep" and os.environ.get(FAULT_INJECTION_ENV) == "1":
+            # Fault injection for tests: wedge the mlx thread as a runaway kernel would.
+            log.warning("fault injection: mlx thread sleeps %.1f s", args.get("seconds", 1.0))
+            time.sleep(float(args.get("seconds", 1.0)))
+            return [], {"slept": args.get("seconds", 1.0)}
         return [], {"error": f"unknown method {method}"}
 
     def _publish(self, outbox: zmq.Socket, events: list[Event]) -> None:

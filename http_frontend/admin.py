@@ -48,9 +48,15 @@ class Health:
             resp.set_header("Retry-After", "1")
             resp.media = {"status": "unhealthy", "error": str(exc), "loaded_model": None, "loaded_adapter": None}
             return
-        resp.media = {"status": "healthy", "loaded_model": status["model"], "loaded_adapter": status["adapter"],
+        stalled = status["state"] == "stalled"
+        if stalled:
+            # Alive (it answers) but wedged: distinct from unreachable, and not able to serve.
+            resp.status = falcon.HTTP_503
+            resp.set_header("Retry-After", "5")
+        resp.media = {"status": "stalled" if stalled else "healthy", "loaded_model": status["model"],
+                      "loaded_adapter": status["adapter"],
                       "engine": {k: status[k] for k in ("state", "epoch", "uptime", "pid", "queued", "running",
-                                                         "model_loads")}}
+                                                         "model_loads", "busy_seconds")}}
 
 
 class Unload:

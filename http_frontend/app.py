@@ -7,20 +7,21 @@ its flags), so plain gunicorn invocations and HUP reloads see the same settings.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import falcon.asgi
+from falcon.routing import CompiledRouter
 
 from http_frontend import admin, errors
+from http_frontend.auth import security_middleware
 from http_frontend.chat import ChatCompletions
 from http_frontend.disconnect import DisconnectWatch
 from http_frontend.engine_client import EngineClient
+from http_frontend.metrics import FrontendMetrics, MetricsResource, RequestObserver, route_finder
+from http_frontend.settings import REQUEST_TIMEOUT_ENV, FrontendSettings, configure_logging  # noqa: F401 (re-export)
 from protocol.endpoints import default_endpoint
 
 log = logging.getLogger(__name__)
-
-REQUEST_TIMEOUT_ENV = "MLX_FRONTEND_REQUEST_TIMEOUT"
 
 
 class EngineLifespan:
@@ -44,13 +45,18 @@ def add_route(app: falcon.asgi.App, path: str, resource: object) -> None:
 
 
 def create_app(endpoint: str | None = None) -> DisconnectWatch:
+    settings = FrontendSettings.from_env()
+    configure_logging(settings.log_level)
     client = EngineClient(endpoint or default_endpoint())
-    request_timeout = float(os.environ.get(REQUEST_TIMEOUT_ENV, "600"))
-    app = falcon.asgi.App(middleware=[EngineLifespan(client)])
+    metrics = FrontendMetrics(client)
+    router = CompiledRouter()  # also names the route of requests refused before routing (metric labels)
+    app = falcon.asgi.App(middleware=[EngineLifespan(client), *security_middleware(settings)], router=router)
     errors.install(app)
-    add_route(app, "/v1/chat/completions", ChatCompletions(client, request_timeout))
+    add_route(app, "/v1/chat/completions", ChatCompletions(client, settings.request_timeout, settings=settings,
+                                                           metrics=metrics))
     add_route(app, "/v1/models", admin.Models(client))
     app.add_route("/health", admin.Health(client))
     app.add_route("/unload", admin.Unload(client))
     app.add_route("/stats", admin.Stats(client))
-    return DisconnectWatch(app)
+    app.add_route("/metrics", MetricsResource(metrics))
+    return DisconnectWatch(RequestObserver(app, metrics, route_finder(router)))

@@ -14,6 +14,8 @@ from falcon.asgi import SSEvent
 from http_frontend.disconnect import disconnected_event
 from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream
 from http_frontend.errors import APIError, bad_request
+from http_frontend.metrics import RID_KEY, FrontendMetrics, TokenTimer
+from http_frontend.settings import FrontendSettings
 from http_frontend.validation import get_field, read_json_object
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -119,6 +121,24 @@ def check_unsupported(body: dict[str, Any]) -> None:
                           param="response_format", code="unsupported_parameter")
 
 
+def check_message_count(body: dict[str, Any], limit: int) -> None:
+    """Before parsing: a huge message list is refused without walking it."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > limit:
+        raise bad_request(f"Invalid 'messages': array too long. Expected an array with maximum length {limit}, "
+                          f"but got an array with length {len(messages)} instead.", param="messages",
+                          code="array_above_max_length")
+
+
+def check_max_tokens(body: dict[str, Any], params: dict[str, Any], limit: int | None) -> None:
+    """The operator's ceiling on `max_tokens` (a request that omits it gets the engine's default)."""
+    if limit is None or params.get("max_tokens", 0) <= limit:
+        return
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    raise bad_request(f"Invalid value for '{name}': {params['max_tokens']} is greater than this server's limit "
+                      f"of {limit}", param=name, code="max_tokens_exceeded")
+
+
 def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
     if usage is None:
         return None
@@ -130,15 +150,20 @@ def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
 class ChatCompletions:
     """The chat route: validates, submits to the engine, answers JSON or SSE."""
 
-    def __init__(self, client: EngineClient, request_timeout: float):
+    def __init__(self, client: EngineClient, request_timeout: float, *, settings: FrontendSettings | None = None,
+                 metrics: FrontendMetrics | None = None):
         self.client = client
         self.request_timeout = request_timeout
+        self.settings = settings or FrontendSettings()
+        self.metrics = metrics or FrontendMetrics(client)
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        body = await read_json_object(req)
+        body = await read_json_object(req, self.settings.max_body_bytes)
+        check_message_count(body, self.settings.max_messages)
         messages = parse_messages(body)
         check_unsupported(body)
         params = parse_sampling(body)
+        check_max_tokens(body, params, self.settings.max_tokens_limit)
         model = get_field(body, "model", (str,))
         stream_requested = get_field(body, "stream", (bool,), default=False)
         stream_options = get_field(body, "stream_options", (dict,), default={})
@@ -147,6 +172,9 @@ class ChatCompletions:
 
         stream = await submit_or_503(self.client, {"model": model, "messages": messages, "params": params,
                                                    "chat_template_kwargs": template_kwargs})
+        req.scope[RID_KEY] = stream.rid  # for the access line: the engine logs the same rid
+        resp.set_header("X-Request-Id", stream.rid)
+        timer = self.metrics.token_timer(req.scope)
         handed_over, reason = False, "request_ended"
         try:
             # A client that leaves while its request waits in the engine's queue aborts it too.
@@ -156,10 +184,10 @@ class ChatCompletions:
             if stream_requested:
                 resp.content_type = "text/event-stream"
                 resp.set_header("Cache-Control", "no-cache")
-                resp.sse = self._events(stream, meta, include_usage)
+                resp.sse = self._events(stream, meta, include_usage, timer)
                 handed_over = True
             else:
-                resp.media = await until_disconnect(req, self._complete(stream, meta))
+                resp.media = await until_disconnect(req, self._complete(stream, meta, timer))
         except APIError as exc:
             if exc.code == "client_disconnected":
                 reason = exc.code
@@ -168,11 +196,14 @@ class ChatCompletions:
             if not handed_over:
                 self.client.release(stream, reason)
 
-    async def _complete(self, stream: RequestStream, meta: dict[str, Any]) -> dict[str, Any]:
+    async def _complete(self, stream: RequestStream, meta: dict[str, Any],
+                        timer: TokenTimer | None = None) -> dict[str, Any]:
+        timer = timer or self.metrics.token_timer({})
         text, finish_reason, usage = [], None, None
         async for update in relay(stream, self.request_timeout):
             if update is None:
                 continue
+            timer.on_update(update)
             text.append(update.text)
             finish_reason, usage = update.finish_reason or finish_reason, update.usage or usage
         return {
@@ -182,8 +213,9 @@ class ChatCompletions:
             "usage": _usage(usage),
         }
 
-    async def _events(self, stream: RequestStream, meta: dict[str, Any],
-                      include_usage: bool) -> AsyncIterator[SSEvent | None]:
+    async def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
+                      timer: TokenTimer | None = None) -> AsyncIterator[SSEvent | None]:
+        timer = timer or self.metrics.token_timer({})
         def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> SSEvent:
             payload = {**meta, "object": "chat.completion.chunk", "system_fingerprint": None,
                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
@@ -192,12 +224,14 @@ class ChatCompletions:
             return SSEvent(json=payload)
 
         reason = "client_disconnected"
+        self.metrics.stream_opened()
         try:
             yield chunk({"role": "assistant", "content": ""})
             async for update in relay(stream, self.request_timeout):
                 if update is None:
                     yield None  # keep-alive comment: a gone client is noticed within a second
                     continue
+                timer.on_update(update)
                 if update.text:
                     yield chunk({"content": update.text})
                 if update.finish_reason:
@@ -212,6 +246,7 @@ class ChatCompletions:
         finally:
             # Runs on every path, a vanished client included (falcon closes the generator).
             self.client.release(stream, reason)
+            self.metrics.stream_closed()
         yield SSEvent(data=b"[DONE]")
 
 async def until_disconnect(req: falcon.asgi.Request, work: Any) -> Any:

@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Any
 
+from http_frontend import curve
+from http_frontend.settings import add_flags, flags_to_env
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
 
@@ -37,11 +39,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="gunicorn log level. [MLX_FRONTEND_LOG_LEVEL] (default: %(default)s)")
     parser.add_argument("--pid-file", default=env("MLX_FRONTEND_PID_FILE"),
                         help="write the gunicorn master's pid here (for HUP reloads). [MLX_FRONTEND_PID_FILE]")
+    parser.add_argument("--curve-server-key", default=env(curve.SERVER_KEY_ENV),
+                        help="the engine's public CURVE certificate (server.key from `engined keygen`): encrypt "
+                             "and authenticate the engine connection, for tcp:// across hosts. "
+                             f"[{curve.SERVER_KEY_ENV}]")
+    parser.add_argument("--curve-client-key", default=env(curve.CLIENT_KEY_ENV),
+                        help="this front-end's secret CURVE certificate (client.key_secret from `engined keygen`), "
+                             "whose public half is in the engine's --curve-authorized-keys. "
+                             f"[{curve.CLIENT_KEY_ENV}]")
+    add_flags(parser)  # API keys, CORS and request limits (http_frontend/settings.py)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.curve_server_key) != bool(args.curve_client_key):
+        parser.error("--curve-server-key and --curve-client-key go together")
+    for key in (args.curve_server_key, args.curve_client_key):
+        if key and not os.path.isfile(key):
+            parser.error(f"{key}: no such file")
     # Workers read their settings from the environment (inherited across the fork and HUP reloads).
     os.environ.update({
         ENDPOINT_ENV: args.endpoint,
@@ -52,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         "MLX_FRONTEND_REQUEST_TIMEOUT": str(args.request_timeout),
         "MLX_FRONTEND_GRACEFUL_TIMEOUT": str(args.graceful_timeout),
         "MLX_FRONTEND_LOG_LEVEL": args.log_level,
+        # absolute: a HUP reload or a gunicorn --chdir must not change which key file is read
+        curve.SERVER_KEY_ENV: os.path.abspath(args.curve_server_key) if args.curve_server_key else "",
+        curve.CLIENT_KEY_ENV: os.path.abspath(args.curve_client_key) if args.curve_client_key else "",
     })
+    os.environ.update(flags_to_env(args))
     from gunicorn.app.base import BaseApplication
 
     from http_frontend.gunicorn_settings import options

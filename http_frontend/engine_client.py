@@ -115,7 +115,8 @@ class RequestStream:
 class EngineClient:
     """DEALER connection with HELLO/WELCOME, pings, request routing and generic CALLs."""
 
-    def __init__(self, endpoint: str, ping_interval: float = 1.0, dead_after: float = 3.0):
+    # A dead engine is noticed within dead_after + ping_interval: every open stream ends in < 3 s.
+    def __init__(self, endpoint: str, ping_interval: float = 0.5, dead_after: float = 2.0):
         self.endpoint = endpoint
         self.ping_interval = ping_interval
         self.dead_after = dead_after
@@ -141,6 +142,9 @@ class EngineClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        from http_frontend.curve import apply_client_curve
+
+        apply_client_curve(sock)  # CURVE client when MLX_FRONTEND_CURVE_* are set (across hosts)
         sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]

@@ -19,7 +19,9 @@ async def read_json_object(req: falcon.asgi.Request, max_bytes: int = MAX_BODY_B
     """The request body as a JSON object, or a 400 / 413 that says what is wrong."""
     if req.content_length is not None and req.content_length > max_bytes:
         raise APIError(413, f"Request body exceeds {max_bytes} bytes", code="request_too_large")
-    raw = await req.stream.read()
+    # One byte past the limit is enough to refuse: a chunked body without a length is never
+    # buffered whole.
+    raw = await req.stream.read(max_bytes + 1)
     if len(raw) > max_bytes:
         raise APIError(413, f"Request body exceeds {max_bytes} bytes", code="request_too_large")
     if not raw.strip():

@@ -49,6 +49,23 @@ def ping_engine(endpoint: str, timeout: float = 1.0) -> dict | None:
         sock.close()
 
 
+def call_engine(endpoint: str, method: str, args: dict | None = None, timeout: float = 30.0) -> object:
+    """A CALL straight on the engine socket (as a front-end would), returning RESULT's result."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(encode(MsgType.CALL, {"cid": "test", "method": method, "args": args or {}}))
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"no answer to CALL {method}")
+        msg_type, body = decode(sock.recv())
+        assert msg_type == MsgType.RESULT, (msg_type, body)
+        return body.get("result")
+    finally:
+        sock.close()
+
+
 class Proc:
     """A child process with its output in a log file, stopped gracefully then forcibly."""
 

@@ -30,7 +30,10 @@ def test_models_lists_mlx_models_of_the_hf_cache(tiny_model: Path, ipc_dir: Path
     (not_mlx / "pytorch_model.bin").write_bytes(b"\0" * 16)
     place_in_hf_cache(not_mlx, "someone/pytorch-only", cache)
 
-    engine = Engine(f"ipc://{ipc_dir}/hf.sock", tmp_path / "engined.log", env={"HF_HUB_CACHE": str(cache)})
+    # Requests may name local paths only inside a --model-dir root. The root is the model directory itself,
+    # so str(tiny_model) is allowed while /v1/models (which lists models *under* roots) shows only the cache.
+    engine = Engine(f"ipc://{ipc_dir}/hf.sock", tmp_path / "engined.log", env={"HF_HUB_CACHE": str(cache)},
+                    args=["--model-dir", str(tiny_model)])
     frontend = Frontend(engine.endpoint, tmp_path / "frontend.log", workers=1)
     try:
         engine.wait_ready(model_loaded=False)

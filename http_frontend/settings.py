@@ -1,0 +1,174 @@
+"""The front-end's settings, read once per worker from the environment.
+
+`frontend` turns its flags into these variables before gunicorn forks, so workers,
+HUP reloads and a plain `gunicorn -c deploy/gunicorn.conf.py` all see the same
+values. Reading them in one place means a bad value fails the worker's start with
+the variable's name instead of surfacing as a 500 on some later request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+API_KEY_ENV = "MLX_ENGINE_API_KEY"
+ALLOWED_ORIGINS_ENV = "MLX_FRONTEND_ALLOWED_ORIGINS"
+MAX_BODY_BYTES_ENV = "MLX_FRONTEND_MAX_BODY_BYTES"
+MAX_MESSAGES_ENV = "MLX_FRONTEND_MAX_MESSAGES"
+MAX_TOKENS_LIMIT_ENV = "MLX_FRONTEND_MAX_TOKENS_LIMIT"
+REQUEST_TIMEOUT_ENV = "MLX_FRONTEND_REQUEST_TIMEOUT"
+LOG_LEVEL_ENV = "MLX_FRONTEND_LOG_LEVEL"
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_MESSAGES = 2048
+DEFAULT_REQUEST_TIMEOUT = 600.0
+
+
+def split_list(value: str | None) -> tuple[str, ...]:
+    """A comma-separated variable as a tuple, blanks dropped (so "" means none)."""
+    return tuple(item.strip() for item in (value or "").split(",") if item.strip())
+
+
+def _positive_int(environ: Mapping[str, str], name: str, default: int | None) -> int | None:
+    """An integer >= 1; unset, empty, "0" or "none" give `default` (None = unlimited)."""
+    raw = environ.get(name, "").strip()
+    if raw.lower() in ("", "0", "none", "unlimited"):
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FrontendSettings:
+    """Security, limits and timeouts of one front-end worker."""
+
+    api_keys: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_tokens_limit: int | None = None  # None: no ceiling beyond the engine's own checks
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "FrontendSettings":
+        env = os.environ if environ is None else environ
+        timeout_raw = env.get(REQUEST_TIMEOUT_ENV, "").strip()
+        try:
+            request_timeout = float(timeout_raw) if timeout_raw else DEFAULT_REQUEST_TIMEOUT
+        except ValueError:
+            raise ValueError(f"{REQUEST_TIMEOUT_ENV} must be a number of seconds, got {timeout_raw!r}") from None
+        return cls(
+            api_keys=split_list(env.get(API_KEY_ENV)),
+            allowed_origins=split_list(env.get(ALLOWED_ORIGINS_ENV)),
+            max_body_bytes=_positive_int(env, MAX_BODY_BYTES_ENV, DEFAULT_MAX_BODY_BYTES),
+            max_messages=_positive_int(env, MAX_MESSAGES_ENV, DEFAULT_MAX_MESSAGES),
+            max_tokens_limit=_positive_int(env, MAX_TOKENS_LIMIT_ENV, None),
+            request_timeout=request_timeout,
+            log_level=env.get(LOG_LEVEL_ENV, "info").strip() or "info",
+        )
+
+    def __repr__(self) -> str:
+        # Never print the keys themselves (settings end up in logs and tracebacks).
+        return (f"FrontendSettings(api_keys=<{len(self.api_keys)} configured>, "
+                f"allowed_origins={self.allowed_origins}, max_body_bytes={self.max_body_bytes}, "
+                f"max_messages={self.max_messages}, max_tokens_limit={self.max_tokens_limit}, "
+                f"request_timeout={self.request_timeout}, log_level={self.log_level!r})")
+
+
+# -- the `frontend` command's flags for these settings ---------------------------------------
+def _limit_arg(text: str) -> int:
+    """argparse type: a positive integer, or 0 / "none" for no limit (returned as 0)."""
+    if text.strip().lower() in ("", "0", "none", "unlimited"):
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _key_arg(text: str) -> str:
+    key = text.strip()
+    if not key or "," in key:
+        raise argparse.ArgumentTypeError("an API key must be non-empty and contain no comma")
+    return key
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """Security and limit flags; each defaults to its environment variable."""
+    env = os.environ.get
+    parser.add_argument("--api-key", action="append", type=_key_arg, default=None, metavar="KEY",
+                        help="require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every route "
+                             "but GET /health; repeat for several keys. Prefer the variable: flags show in `ps`. "
+                             f"[{API_KEY_ENV}, comma-separated] (default: none, no authentication)")
+    parser.add_argument("--allowed-origins", default=env(ALLOWED_ORIGINS_ENV, ""), metavar="ORIGINS",
+                        help="comma-separated browser origins allowed by CORS, e.g. https://app.example.com "
+                             f"('*' = any, never with credentials). [{ALLOWED_ORIGINS_ENV}] (default: none, "
+                             "no CORS headers)")
+    parser.add_argument("--max-body-bytes", type=_limit_arg,
+                        default=env(MAX_BODY_BYTES_ENV, str(DEFAULT_MAX_BODY_BYTES)),
+                        help=f"largest request body in bytes; larger gets 413 (0 = the default). [{MAX_BODY_BYTES_ENV}] "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-messages", type=_limit_arg, default=env(MAX_MESSAGES_ENV, str(DEFAULT_MAX_MESSAGES)),
+                        help=f"most chat messages in one request; more gets 400 (0 = the default). [{MAX_MESSAGES_ENV}] "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-tokens-limit", type=_limit_arg, default=env(MAX_TOKENS_LIMIT_ENV, "0"),
+                        help="ceiling on a request's max_tokens / max_completion_tokens; over it gets 400 "
+                             f"max_tokens_exceeded. 0 = no ceiling. [{MAX_TOKENS_LIMIT_ENV}] (default: %(default)s)")
+
+
+def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
+    """The parsed flags as the variables workers read (the flag wins over the variable)."""
+    keys = args.api_key if args.api_key is not None else split_list(os.environ.get(API_KEY_ENV))
+    host = getattr(args, "host", "127.0.0.1")
+    if not keys and not _is_loopback(host):
+        logging.getLogger("http_frontend.cli").warning(
+            "listening on %s without an API key: anyone who can reach it can use the model "
+            "(set --api-key or %s)", host, API_KEY_ENV)
+    return {
+        API_KEY_ENV: ",".join(keys),
+        ALLOWED_ORIGINS_ENV: ",".join(split_list(args.allowed_origins)),
+        MAX_BODY_BYTES_ENV: str(args.max_body_bytes or DEFAULT_MAX_BODY_BYTES),
+        MAX_MESSAGES_ENV: str(args.max_messages or DEFAULT_MAX_MESSAGES),
+        MAX_TOKENS_LIMIT_ENV: str(args.max_tokens_limit or ""),
+    }
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable from elsewhere
+
+
+def configure_logging(level: str) -> None:
+    """Sends the app's own loggers (access lines with rids included) to stderr.
+
+    gunicorn configures only its `gunicorn.*` loggers; without this the front-end's
+    INFO records would be dropped by Python's last-resort handler. A logging setup
+    made by the embedding process (a root handler already present) is left alone.
+    """
+    if logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"))
+    app_logger = logging.getLogger("http_frontend")
+    if not app_logger.handlers:
+        app_logger.addHandler(handler)
+    numeric = logging.getLevelName(level.upper())
+    app_logger.setLevel(numeric if isinstance(numeric, int) else logging.INFO)

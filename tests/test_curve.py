@@ -1,0 +1,185 @@
+"""CURVE across hosts, with real processes and sockets: keygen, allow-list, front-end, insecure-bind refusal."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+import zmq.auth
+
+from protocol import MsgType, decode, encode
+from tests.helpers import Engine, Frontend, free_port, ping_engine
+
+
+def keygen(directory: Path, *clients: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "engine_daemon", "keygen", str(directory)]
+    for name in clients:
+        argv += ["--client", name]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def curve_ping(endpoint: str, server_key: Path, client_key: Path, timeout: float = 1.0) -> dict | None:
+    """PONG body over a CURVE DEALER using `client_key` (a .key_secret), or None without an answer."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey, _ = zmq.auth.load_certificate(server_key)
+    sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(client_key)
+    sock.connect(endpoint)
+    try:
+        sock.send(encode(MsgType.PING, {"t": time.time()}))
+        if sock.poll(int(timeout * 1000)):
+            msg_type, body = decode(sock.recv())
+            return body if msg_type == MsgType.PONG else None
+        return None
+    finally:
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("curve") / "keys"
+    result = keygen(directory, "frontend")
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+@pytest.fixture(scope="module")
+def intruder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A well-formed client key pair that is not in the engine's allow-list."""
+    directory = tmp_path_factory.mktemp("intruder") / "keys"
+    assert keygen(directory).returncode == 0
+    return directory / "client.key_secret"
+
+
+@pytest.fixture(scope="module")
+def curve_engine(tiny_model: Path, keys: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    logs = tmp_path_factory.mktemp("curve-logs")
+    engine = Engine(f"tcp://127.0.0.1:{free_port()}", logs / "engined.log", model=str(tiny_model),
+                    args=["--curve-secret-key", str(keys / "server.key_secret"),
+                          "--curve-authorized-keys", str(keys / "authorized_clients")])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert engine.popen.poll() is None, engine.log()
+            pong = curve_ping(engine.endpoint, keys / "server.key", keys / "frontend.key_secret", 0.5)
+            if pong and pong["state"] == "ready":
+                break
+            assert time.monotonic() < deadline, engine.log()
+            time.sleep(0.1)
+        yield engine
+    finally:
+        engine.stop()
+
+
+def test_keygen_writes_server_and_client_certificates(tmp_path: Path) -> None:
+    directory = tmp_path / "keys"
+    result = keygen(directory)
+    assert result.returncode == 0, result.stderr
+    for name in ("server", "client"):
+        public, secret = directory / f"{name}.key", directory / f"{name}.key_secret"
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+        assert str(secret) in result.stdout and str(public) in result.stdout
+        public_key, no_secret = zmq.auth.load_certificate(public)
+        same_public, secret_key = zmq.auth.load_certificate(secret)
+        assert no_secret is None and secret_key and public_key == same_public
+    # The allow-list holds the client's public key only: copy it to the engine host as it is.
+    allowed = directory / "authorized_clients"
+    assert [p.name for p in allowed.iterdir()] == ["client.key"]
+    assert zmq.auth.load_certificates(allowed) == {zmq.auth.load_certificate(directory / "client.key")[0]: True}
+    assert "--curve-secret-key" in result.stdout and "--curve-client-key" in result.stdout
+
+    # Never overwrites a key; adds a second client next to the same server key.
+    server_before = (directory / "server.key_secret").read_bytes()
+    again = keygen(directory)
+    assert again.returncode != 0 and "not overwriting" in again.stderr
+    assert keygen(directory, "second").returncode == 0
+    assert (directory / "server.key_secret").read_bytes() == server_before
+    assert sorted(p.name for p in allowed.iterdir()) == ["client.key", "second.key"]
+
+
+def test_authorized_client_gets_pong_others_get_nothing(curve_engine: Engine, keys: Path, intruder: Path) -> None:
+    pong = curve_ping(curve_engine.endpoint, keys / "server.key", keys / "frontend.key_secret", 2.0)
+    assert pong is not None and pong["state"] == "ready"
+
+    started = time.monotonic()
+    assert curve_ping(curve_engine.endpoint, keys / "server.key", intruder, 2.0) is None
+    assert time.monotonic() - started >= 1.9
+    assert ping_engine(curve_engine.endpoint, 2.0) is None  # plain, no CURVE at all
+
+    # Denied peers cost the engine nothing: authorized clients are still served.
+    assert curve_ping(curve_engine.endpoint, keys / "server.key", keys / "frontend.key_secret", 2.0) is not None
+    assert "CURVE on tcp://127.0.0.1" in curve_engine.log()
+
+
+def test_frontend_with_client_keys_serves_chat(curve_engine: Engine, keys: Path, tmp_path: Path) -> None:
+    frontend = Frontend(curve_engine.endpoint, tmp_path / "frontend.log", workers=1,
+                        args=["--curve-server-key", str(keys / "server.key"),
+                              "--curve-client-key", str(keys / "frontend.key_secret")])
+    try:
+        health = frontend.wait_healthy()
+        assert health["status"] == "healthy" and health["engine"]["state"] == "ready"
+        r = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=30, json={
+            "model": "default", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+    finally:
+        frontend.stop()
+
+
+def test_frontend_without_keys_cannot_reach_a_curve_engine(curve_engine: Engine, tmp_path: Path) -> None:
+    frontend = Frontend(curve_engine.endpoint, tmp_path / "frontend.log", workers=1)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                health = httpx.get(f"{frontend.base_url}/health", timeout=5)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, frontend.log()
+                time.sleep(0.2)
+        time.sleep(1.0)
+        health = httpx.get(f"{frontend.base_url}/health", timeout=5)
+        assert health.status_code == 503
+    finally:
+        frontend.stop()
+
+
+def test_frontend_refuses_half_a_curve_configuration(keys: Path, tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "http_frontend.cli", "--endpoint", "tcp://127.0.0.1:1",
+                             "--curve-server-key", str(keys / "server.key")],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode != 0 and "go together" in result.stderr
+
+
+def test_engine_refuses_plain_tcp_on_all_interfaces_unless_allowed(tmp_path: Path) -> None:
+    port = free_port()
+    refused = Engine(f"tcp://0.0.0.0:{port}", tmp_path / "refused.log")
+    try:
+        assert refused.popen.wait(60) != 0
+    finally:
+        refused.stop()
+    assert "refusing to bind tcp://0.0.0.0" in refused.log() and "--allow-insecure-tcp" in refused.log()
+
+    # Half a CURVE configuration is refused too: encryption without an allow-list would admit anyone.
+    half = Engine(f"tcp://0.0.0.0:{port}", tmp_path / "half.log", args=["--curve-secret-key", "/nonexistent"])
+    try:
+        assert half.popen.wait(60) != 0
+    finally:
+        half.stop()
+    assert "go together" in half.log()
+
+    allowed = Engine(f"tcp://0.0.0.0:{port}", tmp_path / "allowed.log", args=["--allow-insecure-tcp"])
+    try:
+        allowed.endpoint = f"tcp://127.0.0.1:{port}"
+        assert allowed.wait_ready(model_loaded=False)["state"] == "idle"
+        assert "WITHOUT encryption or authentication" in allowed.log()
+    finally:
+        allowed.stop()

@@ -1,0 +1,174 @@
+"""Fault injection against real processes: engine death, stalls, front-end restarts, mass disconnects."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import Engine, Frontend, call_engine
+
+
+def stream_events(base_url: str, body: dict, on_first=None) -> tuple[list[dict], float]:
+    """All `data:` payloads of one streamed chat request, and when the stream ended."""
+    events = []
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                payload = line[6:]
+                events.append({"done": True} if payload == "[DONE]" else json.loads(payload))
+                if on_first and len(events) == 2:
+                    on_first()
+    return events, time.monotonic()
+
+
+def long_body(model: str = "default", max_tokens: int = 5000) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "Talk for a long time."}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+def test_engine_kill_ends_every_stream_and_frontends_reconnect(tiny_model: Path, ipc_dir: Path,
+                                                               tmp_path: Path) -> None:
+    endpoint = f"ipc://{ipc_dir}/kill.sock"
+    engine = Engine(endpoint, tmp_path / "engined-1.log", model=str(tiny_model))
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=2)
+    try:
+        engine.wait_ready()
+        frontend.wait_healthy()
+        started = threading.Barrier(9)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream_events, frontend.base_url, long_body(), started.wait) for _ in range(8)]
+            started.wait(timeout=30)  # all 8 streams are flowing
+            time.sleep(0.3)
+            killed_at = time.monotonic()
+            engine.signal(signal.SIGKILL)
+            results = [f.result(timeout=30) for f in futures]
+        for events, ended_at in results:
+            assert ended_at - killed_at < 3.0, f"a stream took {ended_at - killed_at:.1f} s to end"
+            assert "error" in events[-2] and events[-1] == {"done": True}
+            assert events[-2]["error"]["code"] in ("engine_unavailable", "engine_restarted")
+        health = httpx.get(f"{frontend.base_url}/health", timeout=10)
+        assert health.status_code == 503
+        r = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=10,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+
+        engine = Engine(endpoint, tmp_path / "engined-2.log", model=str(tiny_model))
+        engine.wait_ready()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{frontend.base_url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "front-end did not reconnect to the new engine"
+            time.sleep(0.1)
+        r = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200
+    finally:
+        frontend.stop()
+        engine.stop()
+
+
+def test_a_wedged_engine_is_reported_stalled_not_dead(tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    endpoint = f"ipc://{ipc_dir}/stall.sock"
+    engine = Engine(endpoint, tmp_path / "engined.log", model=str(tiny_model), args=["--stall-timeout", "1"],
+                    env={"MLX_ENGINE_FAULT_INJECTION": "1"})
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    try:
+        engine.wait_ready()
+        frontend.wait_healthy()
+        sleeper = threading.Thread(target=call_engine, args=(endpoint, "debug_sleep", {"seconds": 4}))
+        sleeper.start()
+        time.sleep(2.0)
+        health = httpx.get(f"{frontend.base_url}/health", timeout=10)
+        assert health.status_code == 503
+        assert health.json()["status"] == "stalled" and health.json()["engine"]["busy_seconds"] > 1
+        sleeper.join(10)
+        time.sleep(0.5)
+        assert httpx.get(f"{frontend.base_url}/health", timeout=10).json()["status"] == "healthy"
+    finally:
+        frontend.stop()
+        engine.stop()
+
+
+def test_gunicorn_reload_and_restart_under_load_lose_no_request(engine: Engine, model_id: str,
+                                                                tmp_path: Path) -> None:
+    pid_file = tmp_path / "gunicorn.pid"
+    frontend = Frontend(engine.endpoint, tmp_path / "fe1.log", workers=2, pid_file=pid_file,
+                        args=["--graceful-timeout", "20"])
+    frontend.wait_healthy()
+    epoch = httpx.get(f"{frontend.base_url}/health").json()["engine"]["epoch"]
+    outcomes: list[tuple[float, bool, str]] = []
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                events, _ = stream_events(frontend.base_url, {**long_body(model_id, 24), "ignore_eos": True})
+                ok = events[-1] == {"done": True} and events[-2]["choices"][0]["finish_reason"] == "length"
+                outcomes.append((started, ok, "" if ok else str(events[-2])))
+            except httpx.HTTPError as exc:
+                outcomes.append((started, False, repr(exc)))
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=client) for _ in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        os.kill(int(pid_file.read_text()), signal.SIGHUP)  # graceful reload: new workers, old ones drain
+        time.sleep(3)
+        reloaded_at = time.monotonic()
+        time.sleep(2)
+        frontend.stop()  # full stop / start on the same port
+        frontend = Frontend(engine.endpoint, tmp_path / "fe2.log", port=frontend.port, workers=2,
+                            pid_file=pid_file)
+        frontend.wait_healthy()
+        restarted_at = time.monotonic()
+        time.sleep(3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        frontend.stop()
+    after_reload = [o for o in outcomes if reloaded_at <= o[0] and o[0] < restarted_at - 10]
+    after_restart = [o for o in outcomes if o[0] >= restarted_at]
+    assert after_restart and all(ok for _, ok, _ in after_restart), [o for o in after_restart if not o[1]][:3]
+    assert all(ok for _, ok, _ in after_reload)
+    assert sum(ok for _, ok, _ in outcomes) > 50
+    assert call_engine(engine.endpoint, "status")["epoch"] == epoch
+    assert engine.log().count("loading model") == 1
+
+
+def test_fifty_clients_vanishing_free_the_engine_at_once(frontend: Frontend, model_id: str) -> None:
+    def start_and_vanish(_: int) -> None:
+        with httpx.stream("POST", f"{frontend.base_url}/v1/chat/completions", json=long_body(model_id, 3000),
+                          timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(4):
+                next(lines)
+
+    def start_queued_and_vanish(_: int) -> None:
+        # Some of the 50 wait for a batch slot when they leave: they must be dropped too.
+        try:
+            httpx.post(f"{frontend.base_url}/v1/chat/completions", json={**long_body(model_id, 3000),
+                       "stream": False}, timeout=0.5)
+        except httpx.TimeoutException:
+            pass
+
+    with ThreadPoolExecutor(50) as pool:
+        list(pool.map(lambda i: start_and_vanish(i) if i < 32 else start_queued_and_vanish(i), range(50)))
+    last_disconnect = time.monotonic()
+    while True:
+        stats = httpx.get(f"{frontend.base_url}/stats", timeout=10).json()
+        if stats["running"] == 0 and stats["queued"] == 0:
+            break
+        assert time.monotonic() - last_disconnect < 1.0, stats
+        time.sleep(0.02)
