@@ -105,10 +105,6 @@ class Histogram:
         totals[0] += value * count
         totals[1] += count
 
-    def count(self, *labelvalues: str) -> int:
-        entry = self.values.get(labelvalues)
-        return int(entry[1][1]) if entry else 0
-
     def render(self, const: Labels) -> list[str]:
         samples: list[tuple[str, Labels, float]] = []
         keys = sorted(self.values) or ([()] if not self.labelnames else [])
