@@ -123,7 +123,7 @@ class EngineClient:
         self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.epoch: int | None = None
         self.engine_state = "unknown"
-        self.last_pong = 0.0
+        self.last_heard = 0.0
         self.streams: dict[str, RequestStream] = {}
         self._calls: dict[str, asyncio.Future] = {}
         self._ready = asyncio.Event()
@@ -133,7 +133,7 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self._ready.is_set() and time.monotonic() - self.last_pong < self.dead_after
+        return self._ready.is_set() and time.monotonic() - self.last_heard < self.dead_after
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
@@ -165,11 +165,16 @@ class EngineClient:
         """Non-blocking send; False when no engine is connected to take it."""
         if self._socket is None:
             return False
-        try:
-            self._socket.send(encode(msg_type, body), zmq.NOBLOCK)
-            return True
-        except zmq.Again:
+        # With NOBLOCK the asyncio socket finishes the send at once and returns a done Future:
+        # read its outcome here (an unread exception would only be logged as "never retrieved").
+        # Sending through a sync shadow socket instead would skip pyzmq's edge-triggered event
+        # bookkeeping and can leave the reader asleep with frames waiting.
+        sent = self._socket.send(encode(msg_type, body), zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:
+            if not isinstance(sent.exception(), zmq.Again):
+                log.warning("send to the engine failed: %s", sent.exception())
             return False
+        return True
 
     async def wait_ready(self, timeout: float) -> bool:
         if self.alive:
@@ -219,6 +224,7 @@ class EngineClient:
     async def _read_loop(self) -> None:
         while True:
             frame = await self._socket.recv()
+            self.last_heard = time.monotonic()  # any frame is a sign of life, not only PONG
             try:
                 msg_type, body = decode(frame)
             except ProtocolError as exc:
@@ -271,7 +277,7 @@ class EngineClient:
             self._send(MsgType.HELLO, self._hello())
         self.epoch = epoch
         self.engine_state = body["state"]
-        self.last_pong = time.monotonic()
+        self.last_heard = time.monotonic()
         self._ready.set()
 
     def _hello(self) -> dict[str, Any]:
@@ -289,7 +295,8 @@ class EngineClient:
         while True:
             self._send(MsgType.PING, {"t": time.time()})
             await asyncio.sleep(self.ping_interval)
-            if self._ready.is_set() and not self.alive:
+            if self._ready.is_set() and not self.alive and not self._socket.get(zmq.EVENTS) & zmq.POLLIN:
+                # Frames still waiting to be read mean this worker is behind, not the engine dead.
                 log.warning("engine silent for %.1f s: marking it down", self.dead_after)
                 self._ready.clear()
                 self.engine_state = "unreachable"
