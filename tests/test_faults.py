@@ -172,3 +172,12 @@ def test_fifty_clients_vanishing_free_the_engine_at_once(frontend: Frontend, mod
             break
         assert time.monotonic() - last_disconnect < 1.0, stats
         time.sleep(0.02)
+
+
+def test_a_second_engine_cannot_steal_the_ipc_path(engine: Engine, tmp_path: Path) -> None:
+    socket_dir = Path(engine.endpoint[len("ipc://"):]).parent
+    assert socket_dir.stat().st_mode & 0o777 == 0o700, "the ipc directory must be private to its user"
+    intruder = Engine(engine.endpoint, tmp_path / "intruder.log")
+    assert intruder.popen.wait(60) != 0
+    assert "another engine is bound" in intruder.log()
+    assert call_engine(engine.endpoint, "status")["state"] == "ready"  # the first one still serves
