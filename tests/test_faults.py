@@ -43,13 +43,22 @@ def test_engine_kill_ends_every_stream_and_frontends_reconnect(tiny_model: Path,
         engine.wait_ready()
         frontend.wait_healthy()
         started = threading.Barrier(9)
-        with ThreadPoolExecutor(8) as pool:
+
+        def non_streamed() -> httpx.Response:
+            return httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=30,
+                              json={**long_body(), "stream": False})
+
+        with ThreadPoolExecutor(9) as pool:
             futures = [pool.submit(stream_events, frontend.base_url, long_body(), started.wait) for _ in range(8)]
             started.wait(timeout=30)  # all 8 streams are flowing
+            waiting = pool.submit(non_streamed)
             time.sleep(0.3)
             killed_at = time.monotonic()
             engine.signal(signal.SIGKILL)
             results = [f.result(timeout=30) for f in futures]
+            in_flight = waiting.result(timeout=30)
+        assert in_flight.status_code == 503, in_flight.text
+        assert in_flight.json()["error"]["code"] in ("engine_unavailable", "engine_restarted")
         for events, ended_at in results:
             assert ended_at - killed_at < 3.0, f"a stream took {ended_at - killed_at:.1f} s to end"
             assert "error" in events[-2] and events[-1] == {"done": True}
