@@ -104,7 +104,8 @@ def settle_max_tokens(loaded: LoadedModel, prompt_len: int, requested: int | Non
 
 def resolve_sampling(loaded: LoadedModel, params: dict[str, Any], server_defaults: dict[str, Any]) -> dict[str, Any]:
     """Request field, else the model's generation_config.json, else the server's flags."""
-    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed")
     merged = {}
     for key in keys:
         for source in (params, loaded.generation_defaults, server_defaults):
@@ -123,7 +124,30 @@ PARAM_RANGES: dict[str, tuple[float, float]] = {
     "repetition_penalty": (1e-6, 100.0),
     "seed": (0, 2**63 - 1),
     "max_tokens": (1, 2**31 - 1),
+    "presence_penalty": (-2.0, 2.0),
+    "frequency_penalty": (-2.0, 2.0),
 }
+
+
+def parse_logit_bias(raw: dict[str, Any] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias in [-100, 100]} as ints, checked against the vocabulary."""
+    if not raw:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RequestError(400, "invalid_value", f"logit_bias key {key!r} is not a token id",
+                               param="logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise RequestError(400, "invalid_value", f"logit_bias token {token} is outside [0, {vocab_size})",
+                               param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(400, "invalid_value", f"logit_bias values must be numbers in [-100, 100]",
+                               param="logit_bias")
+        bias[token] = float(value)
+    return bias
 
 
 def check_params(params: dict[str, Any]) -> None:
@@ -153,6 +177,7 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     request.max_tokens = settle_max_tokens(loaded, len(request.prompt_tokens),
                                            request.params.get("max_tokens"), default_max_tokens)
     request.sampling = resolve_sampling(loaded, request.params, server_defaults)
+    request.sampling["logit_bias"] = parse_logit_bias(request.params.get("logit_bias"), loaded.vocab_size)
     request.stop = StopStringMatcher(request.params.get("stop"))
     request.detokenizer = loaded.tokenizer.detokenizer
     request.detokenizer.reset()

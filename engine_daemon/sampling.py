@@ -60,7 +60,15 @@ def make_request_sampler(sampling: dict[str, Any]) -> Sampler:
     return shared_sampler(*args)
 
 
+# Presence/frequency penalties look back this many tokens (mlx-lm's window; OpenAI's is the whole text).
+PENALTY_CONTEXT = 256
+
+
 def make_request_processors(sampling: dict[str, Any]) -> list:
     penalty = sampling.get("repetition_penalty")
     # 1.0 is "no penalty": skip the processor rather than multiply every logit by one.
-    return make_logits_processors(repetition_penalty=penalty if penalty not in (None, 1.0) else None)
+    return make_logits_processors(
+        logit_bias=sampling.get("logit_bias"),
+        repetition_penalty=penalty if penalty not in (None, 1.0) else None,
+        presence_penalty=sampling.get("presence_penalty"), presence_context_size=PENALTY_CONTEXT,
+        frequency_penalty=sampling.get("frequency_penalty"), frequency_context_size=PENALTY_CONTEXT)

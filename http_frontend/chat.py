@@ -26,7 +26,6 @@ KEEPALIVE_SECONDS = 1.0
 UNSUPPORTED = {
     "tools": "Tool calling is not supported yet",
     "functions": "Function calling is not supported yet",
-    "logit_bias": "'logit_bias' is not supported yet",
     "audio": "Audio output is not supported",
 }
 
@@ -101,9 +100,25 @@ def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         "ignore_eos": get_field(body, "ignore_eos", (bool,)),
     }
     for name in ("presence_penalty", "frequency_penalty"):
-        if get_field(body, name, (float,), minimum=-2, maximum=2):
-            raise bad_request(f"'{name}' is not supported yet", param=name, code="unsupported_parameter")
+        params[name] = get_field(body, name, (float,), minimum=-2, maximum=2)
+    params["logit_bias"] = parse_logit_bias(body)
     return {k: v for k, v in params.items() if v is not None}
+
+
+def parse_logit_bias(body: dict[str, Any]) -> dict[str, float] | None:
+    """OpenAI's {"token id": bias}: ids as strings (msgpack map keys), biases in [-100, 100]."""
+    bias = get_field(body, "logit_bias", (dict,))
+    if not bias:
+        return None
+    checked = {}
+    for key, value in bias.items():
+        if not str(key).lstrip("-").isdigit():
+            raise bad_request(f"Invalid key in 'logit_bias': {key!r} is not a token id", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_request(f"Invalid value in 'logit_bias' for {key}: expected a number in [-100, 100]",
+                              param="logit_bias")
+        checked[str(int(key))] = float(value)
+    return checked
 
 
 def check_unsupported(body: dict[str, Any]) -> None:

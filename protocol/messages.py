@@ -120,6 +120,9 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "seed": (int, NONE),
     "stop": (list, NONE),
     "ignore_eos": (bool, NONE),
+    "presence_penalty": NUMBER + (NONE,),
+    "frequency_penalty": NUMBER + (NONE,),
+    "logit_bias": (dict, NONE),  # {"<token id>": bias}
 }
 
 # One item of a DELTAS message (documented here; the front-end reads these keys).

@@ -1,0 +1,48 @@
+"""logit_bias and presence/frequency penalties reach the sampler, per request, through the stack."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.helpers import Frontend
+
+MESSAGES = [{"role": "user", "content": "Write a short poem about rivers."}]
+
+
+def chat(frontend: Frontend, model: str, **extra) -> httpx.Response:
+    return httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": MESSAGES, "max_tokens": 12, "temperature": 0, **extra})
+
+
+def test_logit_bias_forces_a_token(frontend: Frontend, model_id: str) -> None:
+    from mlx_lm import load
+
+    _, tokenizer = load(model_id)
+    token = tokenizer.encode(" river", add_special_tokens=False)[0]
+    r = chat(frontend, model_id, logit_bias={str(token): 100}, ignore_eos=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 12
+    # (mlx-lm's streaming detokenizer drops the leading space of a reply)
+    assert r.json()["choices"][0]["message"]["content"] == tokenizer.decode([token] * 12).lstrip()
+    # a ban works the other way round: the unbiased greedy text's first token disappears
+    plain = chat(frontend, model_id).json()["choices"][0]["message"]["content"]
+    first = tokenizer.encode(plain, add_special_tokens=False)[0]
+    banned = chat(frontend, model_id, logit_bias={str(first): -100}).json()["choices"][0]["message"]["content"]
+    assert tokenizer.encode(banned, add_special_tokens=False)[0] != first
+
+
+def test_penalties_change_greedy_output(frontend: Frontend, model_id: str) -> None:
+    plain = chat(frontend, model_id, max_tokens=40, ignore_eos=True).json()["choices"][0]["message"]["content"]
+    for field in ("presence_penalty", "frequency_penalty"):
+        r = chat(frontend, model_id, max_tokens=40, ignore_eos=True, **{field: 2.0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] != plain
+
+
+def test_bad_values_are_400_with_param(frontend: Frontend, model_id: str) -> None:
+    for extra, param in (({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 500}}, "logit_bias"),
+                         ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"presence_penalty": 3}, "presence_penalty"),
+                         ({"frequency_penalty": "x"}, "frequency_penalty")):
+        r = chat(frontend, model_id, **extra)
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param
