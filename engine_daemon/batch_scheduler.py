@@ -216,7 +216,7 @@ class BatchScheduler(BaseScheduler):
             request = self.by_uid.get(response.uid)
             if request is None:
                 continue
-            events.append(self.token_event(request, int(response.token)))
+            events.append(self.token_event(request, int(response.token), response.logprobs))
             if request.finish_reason is None and response.finish_reason is not None:
                 request.finish_reason = response.finish_reason  # the generator's own limit
             if request.finish_reason is None:

@@ -124,6 +124,7 @@ PARAM_RANGES: dict[str, tuple[float, float]] = {
     "repetition_penalty": (1e-6, 100.0),
     "seed": (0, 2**63 - 1),
     "max_tokens": (1, 2**31 - 1),
+    "top_logprobs": (0, 20),
     "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0),
 }
@@ -204,6 +205,25 @@ def consume_token(request: EngineRequest, token: int) -> str:
     elif request.finish_reason is not None:
         text += request.stop.flush()
     return text
+
+
+def logprob_entries(tokenizer: Any, logprobs: Any, token: int, top: int) -> list[dict[str, Any]]:
+    """OpenAI's per-token logprobs entry: the sampled token and the `top` most likely ones."""
+    import mlx.core as mx
+
+    row = logprobs.reshape(-1)
+
+    def describe(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    entry = describe(token, row[token].item())
+    entry["top_logprobs"] = []
+    if top:
+        ids = mx.argpartition(-row, kth=top - 1)[:top]
+        pairs = sorted(zip(ids.tolist(), row[ids].tolist()), key=lambda pair: -pair[1])
+        entry["top_logprobs"] = [describe(i, v) for i, v in pairs]
+    return [entry]
 
 
 def usage(request: EngineRequest, cached_tokens: int = 0) -> dict[str, int]:

@@ -193,7 +193,7 @@ class BaseScheduler:
         raise NotImplementedError
 
     # -- output ---------------------------------------------------------------------
-    def token_event(self, request: EngineRequest, token: int | None) -> Event:
+    def token_event(self, request: EngineRequest, token: int | None, logprobs: Any = None) -> Event:
         """DELTAS item for one sampled token (None: the generation ended with no new token)."""
         if token is None:
             request.finish_reason = request.finish_reason or "length"
@@ -204,6 +204,9 @@ class BaseScheduler:
         if token is not None and token not in request.eos_token_ids:
             item["token_ids"] = [token]
             self.stats.tokens_generated += 1
+            if request.params.get("logprobs") and logprobs is not None:
+                item["logprobs"] = rq.logprob_entries(self.models.current.tokenizer, logprobs, token,
+                                                      request.params.get("top_logprobs") or 0)
         request.seq += 1
         if request.finish_reason is not None:
             item["finish_reason"] = request.finish_reason
@@ -321,8 +324,8 @@ class SerialScheduler(BaseScheduler):
     def _advance(self) -> list[Event]:
         request = self.current
         try:
-            token, _ = next(self._tokens)
-            event = self.token_event(request, int(token))
+            token, logprobs = next(self._tokens)
+            event = self.token_event(request, int(token), logprobs)
         except StopIteration:
             event = self.token_event(request, None)
         except Exception as exc:

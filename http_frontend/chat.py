@@ -121,14 +121,23 @@ def parse_logit_bias(body: dict[str, Any]) -> dict[str, float] | None:
     return checked
 
 
-def check_unsupported(body: dict[str, Any]) -> None:
+def parse_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """Chat's `logprobs` (bool) and `top_logprobs` (0-20, only with logprobs)."""
+    wanted = get_field(body, "logprobs", (bool,), default=False)
+    top = get_field(body, "top_logprobs", (int,), minimum=0, maximum=20)
+    if top is not None and not wanted:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    return {"logprobs": True, "top_logprobs": top or 0} if wanted else {}
+
+
+def check_unsupported(body: dict[str, Any], logprobs_supported: bool = False) -> None:
     for name, message in UNSUPPORTED.items():
         if body.get(name):
             raise bad_request(message, param=name, code="unsupported_parameter")
     n = get_field(body, "n", (int,), default=1)
     if n != 1:
         raise bad_request("Only n=1 is supported", param="n", code="unsupported_parameter")
-    if get_field(body, "logprobs", (bool,)):
+    if not logprobs_supported and body.get("logprobs"):
         raise bad_request("'logprobs' is not supported yet", param="logprobs", code="unsupported_parameter")
     response_format = get_field(body, "response_format", (dict,))
     if response_format is not None and response_format.get("type", "text") != "text":
@@ -176,8 +185,8 @@ class ChatCompletions:
         body = await read_json_object(req, self.settings.max_body_bytes)
         check_message_count(body, self.settings.max_messages)
         messages = parse_messages(body)
-        check_unsupported(body)
-        params = parse_sampling(body)
+        check_unsupported(body, logprobs_supported=True)
+        params = {**parse_sampling(body), **parse_logprobs(body)}
         check_max_tokens(body, params, self.settings.max_tokens_limit)
         model = get_field(body, "model", (str,))
         stream_requested = get_field(body, "stream", (bool,), default=False)
@@ -196,13 +205,14 @@ class ChatCompletions:
             accepted = await until_disconnect(req, wait_accepted(stream, self.request_timeout))
             meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                     "model": accepted.get("model") or model}
+            meta_logprobs = bool(params.get("logprobs"))
             if stream_requested:
                 resp.content_type = "text/event-stream"
                 resp.set_header("Cache-Control", "no-cache")
-                resp.sse = self._events(stream, meta, include_usage, timer)
+                resp.sse = self._events(stream, meta, include_usage, timer, meta_logprobs)
                 handed_over = True
             else:
-                resp.media = await until_disconnect(req, self._complete(stream, meta, timer))
+                resp.media = await until_disconnect(req, self._complete(stream, meta, timer, meta_logprobs))
         except APIError as exc:
             if exc.code == "client_disconnected":
                 reason = exc.code
@@ -212,28 +222,34 @@ class ChatCompletions:
                 self.client.release(stream, reason)
 
     async def _complete(self, stream: RequestStream, meta: dict[str, Any],
-                        timer: TokenTimer | None = None) -> dict[str, Any]:
+                        timer: TokenTimer | None = None, logprobs: bool = False) -> dict[str, Any]:
         timer = timer or self.metrics.token_timer({})
-        text, finish_reason, usage = [], None, None
+        text, finish_reason, usage, entries = [], None, None, []
         async for update in relay(stream, self.request_timeout):
             if update is None:
                 continue
             timer.on_update(update)
             text.append(update.text)
+            entries.extend(update.logprobs)
             finish_reason, usage = update.finish_reason or finish_reason, update.usage or usage
         return {
             **meta, "object": "chat.completion", "system_fingerprint": None,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
-                         "logprobs": None, "finish_reason": finish_reason}],
+                         "logprobs": {"content": entries} if logprobs else None,
+                         "finish_reason": finish_reason}],
             "usage": _usage(usage),
         }
 
     async def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
-                      timer: TokenTimer | None = None) -> AsyncIterator[SSEvent | None]:
+                      timer: TokenTimer | None = None, logprobs: bool = False) -> AsyncIterator[SSEvent | None]:
         timer = timer or self.metrics.token_timer({})
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> SSEvent:
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None,
+                  entries: list[dict[str, Any]] | None = None) -> SSEvent:
             payload = {**meta, "object": "chat.completion.chunk", "system_fingerprint": None,
-                       "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                       "choices": [{"index": 0, "delta": delta,
+                                    "logprobs": {"content": entries} if logprobs and entries else None,
+                                    "finish_reason": finish_reason}]}
             if include_usage:
                 payload["usage"] = None
             return SSEvent(json=payload)
@@ -247,8 +263,8 @@ class ChatCompletions:
                     yield None  # keep-alive comment: a gone client is noticed within a second
                     continue
                 timer.on_update(update)
-                if update.text:
-                    yield chunk({"content": update.text})
+                if update.text or update.logprobs:
+                    yield chunk({"content": update.text}, entries=update.logprobs)
                 if update.finish_reason:
                     yield chunk({}, update.finish_reason)
                     if include_usage:

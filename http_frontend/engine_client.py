@@ -43,6 +43,7 @@ class Update:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
 
@@ -67,6 +68,7 @@ class RequestStream:
         pending = self._pending
         pending.text += item.get("text") or ""
         pending.token_ids.extend(item.get("token_ids") or ())
+        pending.logprobs.extend(item.get("logprobs") or ())
         if item.get("finish_reason"):
             pending.finish_reason = item["finish_reason"]
             pending.usage = item.get("usage")

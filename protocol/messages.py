@@ -123,10 +123,12 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "presence_penalty": NUMBER + (NONE,),
     "frequency_penalty": NUMBER + (NONE,),
     "logit_bias": (dict, NONE),  # {"<token id>": bias}
+    "logprobs": (bool, NONE),
+    "top_logprobs": (int, NONE),
 }
 
 # One item of a DELTAS message (documented here; the front-end reads these keys).
-DELTA_ITEM_KEYS = ("rid", "seq", "text", "token_ids", "finish_reason", "usage")
+DELTA_ITEM_KEYS = ("rid", "seq", "text", "token_ids", "logprobs", "finish_reason", "usage")
 
 # Engine states reported in WELCOME / PONG.
 ENGINE_STATES = ("idle", "loading", "ready", "stalled", "draining")
