@@ -145,7 +145,7 @@ def parse_logit_bias(raw: dict[str, Any] | None, vocab_size: int) -> dict[int, f
             raise RequestError(400, "invalid_value", f"logit_bias token {token} is outside [0, {vocab_size})",
                                param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise RequestError(400, "invalid_value", f"logit_bias values must be numbers in [-100, 100]",
+            raise RequestError(400, "invalid_value", "logit_bias values must be numbers in [-100, 100]",
                                param="logit_bias")
         bias[token] = float(value)
     return bias
@@ -175,8 +175,13 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     request.prompt_tokens = build_prompt(loaded, request.body)
     if isinstance(request.body.get("prompt"), list):
         check_token_ids(request.prompt_tokens, loaded.vocab_size)
-    request.max_tokens = settle_max_tokens(loaded, len(request.prompt_tokens),
-                                           request.params.get("max_tokens"), default_max_tokens)
+    try:
+        request.max_tokens = settle_max_tokens(loaded, len(request.prompt_tokens),
+                                               request.params.get("max_tokens"), default_max_tokens)
+    except RequestError as exc:
+        if exc.param == "messages" and request.body.get("messages") is None:
+            exc.param = "prompt"  # a raw-prompt request (/v1/completions): name the field it sent
+        raise
     request.sampling = resolve_sampling(loaded, request.params, server_defaults)
     request.sampling["logit_bias"] = parse_logit_bias(request.params.get("logit_bias"), loaded.vocab_size)
     request.stop = StopStringMatcher(request.params.get("stop"))

@@ -222,7 +222,7 @@ class EngineServer:
 
     def _on_call(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         method, args = body["method"], body.get("args") or {}
-        if method in ("unload", "debug_sleep"):
+        if method in ("unload", "debug_sleep", "tokenize", "detokenize"):  # need the mlx thread
             self.worker.commands.put(("call", peer, body["cid"], method, args))
             return
         if method == "status":

@@ -21,7 +21,9 @@ import mlx.core as mx
 
 from engine_daemon.batch_scheduler import BatchScheduler
 from engine_daemon.model_manager import ModelManager
+from engine_daemon.requests import RequestError
 from engine_daemon.scheduler import BaseScheduler, Event, SchedulerConfig, SerialScheduler
+from engine_daemon.tokenizer_calls import detokenize, tokenize
 from protocol import MsgType, encode
 
 log = logging.getLogger(__name__)
@@ -179,15 +181,22 @@ class MlxWorker(threading.Thread):
             return []
         if kind == "call":
             _, peer, cid, method, args = command
-            events, result = self._call(method, args)
+            try:
+                events, result = self._call(method, args)
+            except RequestError as exc:  # a refusal the client should see (400 and the like), not a crash
+                return [(peer, MsgType.ERROR, {**exc.to_body(None), "cid": cid})]
             return events + [(peer, MsgType.RESULT, {"cid": cid, "result": result})]
         return []
 
     def _call(self, method: str, args: dict[str, Any]) -> tuple[list[Event], Any]:
-        """CALLs that change model state; read-only ones are answered by the io thread."""
+        """CALLs that change model state or use the tokenizer (MLX objects belong to this thread)."""
         if method == "unload":
             events = self.scheduler.fail_all(503, "model_unloaded", "The model was unloaded")
             return events, {"status": "success" if self.models.unload() else "no_model_loaded"}
+        if method == "tokenize":
+            return [], tokenize(self.models.current, args)
+        if method == "detokenize":
+            return [], detokenize(self.models.current, args)
         if method == "debug_sleep" and os.environ.get(FAULT_INJECTION_ENV) == "1":
             # Fault injection for tests: wedge the mlx thread as a runaway kernel would.
             log.warning("fault injection: mlx thread sleeps %.1f s", args.get("seconds", 1.0))

@@ -12,9 +12,11 @@ from http_frontend.engine_client import EngineClient, EngineError, EngineUnavail
 from http_frontend.errors import APIError
 
 
-async def call_engine(client: EngineClient, method: str, timeout: float = 5.0) -> Any:
+async def call_engine(client: EngineClient, method: str, timeout: float = 5.0,
+                      args: dict[str, Any] | None = None) -> Any:
+    """A CALL whose failures come back as APIError: 503 when unreachable, the engine's own error otherwise."""
     try:
-        return await client.call(method, timeout=timeout)
+        return await client.call(method, args, timeout=timeout)
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None
     except EngineError as exc:

@@ -15,6 +15,7 @@ from falcon.routing import CompiledRouter
 from http_frontend import admin, errors
 from http_frontend.auth import security_middleware
 from http_frontend.chat import ChatCompletions
+from http_frontend.completions import Completions, Detokenize, Tokenize
 from http_frontend.disconnect import DisconnectWatch
 from http_frontend.engine_client import EngineClient
 from http_frontend.metrics import FrontendMetrics, MetricsResource, RequestObserver, route_finder
@@ -54,6 +55,10 @@ def create_app(endpoint: str | None = None) -> DisconnectWatch:
     errors.install(app)
     add_route(app, "/v1/chat/completions", ChatCompletions(client, settings.request_timeout, settings=settings,
                                                            metrics=metrics))
+    add_route(app, "/v1/completions", Completions(client, settings.request_timeout, settings=settings,
+                                                  metrics=metrics))
+    add_route(app, "/v1/tokenize", Tokenize(client, settings))
+    add_route(app, "/v1/detokenize", Detokenize(client, settings))
     add_route(app, "/v1/models", admin.Models(client))
     app.add_route("/health", admin.Health(client))
     app.add_route("/unload", admin.Unload(client))

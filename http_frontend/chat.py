@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import falcon.asgi
@@ -194,32 +194,13 @@ class ChatCompletions:
         include_usage = bool(stream_options.get("include_usage"))
         template_kwargs = get_field(body, "chat_template_kwargs", (dict,))
 
-        stream = await submit_or_503(self.client, {"model": model, "messages": messages, "params": params,
-                                                   "chat_template_kwargs": template_kwargs})
-        req.scope[RID_KEY] = stream.rid  # for the access line: the engine logs the same rid
-        resp.set_header("X-Request-Id", stream.rid)
-        timer = self.metrics.token_timer(req.scope)
-        handed_over, reason = False, "request_ended"
-        try:
-            # A client that leaves while its request waits in the engine's queue aborts it too.
-            accepted = await until_disconnect(req, wait_accepted(stream, self.request_timeout))
-            meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                    "model": accepted.get("model") or model}
-            meta_logprobs = bool(params.get("logprobs"))
-            if stream_requested:
-                resp.content_type = "text/event-stream"
-                resp.set_header("Cache-Control", "no-cache")
-                resp.sse = self._events(stream, meta, include_usage, timer, meta_logprobs)
-                handed_over = True
-            else:
-                resp.media = await until_disconnect(req, self._complete(stream, meta, timer, meta_logprobs))
-        except APIError as exc:
-            if exc.code == "client_disconnected":
-                reason = exc.code
-            raise
-        finally:
-            if not handed_over:
-                self.client.release(stream, reason)
+        logprobs = bool(params.get("logprobs"))
+        await serve_generation(
+            req, resp, self.client, self.request_timeout, self.metrics,
+            {"model": model, "messages": messages, "params": params, "chat_template_kwargs": template_kwargs},
+            "chatcmpl", model, stream_requested,
+            events=lambda stream, meta, timer: self._events(stream, meta, include_usage, timer, logprobs),
+            complete=lambda stream, meta, timer: self._complete(stream, meta, timer, logprobs))
 
     async def _complete(self, stream: RequestStream, meta: dict[str, Any],
                         timer: TokenTimer | None = None, logprobs: bool = False) -> dict[str, Any]:
@@ -279,6 +260,44 @@ class ChatCompletions:
             self.client.release(stream, reason)
             self.metrics.stream_closed()
         yield SSEvent(data=b"[DONE]")
+
+async def serve_generation(
+        req: falcon.asgi.Request, resp: falcon.asgi.Response, client: EngineClient, request_timeout: float,
+        metrics: FrontendMetrics, engine_request: dict[str, Any], id_prefix: str, model: str | None,
+        stream_requested: bool,
+        events: Callable[[RequestStream, dict[str, Any], TokenTimer], AsyncIterator[SSEvent | None]],
+        complete: Callable[[RequestStream, dict[str, Any], TokenTimer], Awaitable[dict[str, Any]]]) -> None:
+    """Submit, wait for ACCEPTED, then answer SSE (`events`) or JSON (`complete`).
+
+    Shared by every generation route. The request is released (ABORTed unless it
+    finished) on every path: here for JSON answers and refusals, by `events`' own
+    `finally` once the SSE generator has been handed to falcon.
+    """
+    stream = await submit_or_503(client, engine_request)
+    req.scope[RID_KEY] = stream.rid  # for the access line: the engine logs the same rid
+    resp.set_header("X-Request-Id", stream.rid)
+    timer = metrics.token_timer(req.scope)
+    handed_over, reason = False, "request_ended"
+    try:
+        # A client that leaves while its request waits in the engine's queue aborts it too.
+        accepted = await until_disconnect(req, wait_accepted(stream, request_timeout))
+        meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": accepted.get("model") or model}
+        if stream_requested:
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            resp.sse = events(stream, meta, timer)
+            handed_over = True
+        else:
+            resp.media = await until_disconnect(req, complete(stream, meta, timer))
+    except APIError as exc:
+        if exc.code == "client_disconnected":
+            reason = exc.code
+        raise
+    finally:
+        if not handed_over:
+            client.release(stream, reason)
+
 
 async def until_disconnect(req: falcon.asgi.Request, work: Any) -> Any:
     """Awaits `work` unless the client hangs up first (then the caller's finally aborts the request)."""
