@@ -171,8 +171,8 @@ def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
             "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)}}
 
 
-class ChatCompletions:
-    """The chat route: validates, submits to the engine, answers JSON or SSE."""
+class GenerationRoute:
+    """What every generation route holds: the engine client, limits and metrics."""
 
     def __init__(self, client: EngineClient, request_timeout: float, *, settings: FrontendSettings | None = None,
                  metrics: FrontendMetrics | None = None):
@@ -180,6 +180,10 @@ class ChatCompletions:
         self.request_timeout = request_timeout
         self.settings = settings or FrontendSettings()
         self.metrics = metrics or FrontendMetrics(client)
+
+
+class ChatCompletions(GenerationRoute):
+    """The chat route: validates, submits to the engine, answers JSON or SSE."""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)

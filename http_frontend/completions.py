@@ -18,10 +18,10 @@ from falcon.asgi import SSEvent
 
 from http_frontend.admin import call_engine
 from http_frontend.chat import (_usage, check_max_tokens, check_message_count, check_unsupported, parse_messages,
-                                parse_sampling, relay, serve_generation)
+                                parse_sampling, relay, serve_generation, GenerationRoute)
 from http_frontend.engine_client import EngineClient, RequestStream
 from http_frontend.errors import APIError, bad_request
-from http_frontend.metrics import FrontendMetrics, TokenTimer
+from http_frontend.metrics import TokenTimer
 from http_frontend.settings import FrontendSettings
 from http_frontend.validation import get_field, read_json_object
 
@@ -72,15 +72,8 @@ def check_completion_unsupported(body: dict[str, Any]) -> None:
         raise bad_request("'logprobs' is not supported yet", param="logprobs", code="unsupported_parameter")
 
 
-class Completions:
+class Completions(GenerationRoute):
     """The completions route: validates, submits a raw prompt to the engine, answers JSON or SSE."""
-
-    def __init__(self, client: EngineClient, request_timeout: float, *, settings: FrontendSettings | None = None,
-                 metrics: FrontendMetrics | None = None):
-        self.client = client
-        self.request_timeout = request_timeout
-        self.settings = settings or FrontendSettings()
-        self.metrics = metrics or FrontendMetrics(client)
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
