@@ -12,7 +12,7 @@ import falcon.asgi
 from falcon.asgi import SSEvent
 
 from http_frontend.disconnect import disconnected_event
-from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream
+from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
 from http_frontend.errors import APIError, bad_request
 from http_frontend.metrics import RID_KEY, FrontendMetrics, TokenTimer
 from http_frontend.settings import FrontendSettings
@@ -181,6 +181,35 @@ class GenerationRoute:
         self.settings = settings or FrontendSettings()
         self.metrics = metrics or FrontendMetrics(client)
 
+    async def sse(self, stream: RequestStream, timer: TokenTimer, render: Callable[[Update], list[SSEvent]],
+                  first: SSEvent | None = None) -> AsyncIterator[SSEvent | None]:
+        """The SSE body of a generation route: `render` turns each merged update into events.
+
+        Keep-alive comments while idle (a gone client is noticed within a second), an
+        error event for engine errors, `[DONE]` last, and the request released on every
+        path, a vanished client included (falcon closes the generator).
+        """
+        reason = "client_disconnected"
+        self.metrics.stream_opened()
+        try:
+            if first is not None:
+                yield first
+            async for update in relay(stream, self.request_timeout):
+                if update is None:
+                    yield None
+                    continue
+                timer.on_update(update)
+                for event in render(update):
+                    yield event
+            reason = "finished"
+        except APIError as exc:
+            reason = "error"
+            yield SSEvent(json=exc.to_dict())
+        finally:
+            self.client.release(stream, reason)
+            self.metrics.stream_closed()
+        yield SSEvent(data=b"[DONE]")
+
 
 class ChatCompletions(GenerationRoute):
     """The chat route: validates, submits to the engine, answers JSON or SSE."""
@@ -225,8 +254,8 @@ class ChatCompletions(GenerationRoute):
             "usage": _usage(usage),
         }
 
-    async def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
-                      timer: TokenTimer | None = None, logprobs: bool = False) -> AsyncIterator[SSEvent | None]:
+    def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
+                timer: TokenTimer | None = None, logprobs: bool = False) -> AsyncIterator[SSEvent | None]:
         timer = timer or self.metrics.token_timer({})
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None,
@@ -239,31 +268,19 @@ class ChatCompletions(GenerationRoute):
                 payload["usage"] = None
             return SSEvent(json=payload)
 
-        reason = "client_disconnected"
-        self.metrics.stream_opened()
-        try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for update in relay(stream, self.request_timeout):
-                if update is None:
-                    yield None  # keep-alive comment: a gone client is noticed within a second
-                    continue
-                timer.on_update(update)
-                if update.text or update.logprobs:
-                    yield chunk({"content": update.text}, entries=update.logprobs)
-                if update.finish_reason:
-                    yield chunk({}, update.finish_reason)
-                    if include_usage:
-                        yield SSEvent(json={**meta, "object": "chat.completion.chunk", "system_fingerprint": None,
-                                            "choices": [], "usage": _usage(update.usage)})
-            reason = "finished"
-        except APIError as exc:
-            reason = "error"
-            yield SSEvent(json=exc.to_dict())
-        finally:
-            # Runs on every path, a vanished client included (falcon closes the generator).
-            self.client.release(stream, reason)
-            self.metrics.stream_closed()
-        yield SSEvent(data=b"[DONE]")
+        def render(update: Update) -> list[SSEvent]:
+            events = []
+            if update.text or update.logprobs:
+                events.append(chunk({"content": update.text}, entries=update.logprobs))
+            if update.finish_reason:
+                events.append(chunk({}, update.finish_reason))
+                if include_usage:
+                    events.append(SSEvent(json={**meta, "object": "chat.completion.chunk",
+                                                "system_fingerprint": None, "choices": [],
+                                                "usage": _usage(update.usage)}))
+            return events
+
+        return self.sse(stream, timer, render, first=chunk({"role": "assistant", "content": ""}))
 
 async def serve_generation(
         req: falcon.asgi.Request, resp: falcon.asgi.Response, client: EngineClient, request_timeout: float,

@@ -19,8 +19,8 @@ from falcon.asgi import SSEvent
 from http_frontend.admin import call_engine
 from http_frontend.chat import (_usage, check_max_tokens, check_message_count, check_unsupported, parse_messages,
                                 parse_sampling, relay, serve_generation, GenerationRoute)
-from http_frontend.engine_client import EngineClient, RequestStream
-from http_frontend.errors import APIError, bad_request
+from http_frontend.engine_client import EngineClient, RequestStream, Update
+from http_frontend.errors import bad_request
 from http_frontend.metrics import TokenTimer
 from http_frontend.settings import FrontendSettings
 from http_frontend.validation import get_field, read_json_object
@@ -105,8 +105,8 @@ class Completions(GenerationRoute):
                 "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason}],
                 "usage": _usage(usage)}
 
-    async def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
-                      timer: TokenTimer) -> AsyncIterator[SSEvent | None]:
+    def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
+                timer: TokenTimer) -> AsyncIterator[SSEvent | None]:
         def chunk(text: str, finish_reason: str | None = None) -> SSEvent:
             payload = {**meta, "object": "text_completion", "system_fingerprint": None,
                        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
@@ -114,29 +114,17 @@ class Completions(GenerationRoute):
                 payload["usage"] = None
             return SSEvent(json=payload)
 
-        reason = "client_disconnected"
-        self.metrics.stream_opened()
-        try:
-            async for update in relay(stream, self.request_timeout):
-                if update is None:
-                    yield None  # keep-alive comment: a gone client is noticed within a second
-                    continue
-                timer.on_update(update)
-                if update.text or update.finish_reason:
-                    # The finish reason rides on the chunk with the last text, as OpenAI sends it.
-                    yield chunk(update.text, update.finish_reason)
-                if update.finish_reason and include_usage:
-                    yield SSEvent(json={**meta, "object": "text_completion", "system_fingerprint": None,
-                                        "choices": [], "usage": _usage(update.usage)})
-            reason = "finished"
-        except APIError as exc:
-            reason = "error"
-            yield SSEvent(json=exc.to_dict())
-        finally:
-            # Runs on every path, a vanished client included (falcon closes the generator).
-            self.client.release(stream, reason)
-            self.metrics.stream_closed()
-        yield SSEvent(data=b"[DONE]")
+        def render(update: Update) -> list[SSEvent]:
+            events = []
+            if update.text or update.finish_reason:
+                # The finish reason rides on the chunk with the last text, as OpenAI sends it.
+                events.append(chunk(update.text, update.finish_reason))
+            if update.finish_reason and include_usage:
+                events.append(SSEvent(json={**meta, "object": "text_completion", "system_fingerprint": None,
+                                            "choices": [], "usage": _usage(update.usage)}))
+            return events
+
+        return self.sse(stream, timer, render)
 
 
 class Tokenize:
