@@ -10,25 +10,15 @@ waiting on the engine (a non-streamed completion) can abort at once.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable
+from typing import Any
+
+from http_frontend.asgi import HttpWrapper, Receive, Send
 
 SCOPE_KEY = "mlx_engined.disconnected"
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-
-class DisconnectWatch:
-    def __init__(self, app: Callable[..., Awaitable[None]]):
-        self.app = app
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.app, name)  # add_route, add_error_handler, ... of the wrapped app
-
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class DisconnectWatch(HttpWrapper):
+    async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         disconnected = asyncio.Event()
         scope[SCOPE_KEY] = disconnected
         watcher: asyncio.Task | None = None

@@ -21,6 +21,7 @@ from typing import Any
 import falcon
 import falcon.asgi
 
+from http_frontend.asgi import HttpWrapper, Receive, Send
 from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable
 
 log = logging.getLogger(__name__)
@@ -262,11 +263,9 @@ class MetricsResource:
 
 
 # -- the ASGI wrapper that sees every request from arrival to last byte -------------------
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-class RequestObserver:
+class RequestObserver(HttpWrapper):
     """Counts every request and writes its access line once the last byte is handed over.
 
     An ASGI wrapper rather than falcon middleware: falcon's response hooks run before
@@ -276,17 +275,11 @@ class RequestObserver:
 
     def __init__(self, app: Callable[..., Awaitable[None]], metrics: FrontendMetrics,
                  route_of: Callable[[str], str | None]):
-        self.app = app
+        super().__init__(app)
         self.metrics = metrics
         self.route_of = route_of
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.app, name)  # add_route, add_error_handler, ... of the wrapped app
-
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         scope[START_KEY] = started
         status = 0
