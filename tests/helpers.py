@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import zmq
+import zmq.auth
 
 from protocol import MsgType, decode, encode
 
@@ -33,11 +34,18 @@ def engine_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def ping_engine(endpoint: str, timeout: float = 1.0) -> dict | None:
-    """PONG body from the engine at `endpoint`, or None when it does not answer."""
+def ping_engine(endpoint: str, timeout: float = 1.0, curve: tuple[Path, Path] | None = None) -> dict | None:
+    """PONG body from the engine at `endpoint`, or None when it does not answer.
+
+    `curve`: (server public certificate, client secret certificate) to connect with CURVE.
+    """
     context = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        server_key, client_key = curve
+        sock.curve_serverkey, _ = zmq.auth.load_certificate(server_key)
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(client_key)
     sock.connect(endpoint)
     try:
         sock.send(encode(MsgType.PING, {"t": time.time()}))

@@ -14,7 +14,6 @@ import pytest
 import zmq
 import zmq.auth
 
-from protocol import MsgType, decode, encode
 from tests.helpers import Engine, Frontend, free_port, ping_engine
 
 
@@ -27,19 +26,7 @@ def keygen(directory: Path, *clients: str) -> subprocess.CompletedProcess:
 
 def curve_ping(endpoint: str, server_key: Path, client_key: Path, timeout: float = 1.0) -> dict | None:
     """PONG body over a CURVE DEALER using `client_key` (a .key_secret), or None without an answer."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.curve_serverkey, _ = zmq.auth.load_certificate(server_key)
-    sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(client_key)
-    sock.connect(endpoint)
-    try:
-        sock.send(encode(MsgType.PING, {"t": time.time()}))
-        if sock.poll(int(timeout * 1000)):
-            msg_type, body = decode(sock.recv())
-            return body if msg_type == MsgType.PONG else None
-        return None
-    finally:
-        sock.close()
+    return ping_engine(endpoint, timeout, curve=(server_key, client_key))
 
 
 @pytest.fixture(scope="module")
