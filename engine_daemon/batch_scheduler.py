@@ -110,7 +110,8 @@ class BatchScheduler(BaseScheduler):
         (uid,) = self.generator.insert(
             [rest], max_tokens=[request.max_tokens], caches=[cache], all_tokens=[prompt[:cached]],
             samplers=[make_request_sampler(request.sampling)],
-            logits_processors=[make_request_processors(request.sampling)], stop_sequences=[eos])
+            logits_processors=[make_request_processors(request.sampling) + request.processors],
+            stop_sequences=[eos])
         self.by_uid[uid] = request
         self.uid_of[request.rid] = uid
         self.stats.prompt_tokens += len(prompt)

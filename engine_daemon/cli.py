@@ -122,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds one step (or command) of the mlx thread may run before the engine reports "
                              "itself 'stalled' in pings and /health (model loads excepted). "
                              "[MLX_ENGINE_STALL_TIMEOUT] (default: %(default)s)")
+    parser.add_argument("--responses-ttl", type=float,
+                        default=float(os.environ.get("MLX_ENGINE_RESPONSES_TTL", "3600")),
+                        help="seconds a stored Responses API response stays resumable (previous_response_id) "
+                             "and retrievable; the store is in memory and an engine restart loses it. "
+                             "[MLX_ENGINE_RESPONSES_TTL] (default: %(default)s)")
+    parser.add_argument("--responses-max-bytes", type=_size,
+                        default=_size(os.environ.get("MLX_ENGINE_RESPONSES_MAX_BYTES") or "64MB"),
+                        help="byte cap of the Responses API store, e.g. 64MB; the oldest responses are evicted "
+                             "first. [MLX_ENGINE_RESPONSES_MAX_BYTES] (default: 64MB)")
     parser.add_argument("--curve-secret-key", type=Path, default=_path_or_none("MLX_ENGINE_CURVE_SECRET_KEY"),
                         help="the engine's secret CURVE certificate (server.key_secret from `engined keygen`): "
                              "encrypt the socket and authenticate front-ends; needs --curve-authorized-keys. "
@@ -165,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("--trust-remote-code: models may run the Python code they ship")
     # Imported here so `engined --help` answers without loading mlx.
     from engine_daemon.blas_check import warn_if_slow_blas
+    from engine_daemon.response_store import ResponseStore
     from engine_daemon.scheduler import SchedulerConfig
     from engine_daemon.server import EndpointInUse, EngineServer
 
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             log.error("cannot load --model: %s", exc)
             return 2
     server = EngineServer(args.endpoint, config, preload=args.model, peer_timeout=args.peer_timeout,
-                          stall_timeout=args.stall_timeout, security=security)
+                          stall_timeout=args.stall_timeout, security=security,
+                          responses=ResponseStore(args.responses_ttl, args.responses_max_bytes))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     try:

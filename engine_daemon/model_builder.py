@@ -673,6 +673,43 @@ def build_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: st
     return out_dir
 
 
+# A thinking model's generation prompt (Qwen3-Thinking / DeepSeek-R1 style): the answer opens
+# inside <think>, and `enable_thinking: false` renders an empty, closed block instead.
+THINKING_GENERATION_PROMPT = r"""{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- else %}
+        {{- '<think>\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+
+def thinking_chat_template() -> str:
+    """The Qwen2.5 template (tools included) with a thinking generation prompt."""
+    head, sep, _ = QWEN25_CHAT_TEMPLATE.rpartition("{%- if add_generation_prompt %}")
+    assert sep, "the Qwen2.5 template lost its generation prompt"
+    return head + THINKING_GENERATION_PROMPT
+
+
+def derive_model(src: str | Path, dst: str | Path, chat_template: str) -> Path:
+    """A copy of a built model (weights hard-linked) with another chat template.
+
+    Tests use it for model variants that differ only in their template, such as a
+    thinking model, without building (or storing) a second set of weights.
+    """
+    src, dst = Path(src).resolve(), Path(dst).expanduser().resolve()
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and not path.name.startswith(".") and path.name != "tokenizer_config.json":
+            _link_or_copy(path, dst / path.name)
+    config = _read_json(src / "tokenizer_config.json") or {}
+    config["chat_template"] = chat_template
+    _atomic_write_json(dst / "tokenizer_config.json", config)
+    return dst
+
+
 # --------------------------------------------------------------------------------------
 # Hugging Face cache layout
 # --------------------------------------------------------------------------------------

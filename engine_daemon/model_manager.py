@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
-from engine_daemon.model_store import ModelRef
+from engine_daemon.model_store import ModelRef, model_kind
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,9 @@ class LoadedModel:
     kv_bytes_per_token: int = 0
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     loaded_at: float = field(default_factory=time.time)
+    # "text" (mlx-lm) or "vision" / "audio" (mlx-vlm: `vision` holds its processor and feature cache)
+    kind: str = "text"
+    vision: Any = None  # engine_daemon.vision.VisionSupport for vision/audio models
 
 
 # generation_config.json keys -> our sampling parameter names
@@ -89,6 +92,8 @@ class ModelManager:
         if self.current is not None and self.current.ref == ref:
             return self.current
         self.unload()
+        if model_kind(ref.path) != "text":
+            return self._load_vision(ref)
         log.info("loading model %s from %s", ref.id, ref.path)
         started = time.perf_counter()
         model, tokenizer, config = mlx_lm_load(
@@ -108,6 +113,18 @@ class ModelManager:
             kv_bytes_per_token=_kv_bytes_per_token(config, itemsize),
             generation_defaults=_read_generation_defaults(ref.path),
         )
+        log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
+        return self.current
+
+    def _load_vision(self, ref: ModelRef) -> LoadedModel:
+        """A vision/audio model: mlx-vlm model + processor (engine_daemon/vision.py; mlx-vlm imported here)."""
+        from engine_daemon.vision import load_vision_model
+
+        log.info("loading %s model %s from %s with mlx-vlm", model_kind(ref.path), ref.id, ref.path)
+        started = time.perf_counter()
+        self.current = load_vision_model(ref, trust_remote_code=self.trust_remote_code)
+        self.last_load_seconds = time.perf_counter() - started
+        self.loads += 1
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
         return self.current
 

@@ -39,7 +39,7 @@ class ModelRef:
 
 
 def is_mlx_model_dir(path: Path) -> bool:
-    """A directory mlx-lm can load: a config naming a known architecture, plus safetensors."""
+    """A directory mlx-lm or mlx-vlm can load: a config naming a known architecture, plus safetensors."""
     config_file = path / "config.json"
     if not config_file.is_file() or not any(path.glob("*.safetensors")):
         return False
@@ -49,7 +49,43 @@ def is_mlx_model_dir(path: Path) -> bool:
         return False
     if not isinstance(model_type, str):
         return False
-    return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None
+    return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None or _mlx_vlm_supports(model_type)
+
+
+# -- model kinds: which loader a model needs (engine_daemon/vision.py for vision/audio) ---------
+def _mlx_vlm_supports(model_type: str) -> bool:
+    """mlx-vlm ships an architecture for `model_type` (found on disk: importing mlx_vlm is heavy)."""
+    spec = importlib.util.find_spec("mlx_vlm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    name = model_type.lower().replace("-", "_")
+    return any((Path(location) / "models" / name / "__init__.py").is_file()
+               for location in spec.submodule_search_locations)
+
+
+def kind_of_config(config: dict) -> str:
+    """"vision" for a config with a vision tower, "audio" for one with only an audio tower, else "text".
+
+    Only architectures mlx-vlm knows count as vision/audio: anything else loads as text
+    with mlx-lm (which also reads the text part of some VLM checkpoints).
+    """
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not _mlx_vlm_supports(model_type):
+        return "text"
+    if config.get("vision_config"):
+        return "vision"
+    if config.get("audio_config"):
+        return "audio"
+    return "text"
+
+
+def model_kind(path: Path) -> str:
+    """The kind of the model in directory `path` (see kind_of_config); "text" when unreadable."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "text"
+    return kind_of_config(config) if isinstance(config, dict) else "text"
 
 
 def _looks_like_repo_id(name: str) -> bool:
@@ -160,7 +196,8 @@ def list_root_models(roots: Sequence[Path]) -> list[dict]:
                 continue
             real = child.resolve()
             if _inside(real, roots) and is_mlx_model_dir(real):
-                found[child.name] = {"id": child.name, "created": int(child.stat().st_mtime), "path": str(real)}
+                found[child.name] = {"id": child.name, "created": int(child.stat().st_mtime), "path": str(real),
+                                     "kind": model_kind(real)}
     return list(found.values())
 
 
@@ -188,7 +225,8 @@ def list_cached_models() -> list[dict]:
             continue
         newest = max(repo.revisions, key=lambda r: r.last_modified)
         if is_mlx_model_dir(Path(newest.snapshot_path)):
-            found.append({"id": repo.repo_id, "created": int(repo.last_modified), "path": str(newest.snapshot_path)})
+            found.append({"id": repo.repo_id, "created": int(repo.last_modified), "path": str(newest.snapshot_path),
+                          "kind": model_kind(Path(newest.snapshot_path))})
     found.sort(key=lambda m: -m["created"])
     return found
 

@@ -8,12 +8,15 @@ returns, so admission problems surface before the first token.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine_daemon.model_manager import LoadedModel
+from engine_daemon.output_parser import OutputParser, ParsedDelta
 from engine_daemon.stop_strings import StopStringMatcher
+from engine_daemon.thinking import make_thinking_budget, prompt_in_thinking
 
 
 class RequestError(Exception):
@@ -45,12 +48,15 @@ class EngineRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     stop: StopStringMatcher | None = None
     detokenizer: Any = None
+    parser: OutputParser | None = None
     eos_token_ids: frozenset[int] = frozenset()
     generated: int = 0
     cached_tokens: int = 0
     seq: int = 0
     finish_reason: str | None = None
     accepted: bool = False
+    # Request-specific logits processors (grammar constraint, thinking budget), after the sampling ones.
+    processors: list[Any] = field(default_factory=list)
 
     @property
     def params(self) -> dict[str, Any]:
@@ -67,8 +73,12 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
                                f"Model '{loaded.ref.id}' has no chat template; use /v1/completions",
                                param="messages")
         kwargs = dict(body.get("chat_template_kwargs") or {})
+        tools = template_tools(body)
+        if tools:
+            kwargs["tools"] = tools
         try:
-            tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+            tokens = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
+                                                   **kwargs)
         except Exception as exc:  # jinja raises its own exception types for template errors
             raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {exc}",
                                param="messages") from None
@@ -77,6 +87,37 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
     if isinstance(prompt, list):
         return prompt
     return list(tokenizer.encode(prompt))
+
+
+def template_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools the template describes; `tool_choice: "none"` means the model is not offered any."""
+    if body.get("tool_choice") == "none":
+        return None
+    return body.get("tools") or None
+
+
+def _arguments_object(arguments: Any) -> Any:
+    """Templates render arguments with `tojson`: give them the object, not its JSON string."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages as chat templates expect them (tool-call arguments as objects)."""
+    prepared = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [
+                {**call, "function": {**call.get("function", {}),
+                                      "arguments": _arguments_object(call.get("function", {}).get("arguments"))}}
+                for call in calls if isinstance(call, dict)]}
+        prepared.append(message)
+    return prepared
 
 
 def settle_max_tokens(loaded: LoadedModel, prompt_len: int, requested: int | None, default: int) -> int:
@@ -187,13 +228,36 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     request.stop = StopStringMatcher(request.params.get("stop"))
     request.detokenizer = loaded.tokenizer.detokenizer
     request.detokenizer.reset()
+    # Reasoning and tool calls are split out of the text here, once, for every front-end.
+    in_thinking = prompt_in_thinking(loaded.tokenizer, request.prompt_tokens)
+    request.parser = OutputParser(loaded.tokenizer, in_thinking=in_thinking, tools=template_tools(request.body))
+    budget = make_thinking_budget(loaded.tokenizer, request.params.get("thinking_budget"), in_thinking)
+    if budget is not None:
+        request.processors.append(budget)
+
+    # -- Structured output / forced tool calls: a grammar constraint (engine_daemon/structured.py) --
+    from engine_daemon.structured import constraint_for  # imports llguidance: only engine code gets here
+
+    body = request.body
+    constraint = constraint_for(loaded.tokenizer, body.get("response_format"), body.get("tools"),
+                                body.get("tool_choice"), body.get("parallel_tool_calls"),
+                                starts_in_thinking=in_thinking)
+    if constraint is not None:
+        request.processors.append(constraint)
+    # -- end of structured output --
     # ignore_eos (a vLLM extension): generate exactly max_tokens, as benchmarks need.
     if not request.params.get("ignore_eos"):
         request.eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)
 
 
-def consume_token(request: EngineRequest, token: int) -> str:
-    """Adds one sampled token; returns the text now safe to send and sets finish_reason when done."""
+def consume_token(request: EngineRequest, token: int | None) -> ParsedDelta:
+    """Adds one sampled token (None: generation ended without one); returns what is now safe to send.
+
+    Sets finish_reason when done: "tool_calls" when a stop ended a reply that called tools.
+    """
+    if token is None:
+        request.finish_reason = request.finish_reason or "length"
+        return _parsed(request, request.stop.flush())
     detokenizer = request.detokenizer
     if token in request.eos_token_ids:
         request.finish_reason = "stop"
@@ -209,7 +273,17 @@ def consume_token(request: EngineRequest, token: int) -> str:
         request.finish_reason = "stop"
     elif request.finish_reason is not None:
         text += request.stop.flush()
-    return text
+    return _parsed(request, text)
+
+
+def _parsed(request: EngineRequest, text: str) -> ParsedDelta:
+    final = request.finish_reason is not None
+    if request.parser is None:
+        return ParsedDelta(text=text)
+    delta = request.parser.feed(text, final=final)
+    if final and request.finish_reason == "stop" and request.parser.tool_calls:
+        request.finish_reason = "tool_calls"
+    return delta
 
 
 def logprob_entries(tokenizer: Any, logprobs: Any, token: int, top: int) -> list[dict[str, Any]]:

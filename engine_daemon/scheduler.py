@@ -195,12 +195,12 @@ class BaseScheduler:
     # -- output ---------------------------------------------------------------------
     def token_event(self, request: EngineRequest, token: int | None, logprobs: Any = None) -> Event:
         """DELTAS item for one sampled token (None: the generation ended with no new token)."""
-        if token is None:
-            request.finish_reason = request.finish_reason or "length"
-            text = request.stop.flush()
-        else:
-            text = rq.consume_token(request, token)
-        item: dict[str, Any] = {"rid": request.rid, "seq": request.seq, "text": text}
+        delta = rq.consume_token(request, token)
+        item: dict[str, Any] = {"rid": request.rid, "seq": request.seq, "text": delta.text}
+        if delta.reasoning:
+            item["reasoning"] = delta.reasoning
+        if delta.tool_calls:
+            item["tool_calls"] = delta.tool_calls
         if token is not None and token not in request.eos_token_ids:
             item["token_ids"] = [token]
             self.stats.tokens_generated += 1
@@ -211,6 +211,7 @@ class BaseScheduler:
         if request.finish_reason is not None:
             item["finish_reason"] = request.finish_reason
             item["usage"] = rq.usage(request, request.cached_tokens)
+            item["stop_sequence"] = request.stop.matched  # which stop string ended it (None: none did)
             self.stats.requests_finished += 1
             log.info("rid=%s finished reason=%s completion_tokens=%d", request.rid, request.finish_reason,
                      request.generated)
@@ -312,7 +313,7 @@ class SerialScheduler(BaseScheduler):
         self._tokens = generate_step(
             mx.array(request.prompt_tokens), self.models.current.model, self.stream,
             max_tokens=request.max_tokens, sampler=make_request_sampler(request.sampling),
-            logits_processors=make_request_processors(request.sampling),
+            logits_processors=make_request_processors(request.sampling) + request.processors,
             prefill_step_size=config.prefill_step_size, max_kv_size=config.max_kv_size,
             kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
             quantized_kv_start=config.quantized_kv_start,

@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 import zmq
 
 from engine_daemon.model_store import list_cached_models, list_root_models
+from engine_daemon.response_store import ResponseStore, StoreCallError, handle_call
 from engine_daemon.scheduler import SchedulerConfig
 from engine_daemon.socket_security import SocketSecurity, ThreadAuthenticator, secure_router
 from engine_daemon.worker import MlxWorker
@@ -69,7 +70,7 @@ class EngineServer:
 
     def __init__(self, endpoint: str, config: SchedulerConfig, preload: str | None = None,
                  peer_timeout: float = 10.0, stall_timeout: float = 60.0,
-                 security: SocketSecurity | None = None):
+                 security: SocketSecurity | None = None, responses: ResponseStore | None = None):
         self.endpoint = endpoint
         self.peer_timeout = peer_timeout
         self.stall_timeout = stall_timeout
@@ -82,6 +83,8 @@ class EngineServer:
         self._lock: BinaryIO | None = None
         self.security = security or SocketSecurity()
         self._auth: ThreadAuthenticator | None = None
+        # Responses API records (previous_response_id, GET, DELETE): touched on the io thread only.
+        self.responses = responses if responses is not None else ResponseStore()
 
     def stop(self) -> None:
         self._stop.set()
@@ -231,6 +234,14 @@ class EngineServer:
             result = self.list_models()
         elif method == "stats":
             result = self.stats()
+        elif method.startswith("responses."):
+            try:
+                result = handle_call(self.responses, method, args)
+            except StoreCallError as exc:
+                self._reply(router, peer, MsgType.ERROR, {
+                    "cid": body["cid"], "status": exc.status, "code": exc.code,
+                    "type": "invalid_request_error", "message": str(exc)})
+                return
         else:
             self._reply(router, peer, MsgType.ERROR, {
                 "cid": body["cid"], "status": 400, "code": "unknown_method",
@@ -279,4 +290,4 @@ class EngineServer:
         cache = scheduler.prompt_cache_stats() if hasattr(scheduler, "prompt_cache_stats") else {}
         return {**self.status(), "frontends": len(self.peers), "steps": self.worker.status.steps,
                 "batch_size": self.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
-                **cache}
+                **cache, **self.responses.stats()}

@@ -39,7 +39,8 @@ def tokenize(loaded: LoadedModel | None, args: dict[str, Any]) -> dict[str, Any]
     if messages is not None:
         if not isinstance(messages, list):
             raise RequestError(400, "invalid_type", "'messages' must be an array", param="messages")
-        body: dict[str, Any] = {"messages": messages, "chat_template_kwargs": args.get("chat_template_kwargs")}
+        body: dict[str, Any] = {"messages": messages, "chat_template_kwargs": args.get("chat_template_kwargs"),
+                                "tools": args.get("tools")}  # tool definitions are part of the templated prompt
     elif isinstance(prompt, str):
         body = {"prompt": prompt}
     else:

@@ -13,12 +13,15 @@ import falcon.asgi
 from falcon.routing import CompiledRouter
 
 from http_frontend import admin, errors
+from http_frontend.anthropic import CountTokens, Messages
 from http_frontend.auth import security_middleware
 from http_frontend.chat import ChatCompletions
 from http_frontend.completions import Completions, Detokenize, Tokenize
 from http_frontend.disconnect import DisconnectWatch
 from http_frontend.engine_client import EngineClient
+from http_frontend.openapi import OpenAPIResource
 from http_frontend.metrics import FrontendMetrics, MetricsResource, RequestObserver, route_finder
+from http_frontend.responses import ResponseById, Responses
 from http_frontend.settings import REQUEST_TIMEOUT_ENV, FrontendSettings, configure_logging  # noqa: F401 (re-export)
 from protocol.endpoints import default_endpoint
 
@@ -57,6 +60,10 @@ def create_app(endpoint: str | None = None) -> DisconnectWatch:
                                                            metrics=metrics))
     add_route(app, "/v1/completions", Completions(client, settings.request_timeout, settings=settings,
                                                   metrics=metrics))
+    add_route(app, "/v1/messages", Messages(client, settings.request_timeout, settings=settings, metrics=metrics))
+    add_route(app, "/v1/messages/count_tokens", CountTokens(client, settings))
+    add_route(app, "/v1/responses", Responses(client, settings.request_timeout, settings=settings, metrics=metrics))
+    add_route(app, "/v1/responses/{response_id}", ResponseById(client))
     add_route(app, "/v1/tokenize", Tokenize(client, settings))
     add_route(app, "/v1/detokenize", Detokenize(client, settings))
     add_route(app, "/v1/models", admin.Models(client))
@@ -64,4 +71,5 @@ def create_app(endpoint: str | None = None) -> DisconnectWatch:
     app.add_route("/unload", admin.Unload(client))
     app.add_route("/stats", admin.Stats(client))
     app.add_route("/metrics", MetricsResource(metrics))
+    app.add_route("/openapi.json", OpenAPIResource())
     return DisconnectWatch(RequestObserver(app, metrics, route_finder(router)))

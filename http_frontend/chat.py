@@ -11,9 +11,11 @@ from typing import Any
 import falcon.asgi
 from falcon.asgi import SSEvent
 
+from http_frontend.choices import MAX_CHOICES, choice_requests, merge_event_streams, merge_results
 from http_frontend.disconnect import disconnected_event
 from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
 from http_frontend.errors import APIError, bad_request
+from http_frontend.generation_fields import parse_reasoning, parse_response_format, parse_tool_choice, parse_tools
 from http_frontend.metrics import RID_KEY, FrontendMetrics, TokenTimer
 from http_frontend.settings import FrontendSettings
 from http_frontend.validation import get_field, read_json_object
@@ -24,8 +26,8 @@ KEEPALIVE_SECONDS = 1.0
 
 # Fields this server does not implement yet: refused with a 400 rather than silently ignored.
 UNSUPPORTED = {
-    "tools": "Tool calling is not supported yet",
-    "functions": "Function calling is not supported yet",
+    "functions": "The deprecated 'functions' field is not supported; use 'tools'",
+    "function_call": "The deprecated 'function_call' field is not supported; use 'tool_choice'",
     "audio": "Audio output is not supported",
 }
 
@@ -64,12 +66,53 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise bad_request(f"Invalid type for 'messages.[{index}]': expected an object",
                               param=f"messages.[{index}]", code="invalid_type")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise bad_request(f"Invalid value for 'messages.[{index}].role': {role!r}; expected one of "
                               f"{sorted(ROLES)}", param=f"messages.[{index}].role")
         text = _message_text(message, index)
-        parsed.append({"role": "system" if role == "developer" else role, "content": text or ""})
+        entry = {"role": "system" if role == "developer" else role, "content": text or ""}
+        entry.update(_tool_fields(message, index, role))
+        parsed.append(entry)
     return parsed
+
+
+def _tool_fields(message: dict[str, Any], index: int, role: str) -> dict[str, Any]:
+    """An assistant turn's `tool_calls` (and reasoning) and a tool result's `tool_call_id`, checked."""
+    fields: dict[str, Any] = {}
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if calls is not None:
+            param = f"messages.[{index}].tool_calls"
+            if not isinstance(calls, list):
+                raise bad_request(f"Invalid type for '{param}': expected an array", param=param, code="invalid_type")
+            checked = []
+            for call in calls:
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise bad_request(f"Invalid '{param}': each call needs a 'function' with a string 'name'",
+                                      param=param, code="invalid_type")
+                arguments = function.get("arguments", "{}")
+                if not isinstance(arguments, (str, dict)):
+                    raise bad_request(f"Invalid '{param}': 'arguments' must be a JSON string", param=param,
+                                      code="invalid_type")
+                checked.append({"id": str(call.get("id") or ""), "type": "function",
+                                "function": {"name": function["name"], "arguments": arguments}})
+            if checked:
+                fields["tool_calls"] = checked
+        for key in ("reasoning_content", "reasoning"):
+            if isinstance(message.get(key), str) and message[key]:
+                fields["reasoning_content"] = message[key]
+                break
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad_request(f"Invalid type for 'messages.[{index}].tool_call_id': expected a string",
+                              param=f"messages.[{index}].tool_call_id", code="invalid_type")
+        if call_id:
+            fields["tool_call_id"] = call_id
+    if isinstance(message.get("name"), str):
+        fields["name"] = message["name"]
+    return fields
 
 
 def parse_stop(body: dict[str, Any]) -> list[str] | None:
@@ -134,15 +177,9 @@ def check_unsupported(body: dict[str, Any], logprobs_supported: bool = False) ->
     for name, message in UNSUPPORTED.items():
         if body.get(name):
             raise bad_request(message, param=name, code="unsupported_parameter")
-    n = get_field(body, "n", (int,), default=1)
-    if n != 1:
-        raise bad_request("Only n=1 is supported", param="n", code="unsupported_parameter")
+    get_field(body, "n", (int,), minimum=1, maximum=MAX_CHOICES)
     if not logprobs_supported and body.get("logprobs"):
         raise bad_request("'logprobs' is not supported yet", param="logprobs", code="unsupported_parameter")
-    response_format = get_field(body, "response_format", (dict,))
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format type {response_format.get('type')!r} is not supported yet",
-                          param="response_format", code="unsupported_parameter")
 
 
 def check_message_count(body: dict[str, Any], limit: int) -> None:
@@ -161,6 +198,13 @@ def check_max_tokens(body: dict[str, Any], params: dict[str, Any], limit: int | 
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     raise bad_request(f"Invalid value for '{name}': {params['max_tokens']} is greater than this server's limit "
                       f"of {limit}", param=name, code="max_tokens_exceeded")
+
+
+def _tool_call(call: dict[str, Any], with_index: bool = True) -> dict[str, Any]:
+    """An engine tool call in OpenAI's shape; a streamed call arrives whole, in one delta."""
+    rendered = {"id": call["id"], "type": "function",
+                "function": {"name": call["name"], "arguments": call["arguments"]}}
+    return {"index": call["index"], **rendered} if with_index else rendered
 
 
 def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
@@ -182,11 +226,12 @@ class GenerationRoute:
         self.metrics = metrics or FrontendMetrics(client)
 
     async def sse(self, stream: RequestStream, timer: TokenTimer, render: Callable[[Update], list[SSEvent]],
-                  first: SSEvent | None = None) -> AsyncIterator[SSEvent | None]:
+                  first: SSEvent | None = None, done: bool = True) -> AsyncIterator[SSEvent | None]:
         """The SSE body of a generation route: `render` turns each merged update into events.
 
         Keep-alive comments while idle (a gone client is noticed within a second), an
-        error event for engine errors, `[DONE]` last, and the request released on every
+        error event for engine errors, `[DONE]` last (unless `done` is False: Anthropic's
+        grammar ends with its own message_stop), and the request released on every
         path, a vanished client included (falcon closes the generator).
         """
         reason = "client_disconnected"
@@ -208,7 +253,8 @@ class GenerationRoute:
         finally:
             self.client.release(stream, reason)
             self.metrics.stream_closed()
-        yield SSEvent(data=b"[DONE]")
+        if done:
+            yield SSEvent(data=b"[DONE]")
 
 
 class ChatCompletions(GenerationRoute):
@@ -225,30 +271,46 @@ class ChatCompletions(GenerationRoute):
         stream_requested = get_field(body, "stream", (bool,), default=False)
         stream_options = get_field(body, "stream_options", (dict,), default={})
         include_usage = bool(stream_options.get("include_usage"))
-        template_kwargs = get_field(body, "chat_template_kwargs", (dict,))
+        template_kwargs, thinking_budget = parse_reasoning(body, get_field(body, "chat_template_kwargs", (dict,)))
+        if thinking_budget is not None:
+            params["thinking_budget"] = thinking_budget
+        tools = parse_tools(body)
+        engine_request = {"model": model, "messages": messages, "params": params,
+                          "chat_template_kwargs": template_kwargs, "tools": tools,
+                          "tool_choice": parse_tool_choice(body, tools),
+                          "parallel_tool_calls": get_field(body, "parallel_tool_calls", (bool,)),
+                          "response_format": parse_response_format(body)}
 
         logprobs = bool(params.get("logprobs"))
         await serve_generation(
             req, resp, self.client, self.request_timeout, self.metrics,
-            {"model": model, "messages": messages, "params": params, "chat_template_kwargs": template_kwargs},
+            {key: value for key, value in engine_request.items() if value is not None},
             "chatcmpl", model, stream_requested,
             events=lambda stream, meta, timer: self._events(stream, meta, include_usage, timer, logprobs),
-            complete=lambda stream, meta, timer: self._complete(stream, meta, timer, logprobs))
+            complete=lambda stream, meta, timer: self._complete(stream, meta, timer, logprobs),
+            n=get_field(body, "n", (int,), default=1), include_usage=include_usage)
 
     async def _complete(self, stream: RequestStream, meta: dict[str, Any],
                         timer: TokenTimer | None = None, logprobs: bool = False) -> dict[str, Any]:
         timer = timer or self.metrics.token_timer({})
-        text, finish_reason, usage, entries = [], None, None, []
+        text, reasoning, calls, finish_reason, usage, entries = [], [], [], None, None, []
         async for update in relay(stream, self.request_timeout):
             if update is None:
                 continue
             timer.on_update(update)
             text.append(update.text)
+            reasoning.append(update.reasoning)
+            calls.extend(update.tool_calls)
             entries.extend(update.logprobs)
             finish_reason, usage = update.finish_reason or finish_reason, update.usage or usage
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) or (None if calls else "")}
+        if any(reasoning):
+            message["reasoning_content"] = message["reasoning"] = "".join(reasoning)
+        if calls:
+            message["tool_calls"] = [_tool_call(call, with_index=False) for call in calls]
         return {
             **meta, "object": "chat.completion", "system_fingerprint": None,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": {"content": entries} if logprobs else None,
                          "finish_reason": finish_reason}],
             "usage": _usage(usage),
@@ -270,8 +332,12 @@ class ChatCompletions(GenerationRoute):
 
         def render(update: Update) -> list[SSEvent]:
             events = []
+            if update.reasoning:
+                events.append(chunk({"reasoning_content": update.reasoning, "reasoning": update.reasoning}))
             if update.text or update.logprobs:
                 events.append(chunk({"content": update.text}, entries=update.logprobs))
+            if update.tool_calls:
+                events.append(chunk({"tool_calls": [_tool_call(call) for call in update.tool_calls]}))
             if update.finish_reason:
                 events.append(chunk({}, update.finish_reason))
                 if include_usage:
@@ -287,37 +353,44 @@ async def serve_generation(
         metrics: FrontendMetrics, engine_request: dict[str, Any], id_prefix: str, model: str | None,
         stream_requested: bool,
         events: Callable[[RequestStream, dict[str, Any], TokenTimer], AsyncIterator[SSEvent | None]],
-        complete: Callable[[RequestStream, dict[str, Any], TokenTimer], Awaitable[dict[str, Any]]]) -> None:
+        complete: Callable[[RequestStream, dict[str, Any], TokenTimer], Awaitable[dict[str, Any]]],
+        n: int = 1, include_usage: bool = False) -> None:
     """Submit, wait for ACCEPTED, then answer SSE (`events`) or JSON (`complete`).
 
-    Shared by every generation route. The request is released (ABORTed unless it
-    finished) on every path: here for JSON answers and refusals, by `events`' own
-    `finally` once the SSE generator has been handed to falcon.
+    Shared by every generation route. With `n` > 1 the n engine requests' answers
+    are merged into one (http_frontend/choices.py). Each request is released
+    (ABORTed unless it finished) on every path: here for JSON answers and refusals,
+    by `events`' own `finally` once the SSE generator has been handed to falcon.
     """
-    stream = await submit_or_503(client, engine_request)
-    req.scope[RID_KEY] = stream.rid  # for the access line: the engine logs the same rid
-    resp.set_header("X-Request-Id", stream.rid)
-    timer = metrics.token_timer(req.scope)
+    streams: list[RequestStream] = []
     handed_over, reason = False, "request_ended"
     try:
+        for body in choice_requests(engine_request, n):
+            streams.append(await submit_or_503(client, body))
+        req.scope[RID_KEY] = streams[0].rid  # for the access line: the engine logs the same rid
+        resp.set_header("X-Request-Id", streams[0].rid)
+        timer = metrics.token_timer(req.scope)
         # A client that leaves while its request waits in the engine's queue aborts it too.
-        accepted = await until_disconnect(req, wait_accepted(stream, request_timeout))
+        accepted = [await until_disconnect(req, wait_accepted(stream, request_timeout)) for stream in streams]
         meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": accepted.get("model") or model}
+                "model": accepted[0].get("model") or model}
         if stream_requested:
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
-            resp.sse = events(stream, meta, timer)
+            bodies = [events(stream, meta, timer) for stream in streams]
+            resp.sse = bodies[0] if n == 1 else merge_event_streams(bodies, include_usage)
             handed_over = True
         else:
-            resp.media = await until_disconnect(req, complete(stream, meta, timer))
+            results = await until_disconnect(req, asyncio.gather(*(complete(s, meta, timer) for s in streams)))
+            resp.media = results[0] if n == 1 else merge_results(results)
     except APIError as exc:
         if exc.code == "client_disconnected":
             reason = exc.code
         raise
     finally:
         if not handed_over:
-            client.release(stream, reason)
+            for stream in streams:
+                client.release(stream, reason)
 
 
 async def until_disconnect(req: falcon.asgi.Request, work: Any) -> Any:

@@ -20,6 +20,7 @@ from http_frontend.admin import call_engine
 from http_frontend.chat import (_usage, check_max_tokens, check_message_count, check_unsupported, parse_messages,
                                 parse_sampling, relay, serve_generation, GenerationRoute)
 from http_frontend.engine_client import EngineClient, RequestStream, Update
+from http_frontend.generation_fields import parse_response_format, parse_tools
 from http_frontend.errors import bad_request
 from http_frontend.metrics import TokenTimer
 from http_frontend.settings import FrontendSettings
@@ -89,9 +90,11 @@ class Completions(GenerationRoute):
 
         await serve_generation(
             req, resp, self.client, self.request_timeout, self.metrics,
-            {"model": model, "prompt": prompt, "params": params}, "cmpl", model, stream_requested,
+            {"model": model, "prompt": prompt, "params": params,
+             **({"response_format": fmt} if (fmt := parse_response_format(body)) else {})},
+            "cmpl", model, stream_requested,
             events=lambda stream, meta, timer: self._events(stream, meta, include_usage, timer),
-            complete=self._complete)
+            complete=self._complete, n=get_field(body, "n", (int,), default=1), include_usage=include_usage)
 
     async def _complete(self, stream: RequestStream, meta: dict[str, Any], timer: TokenTimer) -> dict[str, Any]:
         text, finish_reason, usage = [], None, None
@@ -143,6 +146,7 @@ class Tokenize:
             check_message_count(body, self.settings.max_messages)
             args["messages"] = parse_messages(body)
             args["chat_template_kwargs"] = get_field(body, "chat_template_kwargs", (dict,))
+            args["tools"] = parse_tools(body)  # counted as the chat route would render them
         else:
             args["prompt"] = get_field(body, "prompt", (str,), required=True)
         result = await call_engine(self.client, "tokenize", TOKENIZE_TIMEOUT, args)

@@ -42,10 +42,13 @@ class Update:
     """Everything a request produced since the consumer last looked, merged."""
 
     text: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the request, if one did
 
 
 class RequestStream:
@@ -67,11 +70,14 @@ class RequestStream:
     def on_deltas(self, item: dict[str, Any]) -> None:
         pending = self._pending
         pending.text += item.get("text") or ""
+        pending.reasoning += item.get("reasoning") or ""
+        pending.tool_calls.extend(item.get("tool_calls") or ())
         pending.token_ids.extend(item.get("token_ids") or ())
         pending.logprobs.extend(item.get("logprobs") or ())
         if item.get("finish_reason"):
             pending.finish_reason = item["finish_reason"]
             pending.usage = item.get("usage")
+            pending.stop_sequence = item.get("stop_sequence")
             self.finished = True
         self._has_news.set()
 
@@ -111,7 +117,7 @@ class RequestStream:
 
     def _has_output(self) -> bool:
         p = self._pending
-        return bool(p.text or p.token_ids or p.finish_reason or self.error is not None)
+        return bool(p.text or p.reasoning or p.tool_calls or p.token_ids or p.finish_reason or self.error is not None)
 
 
 class EngineClient:

@@ -1,4 +1,7 @@
-"""One error envelope everywhere: `{"error": {"message", "type", "param", "code"}}`."""
+"""One error envelope everywhere: `{"error": {"message", "type", "param", "code"}}`.
+
+Anthropic routes (/v1/messages...) answer the same errors in Anthropic's shape instead.
+"""
 
 from __future__ import annotations
 
@@ -50,16 +53,43 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param, code=code)
 
 
-def _write(resp: falcon.asgi.Response, error: APIError) -> None:
+# Anthropic's error types by status (its routes answer `{"type": "error", "error": {"type", "message"}}`).
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+# Routes whose clients (the Anthropic SDKs) parse errors in Anthropic's shape, with or without /v1.
+ANTHROPIC_PATHS = ("/v1/messages", "/messages")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in ANTHROPIC_PATHS)
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """`error` in the Anthropic envelope: the type follows the status, as Anthropic's API does."""
+    default = "invalid_request_error" if error.status < 500 else "api_error"
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPE_BY_STATUS.get(error.status, default),
+                                       "message": error.message}}
+
+
+def _write(req: falcon.asgi.Request, resp: falcon.asgi.Response, error: APIError) -> None:
     resp.status = error.status
-    resp.media = error.to_dict()
+    resp.media = anthropic_error_body(error) if is_anthropic_path(req.path) else error.to_dict()
     for name, value in error.headers.items():
         resp.set_header(name, value)
 
 
 async def handle_api_error(req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: APIError,
                            params: dict[str, Any]) -> None:
-    _write(resp, ex)
+    _write(req, resp, ex)
 
 
 async def handle_http_error(req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: falcon.HTTPError,
@@ -72,7 +102,7 @@ async def handle_http_error(req: falcon.asgi.Request, resp: falcon.asgi.Response
         error = APIError(405, f"Method {req.method} is not allowed on {req.path}", code="method_not_allowed")
     else:
         error = APIError(status, ex.description or ex.title or "HTTP error", code=None)
-    _write(resp, error)
+    _write(req, resp, error)
     for name, value in (ex.headers or {}).items():
         resp.set_header(name, value)
 
@@ -80,7 +110,7 @@ async def handle_http_error(req: falcon.asgi.Request, resp: falcon.asgi.Response
 async def handle_unexpected(req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: Exception,
                             params: dict[str, Any]) -> None:
     log.exception("unhandled error on %s %s", req.method, req.path)
-    _write(resp, APIError(500, f"Internal server error: {type(ex).__name__}", code="internal_error"))
+    _write(req, resp, APIError(500, f"Internal server error: {type(ex).__name__}", code="internal_error"))
 
 
 def install(app: falcon.asgi.App) -> None:

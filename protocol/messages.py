@@ -66,6 +66,15 @@ SCHEMAS: dict[MsgType, Schema] = {
         "params": ((dict,), True),
         "chat_template_kwargs": ((dict, NONE), False),
         "deadline": ((NUMBER, NONE), False),
+        # OpenAI chat-format function tools: [{"type": "function", "function": {name, description, parameters}}]
+        "tools": ((list, NONE), False),
+        # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
+        "tool_choice": ((str, dict, NONE), False),
+        "parallel_tool_calls": ((bool, NONE), False),
+        # {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+        "response_format": ((dict, NONE), False),
+        # Images / audio for vision models: [{"type": "image"|"audio", "data": bytes, ...}]
+        "media": ((list, NONE), False),
     },
     MsgType.ABORT: {"rids": ((list,), True), "reason": ((str,), False)},
     MsgType.CALL: {
@@ -125,10 +134,14 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "logit_bias": (dict, NONE),  # {"<token id>": bias}
     "logprobs": (bool, NONE),
     "top_logprobs": (int, NONE),
+    "thinking_budget": (int, NONE),
 }
 
 # One item of a DELTAS message (documented here; the front-end reads these keys).
-DELTA_ITEM_KEYS = ("rid", "seq", "text", "token_ids", "logprobs", "finish_reason", "usage")
+# `text` is answer text; `reasoning` is text inside the model's thinking block; `tool_calls`
+# holds complete parsed calls: [{"index", "id", "name", "arguments" (a JSON string)}].
+DELTA_ITEM_KEYS = ("rid", "seq", "text", "reasoning", "tool_calls", "token_ids", "logprobs", "finish_reason",
+                   "usage")
 
 # Engine states reported in WELCOME / PONG.
 ENGINE_STATES = ("idle", "loading", "ready", "stalled", "draining")

@@ -28,7 +28,9 @@ def ipc_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def engine(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     logs = tmp_path_factory.mktemp("logs")
-    proc = Engine(f"ipc://{ipc_dir}/shared.sock", logs / "engined.log", model=str(tiny_model))
+    # Models built next to the tiny one (variants, a VLM) may be named by requests.
+    proc = Engine(f"ipc://{ipc_dir}/shared.sock", logs / "engined.log", model=str(tiny_model),
+                  args=["--model-dir", str(tiny_model.parent)])
     try:
         proc.wait_ready()
         yield proc

@@ -124,7 +124,7 @@ def test_bad_input_gets_openai_errors_without_disturbing_a_good_request(frontend
         assert r.status_code == 400 and error_of(r)["param"] == "temperature"
         r = http.post(url, json={"model": model_id, "messages": [{"role": "wizard", "content": "x"}]})
         assert r.status_code == 400 and "role" in error_of(r)["param"]
-        r = http.post(url, json={"model": model_id, "messages": [{"role": "user", "content": "x"}], "n": 2})
+        r = http.post(url, json={"model": model_id, "messages": [{"role": "user", "content": "x"}], "n": 17})
         assert r.status_code == 400 and error_of(r)["param"] == "n"
         r = http.post(url, json={"model": "no-such-org/no-such-model",
                                  "messages": [{"role": "user", "content": "x"}]})
@@ -170,6 +170,24 @@ def test_stop_string_ends_the_text_before_it(frontend: Frontend, model_id: str) 
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_string_straddling_two_tokens_is_never_partially_streamed(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    full = client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0,
+                                          logprobs=True)
+    tokens = [entry.token for entry in full.choices[0].logprobs.content]
+    # The first boundary with at least two characters on each side: the stop string spans it.
+    at = next(i for i in range(5, len(tokens) - 1) if len(tokens[i]) >= 2 and len(tokens[i + 1]) >= 2)
+    stop = tokens[at][-2:] + tokens[at + 1][:2]
+    text = full.choices[0].message.content
+    cut = text[: text.index(stop)]
+    chunks = list(client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=0,
+                                                 stop=[stop], stream=True))
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == cut  # not one character of the stop string went out
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 def test_seed_makes_sampling_reproducible(frontend: Frontend, model_id: str) -> None:
     client = client_for(frontend)
 
@@ -180,3 +198,29 @@ def test_seed_makes_sampling_reproducible(frontend: Frontend, model_id: str) -> 
 
     assert sample(7) == sample(7)
     assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_n_choices_stream_and_non_stream_agree(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    args = {"model": model_id, "messages": [{"role": "user", "content": PROMPTS[5]}], "max_tokens": 8,
+            "temperature": 1.0, "seed": 11, "n": 3}
+    result = client.chat.completions.create(**args)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    texts = [c.message.content for c in result.choices]
+    assert len(set(texts)) > 1  # seeds seed+i: the choices differ
+    single = client.chat.completions.create(**{**args, "n": 1})
+    assert result.usage.prompt_tokens == single.usage.prompt_tokens
+    assert 3 <= result.usage.completion_tokens <= 3 * 8  # summed over the choices, prompt counted once
+
+    chunks = list(client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    streamed = ["", "", ""]
+    finishes = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert streamed == texts
+    assert set(finishes) == {0, 1, 2}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == result.usage.completion_tokens
+    assert sum(1 for c in chunks if not c.choices) == 1  # one usage chunk for all choices

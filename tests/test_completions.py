@@ -102,7 +102,7 @@ def test_unsupported_and_invalid_fields_get_400_naming_the_param(frontend: Front
     cases = [
         ({"echo": True}, "echo"),
         ({"suffix": "end"}, "suffix"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"logprobs": 2}, "logprobs"),
         ({"prompt": ["one", "two"]}, "prompt"),

@@ -1,0 +1,93 @@
+"""`n` > 1: several choices for one request, as n engine requests answered as one.
+
+The engine batches the n requests together (they share the prompt, so the prefix
+cache serves all but the first prefill). A seeded request gives choice i the seed
+`seed + i`, so the choices differ from each other and stay reproducible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from falcon.asgi import SSEvent
+
+MAX_CHOICES = 16
+
+_END = object()
+
+
+def choice_requests(engine_request: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The n ADD bodies: the same request, seeds offset per choice."""
+    seed = engine_request["params"].get("seed")
+    if seed is None:
+        return [engine_request] * n
+    return [{**engine_request, "params": {**engine_request["params"], "seed": seed + i}} for i in range(n)]
+
+
+def merge_usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One prompt, n completions: prompt tokens counted once, completion tokens summed."""
+    present = [u for u in usages if u]
+    if not present:
+        return None
+    merged = dict(present[0])
+    merged["completion_tokens"] = sum(u["completion_tokens"] for u in present)
+    merged["total_tokens"] = merged["prompt_tokens"] + merged["completion_tokens"]
+    return merged
+
+
+def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """n single-choice JSON answers as one answer with choices 0..n-1."""
+    merged = dict(results[0])
+    merged["choices"] = [{**result["choices"][0], "index": i} for i, result in enumerate(results)]
+    merged["usage"] = merge_usage([result.get("usage") for result in results])
+    return merged
+
+
+async def merge_event_streams(streams: list[AsyncIterator[SSEvent | None]],
+                              include_usage: bool) -> AsyncIterator[SSEvent | None]:
+    """Interleaves n single-choice SSE bodies into one: choice indexes rewritten, one usage chunk, one [DONE].
+
+    Closing this generator (client gone) cancels every choice's body, whose own
+    `finally` aborts its engine request.
+    """
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[SSEvent | None]) -> None:
+        try:
+            async for event in stream:
+                await queue.put((index, event))
+        finally:
+            queue.put_nowait((index, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    usages: list[dict[str, Any] | None] = []
+    usage_template: dict[str, Any] | None = None
+    live = len(streams)
+    try:
+        while live:
+            index, event = await queue.get()
+            if event is _END:
+                live -= 1
+                continue
+            payload = getattr(event, "json", None) if event is not None else None
+            if event is None:
+                yield None  # keep-alive
+            elif payload is None:
+                continue  # one choice's [DONE]: the merged stream sends its own at the end
+            elif "choices" in payload and not payload["choices"]:
+                usages.append(payload.get("usage"))  # one choice's usage chunk
+                usage_template = payload
+            else:
+                for choice in payload.get("choices", ()):
+                    choice["index"] = index
+                yield event
+        if include_usage and usage_template is not None:
+            yield SSEvent(json={**usage_template, "usage": merge_usage(usages)})
+        yield SSEvent(data=b"[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()

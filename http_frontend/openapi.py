@@ -1,0 +1,333 @@
+"""GET /openapi.json: an OpenAPI 3 description of every route this front-end serves.
+
+Written by hand from the same limits the validators enforce, and kept true by
+tests/test_openapi.py, which checks that every registered route is described and
+runs Schemathesis against a live server: no 5xx, and every response (status,
+content type, body) matches what is written here. Each /v1 route also answers
+without the prefix; only the /v1 spelling is listed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import falcon.asgi
+
+Schema = dict[str, Any]
+
+
+def obj(properties: dict[str, Schema], required: tuple[str, ...] = (), **extra: Any) -> Schema:
+    schema: Schema = {"type": "object", "properties": properties, **extra}
+    if required:
+        schema["required"] = list(required)
+    return schema
+
+
+def arr(items: Schema, **extra: Any) -> Schema:
+    return {"type": "array", "items": items, **extra}
+
+
+def nullable(schema: Schema) -> Schema:
+    return {**schema, "nullable": True}
+
+
+def ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+STRING, INTEGER, NUMBER, BOOLEAN = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+ANY_OBJECT = {"type": "object", "additionalProperties": True}
+
+ERROR = obj({"error": obj({"message": STRING, "type": STRING, "param": nullable(STRING),
+                           "code": nullable(STRING)}, ("message", "type"))}, ("error",))
+ANTHROPIC_ERROR = obj({"type": {"type": "string", "enum": ["error"]},
+                       "error": obj({"type": STRING, "message": STRING}, ("type", "message"))}, ("type", "error"))
+
+TEXT_PART = obj({"type": {"type": "string", "enum": ["text", "input_text"]}, "text": STRING}, ("type", "text"))
+IMAGE_PART = obj({"type": {"type": "string", "enum": ["image_url"]},
+                  "image_url": obj({"url": STRING, "detail": STRING}, ("url",))}, ("type", "image_url"))
+AUDIO_PART = obj({"type": {"type": "string", "enum": ["input_audio"]},
+                  "input_audio": obj({"data": STRING, "format": STRING}, ("data",))}, ("type", "input_audio"))
+TOOL_CALL = obj({"id": STRING, "type": {"type": "string", "enum": ["function"]},
+                 "function": obj({"name": STRING, "arguments": STRING}, ("name", "arguments"))},
+                ("id", "type", "function"))
+MESSAGE = obj({
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": nullable({"oneOf": [STRING, arr({"oneOf": [TEXT_PART, IMAGE_PART, AUDIO_PART]})]}),
+    "name": STRING, "tool_calls": arr(TOOL_CALL), "tool_call_id": STRING, "reasoning_content": STRING,
+}, ("role",))
+TOOL = obj({"type": {"type": "string", "enum": ["function"]},
+            "function": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
+                             "description": STRING, "parameters": ANY_OBJECT, "strict": BOOLEAN}, ("name",))},
+           ("type", "function"))
+TOOL_CHOICE = {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                         obj({"type": {"type": "string", "enum": ["function"]},
+                              "function": obj({"name": STRING}, ("name",))}, ("type", "function"))]}
+RESPONSE_FORMAT = obj({"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+                       "json_schema": obj({"name": STRING, "schema": ANY_OBJECT, "strict": BOOLEAN})}, ("type",))
+STOP = {"oneOf": [STRING, arr(STRING, maxItems=16)]}
+
+SAMPLING: dict[str, Schema] = {
+    "model": STRING,
+    "max_tokens": nullable({"type": "integer", "minimum": 1}),
+    "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
+    "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "top_k": nullable({"type": "integer", "minimum": -1}),
+    "min_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "repetition_penalty": nullable({"type": "number", "minimum": 0.01}),
+    "presence_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "frequency_penalty": nullable({"type": "number", "minimum": -2, "maximum": 2}),
+    "logit_bias": nullable({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                                          "maximum": 100}}),
+    "seed": nullable(INTEGER),
+    "stop": nullable(STOP),
+    "n": nullable({"type": "integer", "minimum": 1, "maximum": 16}),
+    "stream": nullable(BOOLEAN),
+    "stream_options": nullable(obj({"include_usage": BOOLEAN})),
+    "ignore_eos": nullable(BOOLEAN),
+    "user": nullable(STRING),
+    "response_format": nullable(RESPONSE_FORMAT),
+}
+
+CHAT_REQUEST = obj({
+    **SAMPLING,
+    "messages": arr(MESSAGE, minItems=1),
+    "max_completion_tokens": nullable({"type": "integer", "minimum": 1}),
+    "logprobs": nullable(BOOLEAN),
+    "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 20}),
+    "tools": nullable(arr(TOOL, maxItems=128)),
+    "tool_choice": nullable(TOOL_CHOICE),
+    "parallel_tool_calls": nullable(BOOLEAN),
+    "chat_template_kwargs": nullable(ANY_OBJECT),
+    "enable_thinking": nullable(BOOLEAN),
+    "thinking_budget": nullable({"type": "integer", "minimum": 0}),
+    "reasoning_effort": nullable({"type": "string", "enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}),
+}, ("messages",))
+
+COMPLETION_REQUEST = obj({
+    **SAMPLING,
+    "prompt": {"oneOf": [{"type": "string", "minLength": 1}, arr({"type": "integer", "minimum": 0}, minItems=1),
+                         arr(STRING, minItems=1, maxItems=1)]},
+    "echo": nullable({"type": "boolean", "enum": [False]}),
+    "suffix": nullable({"type": "string", "maxLength": 0}),
+    "best_of": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
+    "logprobs": {"type": "integer", "nullable": True, "minimum": 0, "maximum": 0},
+}, ("prompt",))
+
+USAGE = nullable(obj({"prompt_tokens": INTEGER, "completion_tokens": INTEGER, "total_tokens": INTEGER,
+                      "prompt_tokens_details": obj({"cached_tokens": INTEGER})},
+                     ("prompt_tokens", "completion_tokens", "total_tokens")))
+FINISH_REASON = nullable({"type": "string", "enum": ["stop", "length", "tool_calls", "content_filter"]})
+LOGPROB_ENTRY = obj({"token": STRING, "logprob": NUMBER, "bytes": nullable(arr(INTEGER)),
+                     "top_logprobs": arr(obj({"token": STRING, "logprob": NUMBER, "bytes": nullable(arr(INTEGER))}))},
+                    ("token", "logprob"))
+CHAT_COMPLETION = obj({
+    "id": STRING, "object": {"type": "string", "enum": ["chat.completion"]}, "created": INTEGER, "model": STRING,
+    "choices": arr(obj({
+        "index": INTEGER,
+        "message": obj({"role": {"type": "string", "enum": ["assistant"]}, "content": nullable(STRING),
+                        "reasoning_content": STRING, "reasoning": STRING, "tool_calls": arr(TOOL_CALL)},
+                       ("role",)),
+        "logprobs": nullable(obj({"content": arr(LOGPROB_ENTRY)})),
+        "finish_reason": FINISH_REASON}, ("index", "message", "finish_reason"))),
+    "usage": USAGE,
+}, ("id", "object", "created", "model", "choices"))
+TEXT_COMPLETION = obj({
+    "id": STRING, "object": {"type": "string", "enum": ["text_completion"]}, "created": INTEGER, "model": STRING,
+    "choices": arr(obj({"index": INTEGER, "text": STRING, "logprobs": nullable(ANY_OBJECT),
+                        "finish_reason": FINISH_REASON}, ("index", "text", "finish_reason"))),
+    "usage": USAGE,
+}, ("id", "object", "created", "model", "choices"))
+
+RESPONSES_INPUT_ITEM = obj({"type": STRING, "role": STRING, "content": {"oneOf": [STRING, arr(ANY_OBJECT)]},
+                            "call_id": STRING, "name": STRING, "arguments": STRING, "output": STRING})
+RESPONSES_REQUEST = obj({
+    "model": STRING,
+    "input": {"oneOf": [STRING, arr(RESPONSES_INPUT_ITEM, minItems=1)]},
+    "instructions": nullable(STRING),
+    "max_output_tokens": nullable({"type": "integer", "minimum": 1}),
+    "temperature": nullable({"type": "number", "minimum": 0, "maximum": 2}),
+    "top_p": nullable({"type": "number", "minimum": 0, "maximum": 1}),
+    "stream": nullable(BOOLEAN),
+    "store": nullable(BOOLEAN),
+    "previous_response_id": nullable(STRING),
+    "tools": nullable(arr(obj({"type": {"type": "string", "enum": ["function"]}, "name": STRING,
+                               "description": STRING, "parameters": ANY_OBJECT, "strict": BOOLEAN},
+                              ("type", "name")))),
+    "tool_choice": nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                                       obj({"type": {"type": "string", "enum": ["function"]}, "name": STRING},
+                                           ("type", "name"))]}),
+    "text": nullable(obj({"format": obj({"type": {"type": "string",
+                                                  "enum": ["text", "json_object", "json_schema"]},
+                                         "name": STRING, "schema": ANY_OBJECT, "strict": BOOLEAN}, ("type",))})),
+    "reasoning": nullable(obj({"effort": nullable(STRING), "summary": nullable(STRING)})),
+}, ("input",))
+RESPONSE_OBJECT = obj({
+    "id": STRING, "object": {"type": "string", "enum": ["response"]}, "created_at": NUMBER, "status": STRING,
+    "model": STRING, "output": arr(obj({"type": STRING, "id": STRING}, ("type",))),
+    "usage": nullable(obj({"input_tokens": INTEGER, "output_tokens": INTEGER, "total_tokens": INTEGER},
+                          ("input_tokens", "output_tokens", "total_tokens"))),
+}, ("id", "object", "status", "output"))
+RESPONSE_DELETED = obj({"id": STRING, "object": STRING, "deleted": BOOLEAN}, ("id", "deleted"))
+
+ANTHROPIC_BLOCK = obj({"type": STRING, "text": STRING, "source": ANY_OBJECT, "id": STRING, "name": STRING,
+                       "input": ANY_OBJECT, "tool_use_id": STRING,
+                       "content": {"oneOf": [STRING, arr(ANY_OBJECT)]}}, ("type",))
+ANTHROPIC_MESSAGE_PARAM = obj({"role": {"type": "string", "enum": ["user", "assistant"]},
+                               "content": {"oneOf": [STRING, arr(ANTHROPIC_BLOCK)]}}, ("role", "content"))
+ANTHROPIC_TOOL = obj({"name": STRING, "description": STRING, "input_schema": ANY_OBJECT}, ("name",))
+ANTHROPIC_COMMON: dict[str, Schema] = {
+    "model": STRING,
+    "messages": arr(ANTHROPIC_MESSAGE_PARAM, minItems=1),
+    "system": {"oneOf": [STRING, arr(obj({"type": STRING, "text": STRING}, ("type", "text")))]},
+    "tools": arr(ANTHROPIC_TOOL),
+    "tool_choice": obj({"type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": STRING,
+                        "disable_parallel_tool_use": BOOLEAN}, ("type",)),
+    "thinking": obj({"type": {"type": "string", "enum": ["enabled", "disabled"]},
+                     "budget_tokens": {"type": "integer", "minimum": 0}}, ("type",)),
+}
+ANTHROPIC_REQUEST = obj({
+    **ANTHROPIC_COMMON,
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "stop_sequences": arr(STRING),
+    "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+    "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0},
+    "stream": BOOLEAN,
+    "metadata": ANY_OBJECT,
+}, ("model", "messages", "max_tokens"))
+ANTHROPIC_COUNT_REQUEST = obj(ANTHROPIC_COMMON, ("model", "messages"))
+ANTHROPIC_MESSAGE = obj({
+    "id": STRING, "type": {"type": "string", "enum": ["message"]},
+    "role": {"type": "string", "enum": ["assistant"]}, "model": STRING, "content": arr(ANTHROPIC_BLOCK),
+    "stop_reason": nullable({"type": "string", "enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]}),
+    "stop_sequence": nullable(STRING),
+    "usage": obj({"input_tokens": INTEGER, "output_tokens": INTEGER}, ("input_tokens", "output_tokens")),
+}, ("id", "type", "role", "content", "stop_reason", "usage"))
+
+MODEL = obj({"id": STRING, "object": {"type": "string", "enum": ["model"]}, "created": INTEGER, "owned_by": STRING,
+             "loaded": BOOLEAN}, ("id", "object"))
+HEALTH = obj({"status": {"type": "string", "enum": ["healthy", "stalled", "unhealthy"]},
+              "loaded_model": nullable(STRING), "loaded_adapter": nullable(STRING), "engine": ANY_OBJECT,
+              "error": STRING}, ("status",))
+TOKENIZE_REQUEST = obj({"model": STRING, "prompt": STRING, "messages": arr(MESSAGE, minItems=1),
+                        "chat_template_kwargs": ANY_OBJECT, "tools": arr(TOOL)})
+TOKENIZE_RESULT = obj({"tokens": arr(INTEGER), "count": INTEGER, "max_model_len": nullable(INTEGER)},
+                      ("tokens", "count"))
+DETOKENIZE_REQUEST = obj({"model": STRING, "tokens": arr({"type": "integer", "minimum": 0})}, ("tokens",))
+DETOKENIZE_RESULT = obj({"prompt": STRING}, ("prompt",))
+
+SCHEMAS: dict[str, Schema] = {
+    "Error": ERROR, "AnthropicError": ANTHROPIC_ERROR,
+    "ChatCompletionRequest": CHAT_REQUEST, "ChatCompletion": CHAT_COMPLETION,
+    "CompletionRequest": COMPLETION_REQUEST, "Completion": TEXT_COMPLETION,
+    "ResponsesRequest": RESPONSES_REQUEST, "Response": RESPONSE_OBJECT, "ResponseDeleted": RESPONSE_DELETED,
+    "MessagesRequest": ANTHROPIC_REQUEST, "Message": ANTHROPIC_MESSAGE,
+    "CountTokensRequest": ANTHROPIC_COUNT_REQUEST,
+    "Model": MODEL, "Health": HEALTH,
+    "TokenizeRequest": TOKENIZE_REQUEST, "TokenizeResult": TOKENIZE_RESULT,
+    "DetokenizeRequest": DETOKENIZE_REQUEST, "DetokenizeResult": DETOKENIZE_RESULT,
+}
+
+SSE = {"text/event-stream": {"schema": STRING}}
+
+
+def _json(schema: Schema) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(statuses: tuple[int, ...], anthropic: bool = False) -> dict[str, Any]:
+    schema = ref("AnthropicError" if anthropic else "Error")
+    return {str(status): {"description": DESCRIPTIONS[status], "content": _json(schema)} for status in statuses}
+
+
+DESCRIPTIONS = {
+    400: "Invalid request: the error names the offending `param`.",
+    401: "Missing or wrong API key (when the server has keys).",
+    404: "Unknown model or object.",
+    405: "Method not allowed on this route.",
+    413: "Request body too large.",
+    429: "The engine's queue is full; retry after `Retry-After` seconds.",
+    503: "The engine is unreachable, loading or stalled; retry after `Retry-After` seconds.",
+    504: "The engine did not answer in time.",
+}
+GENERATION_ERRORS = (400, 401, 404, 413, 429, 503, 504)
+CALL_ERRORS = (400, 401, 503, 504)
+
+
+def _operation(summary: str, request: str | None, responses: dict[str, Any], errors: tuple[int, ...],
+               anthropic: bool = False) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": summary, "responses": {**responses, **_errors(errors, anthropic)}}
+    if request is not None:
+        operation["requestBody"] = {"required": True, "content": _json(ref(request))}
+    return operation
+
+
+def _ok(schema: Schema, streams: bool = False) -> dict[str, Any]:
+    content = _json(schema)
+    if streams:
+        content.update(SSE)
+    return {"200": {"description": "Success" + (" (JSON, or Server-Sent Events with `stream: true`)"
+                                                if streams else ""), "content": content}}
+
+
+RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": STRING}]
+
+
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.0 document (plain data, built once per worker)."""
+    paths = {
+        "/v1/chat/completions": {"post": _operation("OpenAI chat completion", "ChatCompletionRequest",
+                                                    _ok(ref("ChatCompletion"), True), GENERATION_ERRORS)},
+        "/v1/completions": {"post": _operation("OpenAI text completion (raw prompt, no chat template)",
+                                               "CompletionRequest", _ok(ref("Completion"), True), GENERATION_ERRORS)},
+        "/v1/responses": {"post": _operation("OpenAI Responses API", "ResponsesRequest", _ok(ref("Response"), True),
+                                             GENERATION_ERRORS)},
+        "/v1/responses/{response_id}": {
+            "get": {**_operation("A stored response", None, _ok(ref("Response")), (401, 404, 503, 504)),
+                    "parameters": RESPONSE_ID},
+            "delete": {**_operation("Delete a stored response", None, _ok(ref("ResponseDeleted")),
+                                    (401, 404, 503, 504)), "parameters": RESPONSE_ID},
+        },
+        "/v1/messages": {"post": _operation("Anthropic Messages API", "MessagesRequest", _ok(ref("Message"), True),
+                                            GENERATION_ERRORS, anthropic=True)},
+        "/v1/messages/count_tokens": {"post": _operation(
+            "Anthropic token counting", "CountTokensRequest",
+            _ok(obj({"input_tokens": INTEGER}, ("input_tokens",))), (400, 401, 404, 413, 503, 504), anthropic=True)},
+        "/v1/tokenize": {"post": _operation("Token ids of a prompt or of templated chat messages", "TokenizeRequest",
+                                            _ok(ref("TokenizeResult")), CALL_ERRORS + (413,))},
+        "/v1/detokenize": {"post": _operation("Text of token ids", "DetokenizeRequest",
+                                              _ok(ref("DetokenizeResult")), CALL_ERRORS + (413,))},
+        "/v1/models": {"get": _operation("MLX models this engine can serve", None,
+                                         _ok(obj({"object": {"type": "string", "enum": ["list"]},
+                                                  "data": arr(ref("Model"))}, ("object", "data"))), CALL_ERRORS)},
+        "/health": {"get": {"summary": "Liveness of the engine behind this front-end", "responses": {
+            "200": {"description": "The engine answers and is not stalled", "content": _json(ref("Health"))},
+            "503": {"description": "The engine is unreachable or stalled", "content": _json(ref("Health"))}}}},
+        "/unload": {"post": _operation("Unload the model (frees its memory)", None, _ok(ANY_OBJECT), CALL_ERRORS)},
+        "/stats": {"get": _operation("Engine and front-end counters", None, _ok(ANY_OBJECT), CALL_ERRORS)},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+            "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": STRING}}}}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {
+            "200": {"description": "OpenAPI 3 document", "content": _json(ANY_OBJECT)}}}},
+    }
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "mlx-engined", "version": "1",
+                 "description": "OpenAI- and Anthropic-compatible API for local MLX models. Every /v1 route also "
+                                "answers without the /v1 prefix."},
+        "paths": paths,
+        "components": {"schemas": SCHEMAS,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                           "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
+    }
+
+
+class OpenAPIResource:
+    """Serves the document; it is static, so it is built once."""
+
+    def __init__(self) -> None:
+        self.document = openapi_document()
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.media = self.document

@@ -1,0 +1,240 @@
+"""The OpenAI Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A Responses request becomes a chat ADD (see responses_items); its output is
+rendered by responses_stream. Front-ends keep no state: a finished response
+that asks to be stored (`store`, default true) is handed to the engine's store
+(`responses.put`) before its last event or its JSON leaves, so a follow-up with
+`previous_response_id` works through any worker or host at once. The stored
+conversation leaves out `instructions`, which OpenAI does not carry over.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import falcon.asgi
+from falcon.asgi import SSEvent
+
+from http_frontend.chat import GenerationRoute, parse_sampling, relay, serve_generation
+from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
+from http_frontend.errors import APIError, bad_request
+from http_frontend.generation_fields import parse_reasoning as chat_reasoning
+from http_frontend.metrics import TokenTimer
+from http_frontend.responses_items import (NO_THINKING_EFFORTS, name_tool_results, parse_input, parse_reasoning,
+                                           parse_text_format, parse_tool_choice, parse_tools)
+from http_frontend.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
+from http_frontend.validation import get_field, read_json_object
+
+log = logging.getLogger(__name__)
+
+MAX_ID_LENGTH = 256
+
+# Fields this server cannot honour: refused with a 400 rather than silently ignored.
+UNSUPPORTED = {
+    "background": "Background responses are not supported",
+    "conversation": "Conversations are not supported; use 'previous_response_id'",
+    "prompt": "Prompt templates are not supported",
+    "top_logprobs": "'top_logprobs' is not supported by the Responses API here yet",
+}
+
+
+@dataclass
+class ResponsesRequest:
+    """A validated POST /v1/responses body, before the stored conversation is joined in."""
+
+    messages: list[dict[str, Any]]  # this request's input as chat messages
+    instructions: str | None
+    previous_response_id: str | None
+    engine: dict[str, Any]  # ADD fields besides `messages`
+    echo: dict[str, Any]  # what the response object repeats of the request
+    stream: bool
+    store: bool
+
+
+def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | None) -> ResponsesRequest:
+    for name, message in UNSUPPORTED.items():
+        if body.get(name):
+            raise bad_request(message, param=name, code="unsupported_parameter")
+    model = get_field(body, "model", (str,))
+    instructions = get_field(body, "instructions", (str,))
+    previous = get_field(body, "previous_response_id", (str,))
+    value = body.get("input")
+    if value is None and previous is None:
+        raise bad_request("Missing required parameter: 'input'", param="input", code="missing_required_parameter")
+    messages = parse_input(value, max_items) if value is not None else []
+    params = parse_sampling(body)
+    max_output = get_field(body, "max_output_tokens", (int,), minimum=1)
+    if max_output is not None:
+        params["max_tokens"] = max_output
+        if max_tokens_limit is not None and max_output > max_tokens_limit:
+            raise bad_request(f"Invalid value for 'max_output_tokens': {max_output} is greater than this "
+                              f"server's limit of {max_tokens_limit}", param="max_output_tokens",
+                              code="max_tokens_exceeded")
+    tools = parse_tools(body.get("tools"))
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = get_field(body, "parallel_tool_calls", (bool,))
+    response_format = parse_text_format(body.get("text"))
+    effort = parse_reasoning(body.get("reasoning"))
+    # The chat route's extensions (chat_template_kwargs, enable_thinking, thinking_budget) work here too.
+    kwargs, thinking_budget = chat_reasoning(body, get_field(body, "chat_template_kwargs", (dict,)))
+    template_kwargs = dict(kwargs or {})
+    if thinking_budget is not None:
+        params["thinking_budget"] = thinking_budget
+    if effort is not None:
+        template_kwargs.setdefault("enable_thinking", effort not in NO_THINKING_EFFORTS)
+        template_kwargs.setdefault("reasoning_effort", effort)
+    metadata = get_field(body, "metadata", (dict,), default={})
+    engine = {"model": model, "params": params, "tools": tools, "tool_choice": tool_choice,
+              "parallel_tool_calls": parallel, "response_format": response_format,
+              "chat_template_kwargs": template_kwargs or None}
+    text = {"format": body["text"]["format"] if response_format else {"type": "text"}, "verbosity": "medium"}
+    echo = {
+        "object": "response", "background": False, "instructions": instructions,
+        "max_output_tokens": max_output, "max_tool_calls": None,
+        "parallel_tool_calls": True if parallel is None else parallel, "previous_response_id": previous,
+        "reasoning": {"effort": effort, "summary": None}, "service_tier": "default",
+        "store": get_field(body, "store", (bool,), default=True), "temperature": params.get("temperature"),
+        "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+        "top_p": params.get("top_p"), "truncation": "disabled", "user": get_field(body, "user", (str,)),
+        "metadata": metadata,
+    }
+    return ResponsesRequest(messages, instructions, previous, {k: v for k, v in engine.items() if v is not None},
+                            echo, get_field(body, "stream", (bool,), default=False), echo["store"])
+
+
+async def store_call(client: EngineClient, method: str, args: dict[str, Any]) -> Any:
+    """A `responses.*` CALL to the engine's store, its failures as HTTP errors."""
+    try:
+        return await client.call(method, args)
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+    except EngineError as exc:
+        raise APIError.from_engine(exc.body) from None
+
+
+def _not_found(response_id: str, param: str | None = None) -> APIError:
+    what = "Previous response" if param else "Response"
+    return APIError(404, f"{what} with id '{response_id}' not found.", code="response_not_found", param=param)
+
+
+async def load_record(client: EngineClient, response_id: str, param: str | None = None) -> dict[str, Any]:
+    record = None
+    if len(response_id) <= MAX_ID_LENGTH:
+        record = await store_call(client, "responses.get", {"id": response_id})
+    if not isinstance(record, dict):
+        raise _not_found(response_id, param)
+    return record
+
+
+class Responses(GenerationRoute):
+    """POST /v1/responses: JSON or the Responses event stream."""
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        body = await read_json_object(req, self.settings.max_body_bytes)
+        request = parse_request(body, self.settings.max_messages, self.settings.max_tokens_limit)
+        history: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            record = await load_record(self.client, request.previous_response_id, "previous_response_id")
+            history = list(record.get("messages") or [])
+        conversation = name_tool_results(history + request.messages)
+        if not conversation:
+            raise bad_request("'input' must contain at least one item", param="input")
+        system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        await serve_generation(
+            req, resp, self.client, self.request_timeout, self.metrics,
+            {**request.engine, "messages": system + conversation}, "resp", request.engine.get("model"),
+            request.stream,
+            events=lambda stream, meta, timer: self._events(stream, self._builder(meta, request), timer,
+                                                            request, conversation),
+            complete=lambda stream, meta, timer: self._complete(stream, self._builder(meta, request), timer,
+                                                                request, conversation))
+
+    @staticmethod
+    def _builder(meta: dict[str, Any], request: ResponsesRequest) -> ResponseBuilder:
+        response_id = "resp_" + meta["id"].split("-", 1)[1]
+        return ResponseBuilder({"id": response_id, "created_at": meta["created"], "model": meta["model"],
+                                **request.echo})
+
+    async def _store(self, builder: ResponseBuilder, request: ResponsesRequest,
+                     conversation: list[dict[str, Any]]) -> None:
+        """Hands a finished response to the engine's store; a failure is logged, the answer still goes out."""
+        if not request.store or builder.status == "failed":
+            return
+        response = builder.response()
+        record = {"response": response, "messages": conversation + [builder.assistant_message()]}
+        try:
+            result = await store_call(self.client, "responses.put", {"id": response["id"], "record": record})
+        except APIError as exc:
+            log.warning("response %s not stored: %s", response["id"], exc.message)
+            return
+        if not (isinstance(result, dict) and result.get("stored")):
+            log.warning("response %s not stored: larger than the engine's response store", response["id"])
+
+    async def _complete(self, stream: RequestStream, builder: ResponseBuilder, timer: TokenTimer,
+                        request: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+        async for update in relay(stream, self.request_timeout):
+            if update is None:
+                continue
+            timer.on_update(update)
+            builder.feed(update)
+        await self._store(builder, request, conversation)
+        return builder.response()
+
+    async def _events(self, stream: RequestStream, builder: ResponseBuilder, timer: TokenTimer,
+                      request: ResponsesRequest, conversation: list[dict[str, Any]]) -> AsyncIterator[SSEvent | None]:
+        """The shared SSE body (keep-alives, release on every path) without `[DONE]`, in Responses events.
+
+        The first two events go out through `first`, so the request is released even when
+        the client leaves right then; an engine error becomes `error` + `response.failed`.
+        """
+        created, in_progress = builder.start()
+
+        def render(update: Update) -> list[SSEvent]:
+            return [_sse(event) for event in builder.feed(update)]
+
+        inner = self.sse(stream, timer, render, first=_sse(created), done=False)
+        try:
+            async for event in inner:
+                if event is None:
+                    yield None
+                    continue
+                payload = event.json
+                if isinstance(payload, dict) and "error" in payload and "type" not in payload:
+                    error = payload["error"]
+                    for failed in builder.fail(APIError(500, error.get("message", "engine error"),
+                                                        code=error.get("code"), param=error.get("param"))):
+                        yield _sse(failed)
+                    continue
+                if isinstance(payload, dict) and payload.get("type") in TERMINAL_EVENTS:
+                    await self._store(builder, request, conversation)
+                yield event
+                if payload is created:
+                    yield _sse(in_progress)
+        finally:
+            await inner.aclose()
+
+
+def _sse(event: Event) -> SSEvent:
+    return SSEvent(event=event["type"], json=event)
+
+
+class ResponseById:
+    """GET and DELETE /v1/responses/{response_id}, answered from the engine's store."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
+        record = await load_record(self.client, response_id)
+        resp.media = record.get("response")
+
+    async def on_delete(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
+        result = None
+        if len(response_id) <= MAX_ID_LENGTH:
+            result = await store_call(self.client, "responses.delete", {"id": response_id})
+        if not (isinstance(result, dict) and result.get("deleted")):
+            raise _not_found(response_id)
+        resp.media = {"id": response_id, "object": "response", "deleted": True}

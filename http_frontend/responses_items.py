@@ -1,0 +1,280 @@
+"""Responses API request fields -> the engine's chat-shaped ADD (messages, tools, formats).
+
+The engine speaks OpenAI chat: input items become chat messages, function tools
+and `tool_choice` take their chat shape, `text.format` becomes `response_format`,
+and `reasoning.effort` steers the template's thinking switch. Every refusal is a
+400 naming the offending field as OpenAI spells it (`input[2].content[0].type`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from http_frontend.errors import bad_request
+from http_frontend.generation_fields import MAX_TOOLS, REASONING_EFFORTS, TOOL_NAME
+
+MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
+TEXT_PARTS = {"input_text", "output_text"}
+TOOL_CHOICE_MODES = {"none", "auto", "required"}
+# Efforts that ask for no thinking: templates that can switch it off get enable_thinking=false.
+NO_THINKING_EFFORTS = {"none", "minimal"}
+
+
+def _invalid_type(param: str, expected: str) -> Exception:
+    return bad_request(f"Invalid type for '{param}': expected {expected}", param=param, code="invalid_type")
+
+
+def _string(value: Any, param: str, required: bool = True) -> str | None:
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        if value is None:
+            raise bad_request(f"Missing required parameter: '{param}'", param=param,
+                              code="missing_required_parameter")
+        raise _invalid_type(param, "a string")
+    return value
+
+
+def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: a string, or parts when it holds images.
+
+    `input_image` parts keep the chat `image_url` shape so the vision path sees them
+    as it sees chat images; text-only content is flattened for the chat template.
+    """
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid_type(param, "a string or an array of content parts")
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(content):
+        where = f"{param}[{index}]"
+        if not isinstance(part, dict):
+            raise _invalid_type(where, "an object")
+        kind = part.get("type")
+        if kind in TEXT_PARTS:
+            parts.append({"type": "text", "text": _string(part.get("text"), f"{where}.text")})
+        elif kind == "refusal":
+            parts.append({"type": "text", "text": _string(part.get("refusal"), f"{where}.refusal")})
+        elif kind == "input_image":
+            url = _string(part.get("image_url"), f"{where}.image_url", required=False)
+            if url is None:
+                raise bad_request(f"'{where}' needs an 'image_url' (a URL or data URL); file ids are not supported",
+                                  param=f"{where}.image_url", code="unsupported_parameter")
+            image: dict[str, Any] = {"url": url}
+            if isinstance(part.get("detail"), str):
+                image["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": image})
+        else:
+            raise bad_request(f"Content parts of type {kind!r} are not supported", param=f"{where}.type",
+                              code="unsupported_content")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _output_text(output: Any, param: str) -> str:
+    """A function_call_output's `output`: a string or input_text parts."""
+    content = _content(output, param)
+    if not isinstance(content, str):
+        raise bad_request(f"'{param}' may only hold text", param=param, code="unsupported_content")
+    return content
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """The text of a reasoning input item: its reasoning_text content, else its summary."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            texts = [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            if texts:
+                return "\n".join(texts)
+    return ""
+
+
+class _Conversation:
+    """Builds chat messages item by item; function calls join the assistant turn they belong to."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.pending_reasoning = ""
+
+    def _assistant(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self.pending_reasoning:
+            message["reasoning_content"] = self.pending_reasoning
+            self.pending_reasoning = ""
+        return message
+
+    def add_message(self, role: str, content: str | list[dict[str, Any]]) -> None:
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        self.messages.append(self._assistant(message) if role == "assistant" else message)
+
+    def add_call(self, call_id: str, name: str, arguments: str) -> None:
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        last = self.messages[-1] if self.messages else None
+        if last is not None and last["role"] == "assistant" and not self.pending_reasoning:
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            self.messages.append(self._assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
+
+    def add_result(self, call_id: str, output: str) -> None:
+        self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+
+
+def parse_input(value: Any, max_items: int) -> list[dict[str, Any]]:
+    """`input` (a string or a list of items) as chat messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise _invalid_type("input", "a string or an array of input items")
+    if len(value) > max_items:
+        raise bad_request(f"Invalid 'input': array too long. Expected an array with maximum length {max_items}, "
+                          f"but got an array with length {len(value)} instead.", param="input",
+                          code="array_above_max_length")
+    conversation = _Conversation()
+    for index, item in enumerate(value):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise _invalid_type(where, "an object")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in MESSAGE_ROLES:
+                raise bad_request(f"Invalid value for '{where}.role': {role!r}; expected one of "
+                                  f"{sorted(MESSAGE_ROLES)}", param=f"{where}.role")
+            conversation.add_message(role, _content(item.get("content"), f"{where}.content"))
+        elif kind == "function_call":
+            conversation.add_call(_string(item.get("call_id"), f"{where}.call_id"),
+                                  _string(item.get("name"), f"{where}.name"),
+                                  _string(item.get("arguments"), f"{where}.arguments"))
+        elif kind == "function_call_output":
+            conversation.add_result(_string(item.get("call_id"), f"{where}.call_id"),
+                                    _output_text(item.get("output"), f"{where}.output"))
+        elif kind == "reasoning":
+            conversation.pending_reasoning = _reasoning_text(item)
+        else:
+            raise bad_request(f"Input items of type {kind!r} are not supported", param=f"{where}.type",
+                              code="unsupported_parameter")
+    return conversation.messages
+
+
+def name_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Gives each tool result the name of the call it answers (some templates print it)."""
+    names: dict[str, str] = {}
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            names[call["id"]] = call["function"]["name"]
+        if message["role"] == "tool" and "name" not in message and message["tool_call_id"] in names:
+            message["name"] = names[message["tool_call_id"]]
+    return messages
+
+
+def parse_tools(value: Any) -> list[dict[str, Any]] | None:
+    """Responses function tools -> chat function tools; other tool types are refused.
+
+    Names follow the chat route's rules (generation_fields), so both routes accept the same tools.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _invalid_type("tools", "an array of tools")
+    if len(value) > MAX_TOOLS:
+        raise bad_request(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools",
+                          code="array_above_max_length")
+    tools = []
+    for index, tool in enumerate(value):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise _invalid_type(where, "an object")
+        if tool.get("type") != "function":
+            raise bad_request(f"Invalid '{where}': tools of type {tool.get('type')!r} are not supported; only "
+                              f"'function' tools are", param=where, code="unsupported_parameter")
+        name = _string(tool.get("name"), f"{where}.name")
+        if not TOOL_NAME.match(name):
+            raise bad_request(f"Invalid '{where}.name': {name!r} must match {TOOL_NAME.pattern}",
+                              param=f"{where}.name")
+        function: dict[str, Any] = {"name": name, "parameters": {"type": "object", "properties": {}}}
+        for key, kind, expected in (("description", str, "a string"), ("parameters", dict, "a JSON schema object"),
+                                    ("strict", bool, "a boolean")):
+            if tool.get(key) is not None:
+                if not isinstance(tool[key], kind):
+                    raise _invalid_type(f"{where}.{key}", expected)
+                function[key] = tool[key]
+        tools.append({"type": "function", "function": function})
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("Tool names in 'tools' must be unique", param="tools")
+    return tools or None
+
+
+def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:
+    """"none" | "auto" | "required" | {"type": "function", "name"} in chat's shape."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value not in TOOL_CHOICE_MODES:
+            raise bad_request(f"Invalid value for 'tool_choice': {value!r}; expected one of "
+                              f"{sorted(TOOL_CHOICE_MODES)} or a function", param="tool_choice")
+        choice: str | dict[str, Any] = value
+    elif isinstance(value, dict) and value.get("type") == "function":
+        name = value.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request("'tool_choice' of type 'function' needs a 'name'", param="tool_choice")
+        if name not in {t["function"]["name"] for t in tools or ()}:
+            raise bad_request(f"'tool_choice' names the function {name!r}, which is not in 'tools'",
+                              param="tool_choice")
+        choice = {"type": "function", "function": {"name": name}}
+    elif isinstance(value, dict):
+        raise bad_request(f"tool_choice of type {value.get('type')!r} is not supported", param="tool_choice",
+                          code="unsupported_parameter")
+    else:
+        raise _invalid_type("tool_choice", "a string or an object")
+    if choice == "required" and not tools:
+        raise bad_request("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice")
+    return choice
+
+
+def parse_text_format(text: Any) -> dict[str, Any] | None:
+    """`text.format` -> the ADD's `response_format` (None for plain text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise _invalid_type("text", "an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _invalid_type("text.format", "an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        name = _string(fmt.get("name"), "text.format.name")
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("'text.format.schema' must be a JSON Schema object", param="text.format.schema",
+                              code="invalid_type" if schema is not None else "missing_required_parameter")
+        json_schema: dict[str, Any] = {"name": name, "schema": schema}
+        if fmt.get("strict") is not None:
+            if not isinstance(fmt["strict"], bool):
+                raise _invalid_type("text.format.strict", "a boolean")
+            json_schema["strict"] = fmt["strict"]
+        if isinstance(fmt.get("description"), str):
+            json_schema["description"] = fmt["description"]
+        return {"type": "json_schema", "json_schema": json_schema}
+    raise bad_request(f"Invalid value for 'text.format.type': {kind!r}; expected 'text', 'json_object' or "
+                      f"'json_schema'", param="text.format.type")
+
+
+def parse_reasoning(value: Any) -> str | None:
+    """`reasoning.effort`, checked ("none"/"minimal" switch thinking off, see NO_THINKING_EFFORTS)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _invalid_type("reasoning", "an object")
+    effort = value.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(f"Invalid value for 'reasoning.effort': {effort!r}; expected one of "
+                          f"{sorted(REASONING_EFFORTS)}", param="reasoning.effort")
+    return effort

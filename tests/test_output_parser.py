@@ -1,0 +1,98 @@
+"""The engine's split of generated text into answer, reasoning and tool calls (unit level).
+
+The end-to-end behaviour (SDK clients, streaming vs not) is in test_tools_reasoning.py;
+these pin the hold-back and state rules token by token.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+from mlx_lm.tool_parsers import json_tools
+
+from engine_daemon.output_parser import OutputParser, ParsedDelta
+
+QWEN = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
+                       tool_call_end="</tool_call>", tool_parser=json_tools.parse_tool_call)
+NO_PARSER = SimpleNamespace(think_start=None, think_end=None, tool_call_start=None, tool_call_end=None,
+                            tool_parser=None)
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def run(parser: OutputParser, pieces: list[str]) -> tuple[list[ParsedDelta], ParsedDelta]:
+    deltas = [parser.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    total = ParsedDelta()
+    for delta in deltas:
+        total.text += delta.text
+        total.reasoning += delta.reasoning
+        total.tool_calls += delta.tool_calls
+    return deltas, total
+
+
+def split_chars(text: str) -> list[str]:
+    return list(text)
+
+
+def test_reasoning_then_answer_char_by_char() -> None:
+    parser = OutputParser(QWEN, in_thinking=True, tools=None)
+    deltas, total = run(parser, split_chars("let me see</think>\n\nThe answer."))
+    assert total.reasoning == "let me see"
+    assert total.text == "The answer."
+    # No delta ever carries part of the marker.
+    assert all("<" not in d.text and "<" not in d.reasoning for d in deltas)
+
+
+def test_model_opened_thinking_itself() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=None)
+    _, total = run(parser, ["<think>", "hmm", "</think>", "ok"])
+    assert (total.reasoning, total.text) == ("hmm", "ok")
+
+
+def test_tool_call_is_parsed_and_markup_never_leaks() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    deltas, total = run(parser, split_chars("Sure." + call))
+    assert total.text == "Sure."
+    assert len(total.tool_calls) == 1
+    assert total.tool_calls[0]["name"] == "get_weather"
+    assert json.loads(total.tool_calls[0]["arguments"]) == {"city": "Paris"}
+    assert total.tool_calls[0]["id"].startswith("call_") and total.tool_calls[0]["index"] == 0
+    assert parser.tool_calls == 1
+    assert all("tool_call" not in d.text for d in deltas)
+
+
+def test_two_calls_get_consecutive_indexes() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    one = '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
+    _, total = run(parser, [one, "\n", one.replace('"A"', '"B"')])
+    assert [c["index"] for c in total.tool_calls] == [0, 1]
+    assert [json.loads(c["arguments"])["city"] for c in total.tool_calls] == ["A", "B"]
+
+
+def test_without_tools_markup_is_plain_text() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=None)
+    _, total = run(parser, ["a <tool_call>x</tool_call>"])
+    assert total.text == "a <tool_call>x</tool_call>" and not total.tool_calls
+
+
+def test_truncated_or_invalid_call_comes_back_as_text() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    _, total = run(parser, ["<tool_call>", '{"name": "get_wea'])
+    assert total.text == '<tool_call>{"name": "get_wea' and not total.tool_calls
+
+
+def test_partial_marker_is_held_then_released() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    assert parser.feed("a <tool").text == "a "
+    assert parser.feed("box").text == "<toolbox"
+
+
+def test_json_fallback_for_families_without_a_parser() -> None:
+    parser = OutputParser(NO_PARSER, in_thinking=False, tools=TOOLS)
+    _, total = run(parser, [' {"name": "get_weather", ', '"parameters": {"city": "Oslo"}}'])
+    assert total.text == "" and total.tool_calls[0]["name"] == "get_weather"
+    assert json.loads(total.tool_calls[0]["arguments"]) == {"city": "Oslo"}
+    plain = OutputParser(NO_PARSER, in_thinking=False, tools=TOOLS)
+    _, total = run(plain, ["Hello", " {not json}"])
+    assert total.text == "Hello {not json}" and not total.tool_calls

@@ -1,0 +1,464 @@
+"""The Responses API through the real stack (openai SDK -> gunicorn -> engined), and its engine-side store.
+
+Random weights make the text nonsense, so determinism comes from greedy decoding,
+from stop strings cut out of an earlier greedy answer, from constrained decoding
+(json_schema, forced tool calls) and from the thinking variant of the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pydantic import TypeAdapter
+
+from engine_daemon.model_builder import derive_model, thinking_chat_template
+from engine_daemon.response_store import ResponseStore, StoreCallError, handle_call
+from http_frontend.engine_client import Update
+from http_frontend.errors import APIError
+from http_frontend.responses_items import parse_input
+from http_frontend.responses_stream import ResponseBuilder
+from tests.helpers import Engine, Frontend
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
+          "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}},
+                         "required": ["unit"], "additionalProperties": False}}]
+TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
+TEXT_DONE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def client_for(frontend: Frontend) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def collapse(types: list[str]) -> list[str]:
+    """Event types with runs of the same delta event folded into one."""
+    folded: list[str] = []
+    for kind in types:
+        if not (kind.endswith(".delta") and folded and folded[-1] == kind):
+            folded.append(kind)
+    return folded
+
+
+# -- the store, without processes --------------------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_store_expires_records_after_the_ttl() -> None:
+    clock = Clock()
+    store = ResponseStore(ttl=60, max_bytes=1 << 20, clock=clock)
+    assert store.put("resp_a", {"messages": [{"role": "user", "content": "hi"}]})
+    clock.now += 30
+    assert store.put("resp_b", {"messages": []})
+    assert store.get("resp_a") == {"messages": [{"role": "user", "content": "hi"}]}
+    clock.now += 31  # a is 61 s old, b 31 s
+    assert store.get("resp_a") is None and store.get("resp_b") is not None
+    assert store.delete("resp_a") is False
+    clock.now += 30
+    assert store.stats()["responses_stored"] == 0 and store.bytes == 0
+
+
+def test_store_evicts_the_oldest_past_its_byte_cap() -> None:
+    record = {"messages": [{"role": "user", "content": "x" * 1000}]}
+    store = ResponseStore(ttl=3600, max_bytes=3500)
+    for name in "abc":
+        assert store.put(f"resp_{name}", record)
+    assert len(store) == 3 and store.bytes <= 3500
+    assert store.put("resp_d", record)
+    assert store.get("resp_a") is None and store.get("resp_d") is not None
+    assert [store.get(f"resp_{n}") is not None for n in "bcd"] == [True] * 3
+    assert store.evicted == 1 and store.bytes <= 3500
+    # Replacing a record frees the old one's bytes; one larger than the cap is refused, nothing evicted.
+    assert store.put("resp_b", {"messages": []}) and len(store) == 3
+    assert not store.put("resp_huge", {"blob": "y" * 4000})
+    assert store.get("resp_huge") is None and len(store) == 3
+    assert store.delete("resp_c") is True and store.get("resp_c") is None
+
+
+def test_store_calls_check_their_arguments() -> None:
+    store = ResponseStore()
+    assert handle_call(store, "responses.put", {"id": "resp_1", "record": {"response": {}}}) == {"stored": True}
+    assert handle_call(store, "responses.get", {"id": "resp_1"}) == {"response": {}}
+    assert handle_call(store, "responses.get", {"id": "resp_2"}) is None
+    assert handle_call(store, "responses.delete", {"id": "resp_1"}) == {"deleted": True}
+    for method, args in [("responses.get", {}), ("responses.get", {"id": 7}), ("responses.get", {"id": "x" * 300}),
+                         ("responses.put", {"id": "resp_1", "record": [1]}), ("responses.nope", {"id": "a"})]:
+        with pytest.raises(StoreCallError):
+            handle_call(store, method, args)
+
+
+# -- request and event mapping, without processes -----------------------------------------------
+
+def test_input_items_become_chat_messages() -> None:
+    items = [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                                         {"type": "input_text", "text": "in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"unit\": \"C\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "It is 18 C."}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "And this?"},
+                                     {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]},
+    ]
+    assert parse_input(items, 100) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "hmm", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"unit\": \"C\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "assistant", "content": "It is 18 C."},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+    ]
+    assert parse_input("hi", 1) == [{"role": "user", "content": "hi"}]
+
+
+def test_builder_events_match_the_sdk_types() -> None:
+    """Reasoning, text and a tool call in one response: each event validates as the SDK's own type."""
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    builder = ResponseBuilder({"id": "resp_1", "object": "response", "created_at": 1, "model": "m",
+                               "parallel_tool_calls": True, "tool_choice": "auto", "tools": []})
+    events = builder.start()
+    events += builder.feed(Update(reasoning="Let me think."))
+    events += builder.feed(Update(reasoning=" Done.", text="Hello"))
+    events += builder.feed(Update(text=" there", tool_calls=[
+        {"index": 0, "id": "call_9", "name": "get_weather", "arguments": "{\"unit\": \"C\"}"}]))
+    events += builder.feed(Update(finish_reason="tool_calls", usage={
+        "prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12, "cached_tokens": 2}))
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        assert adapter.validate_python(json.loads(json.dumps(event))).type == event["type"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert collapse([e["type"] for e in events]) == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        *TEXT_EVENTS, *TEXT_DONE,
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    final = Response.model_validate(events[-1]["response"])
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output[0].content[0].text == "Let me think. Done."
+    assert final.output_text == "Hello there" and final.output[2].call_id == "call_9"
+    assert final.usage.input_tokens_details.cached_tokens == 2 and final.status == "completed"
+    assert builder.assistant_message() == {
+        "role": "assistant", "content": "Hello there", "reasoning_content": "Let me think. Done.",
+        "tool_calls": [{"id": "call_9", "type": "function",
+                        "function": {"name": "get_weather", "arguments": "{\"unit\": \"C\"}"}}]}
+    # An immediate end of generation still answers one (empty) assistant message.
+    empty = ResponseBuilder(dict(builder.base))
+    events = empty.start() + empty.feed(Update(finish_reason="stop", usage={
+        "prompt_tokens": 5, "completion_tokens": 0, "total_tokens": 5}))
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress",
+                                           "response.output_item.added", "response.content_part.added",
+                                           *TEXT_DONE, "response.completed"]
+    assert Response.model_validate(events[-1]["response"]).output_text == ""
+    failed = ResponseBuilder(dict(builder.base))
+    failed.start()
+    error, failure = failed.fail(APIError(503, "The engine restarted", code="engine_restarted"))
+    assert adapter.validate_python(error).type == "error" and failure["response"]["status"] == "failed"
+
+
+# -- through the real stack -------------------------------------------------------------------
+
+def test_string_input_non_streaming(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    result = client.responses.create(model=model_id, input="Tell me a story.", max_output_tokens=6,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert result.object == "response" and result.id.startswith("resp_")
+    assert result.status == "incomplete" and result.incomplete_details.reason == "max_output_tokens"
+    (message,) = result.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    assert message.content[0].type == "output_text" and result.output_text == message.content[0].text
+    assert result.output_text
+    assert result.usage.output_tokens == 6 and result.usage.input_tokens > 0
+    assert result.usage.total_tokens == result.usage.input_tokens + 6
+    assert result.max_output_tokens == 6 and result.temperature == 0 and result.store is True
+
+
+def test_items_and_instructions(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    items = [{"role": "user", "content": "What is 2 + 2?"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And 3 + 3?"}]}]
+    plain = client.responses.create(model=model_id, input=items, max_output_tokens=4, temperature=0)
+    instructed = client.responses.create(model=model_id, input=items, instructions="Answer in French.",
+                                         max_output_tokens=4, temperature=0)
+    as_system = client.responses.create(model=model_id, max_output_tokens=4, temperature=0,
+                                        input=[{"role": "system", "content": "Answer in French."}, *items])
+    assert instructed.instructions == "Answer in French."
+    # The template's default system prompt is replaced by the instructions, as by a system message.
+    assert instructed.usage.input_tokens == as_system.usage.input_tokens != plain.usage.input_tokens
+    assert instructed.output_text == as_system.output_text
+
+
+def _stream_events(client: openai.OpenAI, **request: Any) -> list[Any]:
+    with client.responses.create(stream=True, **request) as stream:
+        return list(stream)
+
+
+def test_stream_event_order_and_sequence(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    request = {"model": model_id, "input": "Count from one to ten.", "max_output_tokens": 12, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+    full = client.responses.create(**request).output_text
+    # A stop string cut from the greedy answer ends the same request early with "stop": status completed.
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop.strip(), full
+    expected_text = full[:full.index(stop)]
+    request["extra_body"] = {"ignore_eos": True, "stop": [stop]}
+    events = _stream_events(client, **request)
+    types = [event.type for event in events]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert expected_text, (full, stop)
+    assert collapse(types) == ["response.created", "response.in_progress", *TEXT_EVENTS, *TEXT_DONE,
+                               "response.completed"]
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected_text == events[-4].text
+    created, completed = events[0].response, events[-1].response
+    assert created.status == "in_progress" and created.output == [] and created.usage is None
+    assert completed.id == created.id and completed.status == "completed" and completed.output_text == expected_text
+    assert completed.usage.output_tokens >= len(deltas) and completed.usage.input_tokens > 0
+    item_ids = {event.item_id for event in events if hasattr(event, "item_id")}
+    assert item_ids == {completed.output[0].id}
+
+    # Cut by max_output_tokens: the same shape, ending with response.incomplete as OpenAI's does.
+    request["extra_body"] = {"ignore_eos": True}
+    request["max_output_tokens"] = 3
+    events = _stream_events(client, **request)
+    assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 3
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert collapse([e.type for e in events]) == ["response.created", "response.in_progress", *TEXT_EVENTS,
+                                                  *TEXT_DONE, "response.incomplete"]
+
+
+def test_stream_helper_and_no_done_marker(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    with client.responses.stream(model=model_id, input="Hi", max_output_tokens=4, temperature=0,
+                                 extra_body={"ignore_eos": True}) as stream:
+        text = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
+    assert text
+    raw = httpx.post(f"{frontend.base_url}/responses", timeout=30, json={
+        "model": model_id, "input": "Hi", "max_output_tokens": 3, "stream": True, "ignore_eos": True})
+    assert raw.status_code == 200 and raw.headers["content-type"].startswith("text/event-stream")
+    blocks = [b for b in raw.text.split("\n\n") if b.strip() and not b.startswith(":")]
+    assert "[DONE]" not in raw.text
+    first = blocks[0].splitlines()
+    assert first[0] == "event: response.created" and json.loads(first[1][len("data: "):])["sequence_number"] == 0
+
+
+def test_previous_response_id_resumes_without_instructions(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    common = {"model": model_id, "max_output_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    first = client.responses.create(input="Tell me about foxes.", instructions="Be terse.", **common)
+    second = client.responses.create(input="And wolves?", previous_response_id=first.id, **common)
+    assert second.previous_response_id == first.id
+    # The same conversation sent in full (OpenAI does not carry `instructions` over).
+    explicit = client.responses.create(input=[
+        {"role": "user", "content": "Tell me about foxes."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And wolves?"}], **common)
+    assert second.usage.input_tokens == explicit.usage.input_tokens
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.output_text == explicit.output_text
+    # A chain of three: the third turn sees both earlier ones.
+    third = client.responses.create(input="Thanks.", previous_response_id=second.id, **common)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+
+def test_get_delete_and_not_found(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    created = client.responses.create(model=model_id, input="Hello", max_output_tokens=3, temperature=0)
+    fetched = client.responses.retrieve(created.id)
+    assert fetched.model_dump() == created.model_dump()
+    # Any worker answers: the store is in the engine, not in the front-end process.
+    for _ in range(4):
+        assert httpx.get(f"{frontend.base_url}/responses/{created.id}").json()["id"] == created.id
+    client.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(created.id)
+    gone = httpx.delete(f"{frontend.base_url}/v1/responses/{created.id}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+    missing = httpx.post(f"{frontend.base_url}/v1/responses", timeout=30, json={
+        "model": model_id, "input": "Hi", "previous_response_id": "resp_nope"})
+    assert missing.status_code == 404
+    assert missing.json()["error"]["param"] == "previous_response_id"
+    assert missing.json()["error"]["type"] == "invalid_request_error"
+    unstored = client.responses.create(model=model_id, input="Hello", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_bad_fields_are_400s_naming_the_param(frontend: Frontend, model_id: str) -> None:
+    base = {"model": model_id, "input": "hi", "max_output_tokens": 2}
+    cases = [
+        ({"temperature": "hot"}, "temperature"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": 5}, "input"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+         "input[0].content[0].type"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+        ({"background": True}, "background"),
+    ]
+    for extra, param in cases:
+        response = httpx.post(f"{frontend.base_url}/v1/responses", json={**base, **extra}, timeout=30)
+        assert response.status_code == 400, (extra, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", (extra, error)
+    response = httpx.post(f"{frontend.base_url}/v1/responses", json={"model": model_id}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+
+
+def test_json_schema_output(frontend: Frontend, model_id: str) -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}
+    client = client_for(frontend)
+    result = client.responses.create(model=model_id, input="Is the sky blue?", text=text, max_output_tokens=40,
+                                     temperature=0)
+    assert result.status == "completed", result.output_text
+    assert isinstance(json.loads(result.output_text)["ok"], bool)
+    assert result.text.format.type == "json_schema"
+    events = _stream_events(client, model=model_id, input="Is the sky blue?", text=text, max_output_tokens=40,
+                            temperature=0)
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == result.output_text
+
+
+def test_function_call_and_its_output_round_trip(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    common = {"model": model_id, "tools": TOOLS, "temperature": 0, "parallel_tool_calls": False}
+    question = "What is the weather in Paris?"
+    called = client.responses.create(input=question, tool_choice="required", max_output_tokens=60, **common)
+    assert called.status == "completed", called.output
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].id.startswith("fc_")
+    assert json.loads(calls[0].arguments)["unit"] in ("C", "F")
+
+    events = _stream_events(client, input=question, tool_choice="required", max_output_tokens=60, **common)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    tail = [e.type for e in events if "function_call" in e.type or e.type.startswith("response.output_item")]
+    assert tail[:4] == ["response.output_item.added", "response.function_call_arguments.delta",
+                        "response.function_call_arguments.done", "response.output_item.done"]
+    added = next(e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == calls[0].arguments and done.item_id == added.item.id
+    assert events[-1].type == "response.completed"
+
+    result = client.responses.create(
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C and sunny"}],
+        previous_response_id=called.id, tool_choice="none", max_output_tokens=4, **common)
+    explicit = client.responses.create(
+        input=[{"role": "user", "content": question},
+               *[{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+                 for c in calls],
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C and sunny"}],
+        tool_choice="none", max_output_tokens=4, **common)
+    alone = client.responses.create(input=question, tool_choice="none", max_output_tokens=4, **common)
+    assert result.output[0].type == "message"  # tool_choice "none": the template offers no tools
+    assert result.usage.input_tokens == explicit.usage.input_tokens > alone.usage.input_tokens
+    assert result.output_text == explicit.output_text
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tiny_model: Path) -> str:
+    # Next to the tiny model: the engine serves paths under its --model's directory.
+    return str(derive_model(tiny_model, tiny_model.parent / "tiny-thinking-responses", thinking_chat_template()))
+
+
+def test_reasoning_item_and_events(frontend: Frontend, thinking_model: str) -> None:
+    client = client_for(frontend)
+    request = {"model": thinking_model, "input": "Is 7 prime?", "max_output_tokens": 10, "temperature": 0,
+               "extra_body": {"thinking_budget": 3, "ignore_eos": True}}
+    result = client.responses.create(**request)
+    assert [item.type for item in result.output] == ["reasoning", "message"]
+    reasoning = result.output[0].content[0].text
+    assert reasoning and "think>" not in reasoning and result.output_text
+    events = _stream_events(client, **request)
+    assert collapse([e.type for e in events]) == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done",
+        *TEXT_EVENTS, *TEXT_DONE, "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    # effort "none" renders the thinking block closed: no reasoning item.
+    plain = client.responses.create(model=thinking_model, input="Is 7 prime?", max_output_tokens=4,
+                                    temperature=0, reasoning={"effort": "none"}, extra_body={"ignore_eos": True})
+    assert [item.type for item in plain.output] == ["message"]
+
+
+def test_a_client_leaving_mid_stream_frees_the_engine(frontend: Frontend, model_id: str) -> None:
+    body = {"model": model_id, "input": "Talk for a long time.", "max_output_tokens": 3000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{frontend.base_url}/v1/responses", json=body, timeout=60) as response:
+        deltas = 0
+        for line in response.iter_lines():
+            deltas += line == "event: response.output_text.delta"
+            if deltas == 3:
+                break
+    left = time.monotonic()
+    while True:
+        stats = httpx.get(f"{frontend.base_url}/stats", timeout=10).json()
+        if stats["running"] == 0 and stats["queued"] == 0:
+            break
+        assert time.monotonic() - left < 2.0, stats
+        time.sleep(0.02)
+
+
+def test_ttl_from_the_environment_and_a_killed_engine(tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """MLX_ENGINE_RESPONSES_TTL expires stored responses; a killed engine ends open streams with
+    `error` + `response.failed` (sequence numbers still unbroken)."""
+    endpoint = f"ipc://{ipc_dir}/responses.sock"
+    model = str(tiny_model)
+    engine = Engine(endpoint, tmp_path / "engined.log", model=model, env={"MLX_ENGINE_RESPONSES_TTL": "1"})
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1, args=["--graceful-timeout", "1"])
+    client = None
+    try:
+        engine.wait_ready()
+        frontend.wait_healthy()
+        client = client_for(frontend)
+        stored = client.responses.create(model=model, input="Hi", max_output_tokens=2)
+        assert client.responses.retrieve(stored.id).id == stored.id
+        time.sleep(1.2)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(stored.id)
+
+        events = []
+        with client.responses.create(stream=True, model=model, input="Talk for a long time.",
+                                     max_output_tokens=3000, extra_body={"ignore_eos": True}) as stream:
+            for event in stream:
+                events.append(event)
+                if len(events) == 6:
+                    engine.signal(signal.SIGKILL)
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"], [e.type for e in events[-3:]]
+        assert events[-2].code in ("engine_unavailable", "engine_restarted")
+        assert events[-1].response.status == "failed" and events[-1].response.error.code == events[-2].code
+    finally:
+        if client is not None:
+            client.close()
+        frontend.stop()
+        engine.stop()
