@@ -17,6 +17,9 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from engine_daemon import vision, vision_scheduler
+from engine_daemon.grouped_generator import GroupedGenerator
+from engine_daemon.speculative import SpeculativeDecoder, eligible as speculative_eligible
 from engine_daemon.model_manager import ModelManager
 from engine_daemon.prefill_pacer import PrefillPacer
 from engine_daemon.model_store import ModelRef
@@ -43,6 +46,9 @@ class BatchScheduler(BaseScheduler):
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size)
         self._prefill_progress: dict[int, int] = {}
+        # --draft-model: lone requests decode speculatively (engine_daemon/speculative.py)
+        self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
+                            if config.draft_model else None)
 
     # -- counts ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -61,9 +67,23 @@ class BatchScheduler(BaseScheduler):
         return [r for r, _ in self.waiting] + list(self.pending) + list(self.by_uid.values())
 
     def prompt_cache_stats(self) -> dict[str, int]:
-        return {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_bytes": self.prompt_cache.nbytes}
+        return {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_bytes": self.prompt_cache.nbytes,
+                **vision.cache_stats(self.models.current)}
 
     # -- admission ------------------------------------------------------------------
+    def accept(self, request: EngineRequest) -> None:
+        """Images/audio are checked against the model and built into inputs by engine_daemon/vision.py."""
+        has_media = bool(request.body.get("media"))
+        if has_media:
+            vision.check_media_allowed(request.body, self.models.current)
+            vision.prepare(request, self.models.current)  # the body becomes a token prompt
+        try:
+            super().accept(request)
+        except RequestError as exc:
+            if has_media and exc.param == "prompt":
+                exc.param = "messages"  # the client sent a chat, not a raw prompt
+            raise
+
     def _admit(self, request: EngineRequest) -> list[Event]:
         """Queues an accepted request; it enters the batch (and is ACCEPTED) when a slot frees."""
         self.pending.append(request)
@@ -83,13 +103,20 @@ class BatchScheduler(BaseScheduler):
             events.append(self.accepted_event(request))
         return events
 
-    def _cache_key(self) -> tuple[str, str | None]:
-        return (self.models.current.ref.id, None)  # (model, adapter)
+    def _cache_key(self, adapter: str | None = None) -> tuple[str, str | None]:
+        return (self.models.current.ref.id, adapter)  # (model, adapter key: engine_daemon/adapters.py)
 
     def _insert(self, request: EngineRequest) -> None:
         """Reuses the longest cached prefix of the prompt, then queues the rest for prefill."""
         prompt = request.prompt_tokens
-        cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(), prompt)
+        if self.models.current.kind != "text":  # vision models: engine_daemon/vision_scheduler.py
+            uid = self.generator.insert_request(request)
+            self.by_uid[uid] = request
+            self.uid_of[request.rid] = uid
+            self.stats.prompt_tokens += len(prompt)
+            return
+        adapter = request.body.get("adapter")  # the adapter key admission settled (BaseScheduler.accept)
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(adapter), prompt)
         if cache is not None and not rest:
             # An exact hit: the generator still needs one token to compute the first logits.
             if can_trim_prompt_cache(cache):
@@ -107,11 +134,12 @@ class BatchScheduler(BaseScheduler):
         else:
             self.stats.prompt_cache_misses += 1
         eos = StopSequences([[token] for token in request.eos_token_ids])
+        processors = make_request_processors(request.sampling) + request.processors
         (uid,) = self.generator.insert(
             [rest], max_tokens=[request.max_tokens], caches=[cache], all_tokens=[prompt[:cached]],
-            samplers=[make_request_sampler(request.sampling)],
-            logits_processors=[make_request_processors(request.sampling) + request.processors],
-            stop_sequences=[eos])
+            samplers=[make_request_sampler(request.sampling)], logits_processors=[processors],
+            stop_sequences=[eos], adapters=[adapter],
+            speculative=[speculative_eligible(request.sampling, request.processors)])
         self.by_uid[uid] = request
         self.uid_of[request.rid] = uid
         self.stats.prompt_tokens += len(prompt)
@@ -121,11 +149,12 @@ class BatchScheduler(BaseScheduler):
         if self.generator is not None and self.generator_ref == current.ref:
             return
         self._close_generator()
-        config = self.config
-        self.generator = BatchGenerator(
-            current.model, max_tokens=config.default_max_tokens, completion_batch_size=config.decode_concurrency,
-            prefill_batch_size=config.prompt_concurrency, prefill_step_size=config.prefill_step_size,
-            max_kv_size=config.max_kv_size, stream=self.stream)
+        if current.kind != "text":  # vision models batch on mlx-vlm (engine_daemon/vision_scheduler.py)
+            self.generator = vision_scheduler.make_generator(current, self.config, self.stream)
+            self.generator_ref = current.ref
+            return
+        # One mlx-lm BatchGenerator per adapter in use, and the speculative lane (grouped_generator.py).
+        self.generator = GroupedGenerator(current, self.config, self.stream, self.adapters, self.speculative)
         self.generator_ref = current.ref
 
     def _close_generator(self) -> None:
@@ -212,7 +241,7 @@ class BatchScheduler(BaseScheduler):
             return events
         self.pacer.observe(time.perf_counter() - started, decoding > 0, self._prompt_tokens_done(progress))
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(responses))
-        stopped_early = []
+        stopped_early: dict[int, str | None] = {}  # uid -> adapter key
         for response in responses:
             request = self.by_uid.get(response.uid)
             if request is None:
@@ -225,13 +254,13 @@ class BatchScheduler(BaseScheduler):
             del self.by_uid[response.uid]
             del self.uid_of[request.rid]
             if response.finish_reason is not None:
-                self._remember(response.all_tokens, response.prompt_cache)
+                self._remember(response.all_tokens, response.prompt_cache, request.body.get("adapter"))
             else:
-                stopped_early.append(response.uid)  # a stop string: still in the generator
+                stopped_early[response.uid] = request.body.get("adapter")  # a stop string: still in the generator
         if stopped_early:
-            for tokens_cache in generator.remove(stopped_early, return_prompt_caches=True).values():
+            for uid, tokens_cache in generator.remove(list(stopped_early), return_prompt_caches=True).items():
                 cache, tokens = tokens_cache
-                self._remember(tokens, cache)
+                self._remember(tokens, cache, stopped_early[uid])
         return events
 
     def _prompt_tokens_done(self, progress: list[Any]) -> int:
@@ -246,8 +275,8 @@ class BatchScheduler(BaseScheduler):
                 self._prefill_progress[response.uid] = processed
         return done
 
-    def _remember(self, tokens: list[int], cache: list[Any]) -> None:
-        """Keeps a finished request's KV for the next turn of its conversation."""
+    def _remember(self, tokens: list[int], cache: list[Any], adapter: str | None = None) -> None:
+        """Keeps a finished request's KV for the next turn of its conversation (with the same adapter)."""
         if not tokens or not cache:
             return
-        self.prompt_cache.insert_cache(self._cache_key(), list(tokens), cache)
+        self.prompt_cache.insert_cache(self._cache_key(adapter), list(tokens), cache)

@@ -26,6 +26,17 @@ def _path_or_none(name: str) -> Path | None:
     return Path(value) if value else None
 
 
+def _first_env(*names: str) -> str | None:
+    """The first of several equivalent environment variables that is set (mlx_vlm.server's names included)."""
+    return next((os.environ[name] for name in names if os.environ.get(name)), None)
+
+
+# --model's environment equivalents, in order of precedence (PRELOAD_* as mlx_lm/mlx_vlm servers name them).
+MODEL_ENV = ("MLX_ENGINE_MODEL", "PRELOAD_MODEL", "MLX_VLM_PRELOAD_MODEL")
+# --adapter-path's, likewise.
+ADAPTER_ENV = ("MLX_ENGINE_ADAPTER_PATH", "PRELOAD_ADAPTER", "MLX_VLM_PRELOAD_ADAPTER")
+
+
 def _int_or_none(value: str | None) -> int | None:
     return int(value) if value else None
 
@@ -50,10 +61,32 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="`engined keygen DIR` creates CURVE certificates for tcp:// across hosts "
                "(see `engined keygen --help`).",
     )
-    parser.add_argument("--model", default=os.environ.get("MLX_ENGINE_MODEL"),
+    parser.add_argument("--model", default=_first_env(*MODEL_ENV),
                         help="model to load at start: a Hugging Face repo id (local cache first, then "
-                             "downloaded) or a local directory. Optional: without it the first request's "
-                             "'model' loads one. [MLX_ENGINE_MODEL]")
+                             "downloaded), a local directory, or a --models-config alias. Optional: without it "
+                             "the first request's 'model' loads one. [MLX_ENGINE_MODEL, or PRELOAD_MODEL / "
+                             "MLX_VLM_PRELOAD_MODEL]")
+    parser.add_argument("--served-model-name", default=os.environ.get("MLX_ENGINE_SERVED_MODEL_NAME"),
+                        help="the name the --model is known by in /v1/models and in responses' 'model' field; "
+                             "requests may use it, its own id or its path. [MLX_ENGINE_SERVED_MODEL_NAME]")
+    parser.add_argument("--models-config", type=Path, default=_path_or_none("MLX_ENGINE_MODELS_CONFIG"),
+                        help="YAML file of model aliases: per entry 'alias', 'path' or 'repo', and per-model "
+                             "defaults (temperature, top_p, top_k, min_p, ..., max_tokens, context_length, "
+                             "chat_template file, tool_parser, reasoning_parser, context_overflow); see README. "
+                             "[MLX_ENGINE_MODELS_CONFIG]")
+    parser.add_argument("--chat-template-file", type=Path, default=_path_or_none("MLX_ENGINE_CHAT_TEMPLATE_FILE"),
+                        help="Jinja chat template used instead of every model's own (a models-config entry may "
+                             "name another, or 'model' for the model's own). [MLX_ENGINE_CHAT_TEMPLATE_FILE]")
+    parser.add_argument("--context-overflow", choices=("error", "truncate", "summarize"),
+                        default=os.environ.get("MLX_ENGINE_CONTEXT_OVERFLOW", "error"),
+                        help="a chat longer than the context window: 'error' answers 400 context_length_exceeded; "
+                             "'truncate' drops the oldest non-system turns until it fits; 'summarize' keeps the "
+                             "system messages and the last 6 messages and has the model summarise the rest. "
+                             "Reported in the X-Context-Overflow header and usage.context_overflow. "
+                             "[MLX_ENGINE_CONTEXT_OVERFLOW] (default: %(default)s)")
+    parser.add_argument("--idle-unload", type=float, default=_env_float("MLX_ENGINE_IDLE_UNLOAD"), metavar="SECONDS",
+                        help="unload the model after this many seconds without requests (frees its memory; the "
+                             "next request loads it again). Default: never. [MLX_ENGINE_IDLE_UNLOAD]")
     parser.add_argument("--endpoint", default=default_endpoint(),
                         help=f"ZeroMQ endpoint to bind: ipc://PATH or tcp://HOST:PORT. [{ENDPOINT_ENV}] "
                              "(default: %(default)s)")
@@ -142,6 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allow-insecure-tcp", action="store_true", default=_env_flag("MLX_ENGINE_ALLOW_INSECURE_TCP"),
                         help="bind a non-loopback tcp:// endpoint without CURVE (refused otherwise): only on a "
                              "network you trust. [MLX_ENGINE_ALLOW_INSECURE_TCP=1]")
+    parser.add_argument("--adapter-path", default=_first_env(*ADAPTER_ENV),
+                        help="LoRA adapter directory (mlx-lm format: adapter_config.json + adapters.safetensors) "
+                             "applied to --model's requests that name no adapter; needs --model. Requests may "
+                             "name another adapter ('adapter_path': a registered name or a directory under "
+                             "--model-dir); switching never reloads the model. [MLX_ENGINE_ADAPTER_PATH, or "
+                             "PRELOAD_ADAPTER / MLX_VLM_PRELOAD_ADAPTER]")
+    parser.add_argument("--adapter-cache-size", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_ADAPTER_CACHE_SIZE", "8")),
+                        help="most LoRA adapters kept loaded in memory (LRU). [MLX_ENGINE_ADAPTER_CACHE_SIZE] "
+                             "(default: %(default)s)")
+    parser.add_argument("--draft-model", default=os.environ.get("MLX_ENGINE_DRAFT_MODEL"),
+                        help="small model with the same tokenizer that drafts tokens for speculative decoding of "
+                             "requests running alone (greedy output unchanged; others arriving move it into the "
+                             "batch). Refused at start if its vocabulary differs from --model's. "
+                             "[MLX_ENGINE_DRAFT_MODEL]")
+    parser.add_argument("--num-draft-tokens", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_NUM_DRAFT_TOKENS", "3")),
+                        help="tokens the draft model proposes per verification step. [MLX_ENGINE_NUM_DRAFT_TOKENS] "
+                             "(default: %(default)s)")
     parser.add_argument("--log-level", default=os.environ.get("MLX_ENGINE_LOG_LEVEL", "INFO"),
                         help="logging level. [MLX_ENGINE_LOG_LEVEL] (default: %(default)s)")
     return parser
@@ -172,6 +224,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.trust_remote_code:
         log.warning("--trust-remote-code: models may run the Python code they ship")
+    from engine_daemon.model_aliases import ModelNames, ModelsConfigError
+    from engine_daemon.model_store import set_operator_names
+    try:
+        names = ModelNames.from_options(models_config=args.models_config, model=args.model,
+                                        served_model_name=args.served_model_name,
+                                        chat_template_file=args.chat_template_file,
+                                        context_overflow=args.context_overflow)
+    except ModelsConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    set_operator_names(names.names())
+    if args.idle_unload is not None and args.idle_unload <= 0:
+        log.error("--idle-unload must be a positive number of seconds")
+        return 2
     # Imported here so `engined --help` answers without loading mlx.
     from engine_daemon.blas_check import warn_if_slow_blas
     from engine_daemon.response_store import ResponseStore
@@ -208,15 +274,24 @@ def main(argv: list[str] | None = None) -> int:
         memory_budget_bytes=budget,
         model_dirs=roots,
         trust_remote_code=args.trust_remote_code,
+        names=names,
+        idle_unload=args.idle_unload,
+        adapter_path=args.adapter_path,
+        adapter_cache_size=args.adapter_cache_size,
+        draft_model=args.draft_model,
+        num_draft_tokens=args.num_draft_tokens,
     )
     if args.model:
         # The operator named it: fetch it now if it is not cached, before serving.
         from engine_daemon.model_store import ModelNotFound, resolve
         try:
-            resolve(args.model, allow_download=True)
+            resolve(names.source_of(args.model), allow_download=True)
         except ModelNotFound as exc:
             log.error("cannot load --model: %s", exc)
             return 2
+    failed = _check_adapter_and_draft(args, names.source_of(args.model) if args.model else None, log)
+    if failed:
+        return failed
     server = EngineServer(args.endpoint, config, preload=args.model, peer_timeout=args.peer_timeout,
                           stall_timeout=args.stall_timeout, security=security,
                           responses=ResponseStore(args.responses_ttl, args.responses_max_bytes))
@@ -227,6 +302,39 @@ def main(argv: list[str] | None = None) -> int:
     except (EndpointInUse, InsecureEndpoint) as exc:
         log.error("%s", exc)
         return 1
+    return 0
+
+
+def _check_adapter_and_draft(args: argparse.Namespace, model_source: str | None, log: logging.Logger) -> int:
+    """--adapter-path and --draft-model refused at start (exit 2) rather than failing every request later."""
+    from engine_daemon.model_store import ModelNotFound, resolve
+
+    if args.adapter_path:
+        from engine_daemon.adapters import is_adapter_dir
+
+        if not args.model:
+            log.error("--adapter-path needs --model (the adapter belongs to that model)")
+            return 2
+        if not is_adapter_dir(Path(args.adapter_path).expanduser()):
+            log.error("--adapter-path %s: not an adapter directory (adapter_config.json + adapters.safetensors)",
+                      args.adapter_path)
+            return 2
+    if args.adapter_cache_size < 1:
+        log.error("--adapter-cache-size must be at least 1")
+        return 2
+    if args.draft_model:
+        from engine_daemon.speculative import IncompatibleDraft, check_draft_paths
+
+        if args.num_draft_tokens < 1:
+            log.error("--num-draft-tokens must be at least 1")
+            return 2
+        try:
+            draft = resolve(args.draft_model, allow_download=True)
+            if model_source:
+                check_draft_paths(resolve(model_source, allow_download=True).path, draft.path)
+        except (ModelNotFound, IncompatibleDraft) as exc:
+            log.error("cannot use --draft-model: %s", exc)
+            return 2
     return 0
 
 

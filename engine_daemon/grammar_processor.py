@@ -54,6 +54,11 @@ class GrammarConstraint:
     request is steered to EOS instead of failing the shared batch step.
     """
 
+    # Start the step's forward pass before waiting for the previous token (see _process).
+    # None: only on a GPU; on the CPU backend the forward pass and llguidance share the same
+    # cores and the early dispatch measured slightly slower.
+    overlap_forward: bool | None = None
+
     def __init__(self, matcher: LLMatcher, vocab_size: int, eos_token_ids: Sequence[int],
                  gate_tokens: Sequence[int] | None = None, description: str = "grammar"):
         self.matcher = matcher
@@ -65,6 +70,8 @@ class GrammarConstraint:
         self.seen: int | None = None  # len(tokens) at the last call
         self.failed = False
         self.consumed = 0  # tokens the matcher accepted (for tests and logs)
+        overlap = type(self).overlap_forward
+        self.overlap = mx.default_device().type == mx.gpu if overlap is None else overlap
 
     @property
     def active(self) -> bool:
@@ -116,11 +123,14 @@ class GrammarConstraint:
         if self.seen is None:
             new: list[Any] = []  # the first call sees the prompt: nothing sampled yet
         else:
-            if self.active and not self.failed:
+            if self.overlap and self.active and not self.failed:
                 # Start this step's forward pass now, so the GPU computes it while the CPU
                 # waits for the previous token and computes the mask below.
                 mx.async_eval(logits)
-            new = tokens[self.seen:].tolist()
+            if size > self.seen:
+                new = tokens[self.seen:].tolist()
+            else:  # a context that stopped growing (a window): one call is one new token
+                new = tokens[-1:].tolist()
         self.seen = size
         for token in new:
             self._observe(int(token))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
+from engine_daemon.model_aliases import ModelNames, ModelProfile, apply_profile
 from engine_daemon.model_store import ModelRef, model_kind
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,8 @@ class LoadedModel:
     # "text" (mlx-lm) or "vision" / "audio" (mlx-vlm: `vision` holds its processor and feature cache)
     kind: str = "text"
     vision: Any = None  # engine_daemon.vision.VisionSupport for vision/audio models
+    # Its name's settings (--models-config, --chat-template-file, --context-overflow): model_aliases.py
+    profile: ModelProfile = field(default_factory=ModelProfile)
 
 
 # generation_config.json keys -> our sampling parameter names
@@ -80,15 +84,31 @@ def _context_window(config: dict[str, Any]) -> int | None:
 class ModelManager:
     """Keeps at most one model loaded; a different model evicts the current one."""
 
-    def __init__(self, trust_remote_code: bool = False) -> None:
+    def __init__(self, trust_remote_code: bool = False, names: ModelNames | None = None) -> None:
         # Off by default: a model directory's *.py would run inside the engine (--trust-remote-code).
         self.trust_remote_code = trust_remote_code
+        self.names = names or ModelNames()
         self.current: LoadedModel | None = None
         self.loads = 0
         self.last_load_seconds = 0.0
+        # (model id, monotonic start) while a load runs: the io thread reports it in /health and the log.
+        self.loading: tuple[str, float] | None = None
 
     def ensure(self, ref: ModelRef) -> LoadedModel:
-        """The loaded model for `ref`, loading it (and evicting another) when needed."""
+        """The loaded model for `ref` with its name's settings, loading it (and evicting another) when needed."""
+        if self.current is not None and self.current.ref == ref:
+            return self.current
+        self.loading = (ref.id, time.monotonic())
+        try:
+            _fault_injected_load_delay()
+            loaded = self._load(ref)
+        finally:
+            self.loading = None
+        apply_profile(loaded, self.names.profile_for(ref))
+        return loaded
+
+    def _load(self, ref: ModelRef) -> LoadedModel:
+        """Loads `ref` with mlx-lm (text) or mlx-vlm (vision/audio), evicting the current model."""
         if self.current is not None and self.current.ref == ref:
             return self.current
         self.unload()
@@ -137,3 +157,11 @@ class ModelManager:
         gc.collect()
         mx.clear_cache()
         return True
+
+
+def _fault_injected_load_delay() -> None:
+    """Tests only (MLX_ENGINE_FAULT_INJECTION=1): a slow load, so /health can be seen reporting it."""
+    seconds = os.environ.get("MLX_ENGINE_DEBUG_LOAD_SECONDS")
+    if seconds and os.environ.get("MLX_ENGINE_FAULT_INJECTION") == "1":
+        log.warning("fault injection: model load delayed %s s", seconds)
+        time.sleep(float(seconds))

@@ -44,12 +44,15 @@ def is_mlx_model_dir(path: Path) -> bool:
     if not config_file.is_file() or not any(path.glob("*.safetensors")):
         return False
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, ValueError):
+        config = json.loads(config_file.read_text())
+        model_type = config.get("model_type")
+    except (OSError, ValueError, AttributeError):
         return False
     if not isinstance(model_type, str):
         return False
-    return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None or _mlx_vlm_supports(model_type)
+    # mlx-vlm also ships text-only, embedding and image-generation architectures: only its vision/audio
+    # models count here (engine_daemon/vision.py serves them).
+    return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None or kind_of_config(config) != "text"
 
 
 # -- model kinds: which loader a model needs (engine_daemon/vision.py for vision/audio) ---------
@@ -86,6 +89,36 @@ def model_kind(path: Path) -> str:
     except (OSError, ValueError):
         return "text"
     return kind_of_config(config) if isinstance(config, dict) else "text"
+
+
+# -- context window: what /v1/models reports, read from config.json without loading the model ---------
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+
+
+def context_window_of(path: Path) -> int | None:
+    """Tokens the model at `path` attends over (its config, or the text part of a VLM's); None when unknown."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for key in _CONTEXT_KEYS:
+        value = config.get(key) or text_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+# Names the operator gave (--models-config aliases, --served-model-name): listed first in 404 notes.
+_operator_names: tuple[str, ...] = ()
+
+
+def set_operator_names(names: Sequence[str]) -> None:
+    """Registers the operator's model names (engine_daemon/model_aliases.py) for `available_note`."""
+    global _operator_names
+    _operator_names = tuple(names)
 
 
 def _looks_like_repo_id(name: str) -> bool:
@@ -197,13 +230,14 @@ def list_root_models(roots: Sequence[Path]) -> list[dict]:
             real = child.resolve()
             if _inside(real, roots) and is_mlx_model_dir(real):
                 found[child.name] = {"id": child.name, "created": int(child.stat().st_mtime), "path": str(real),
-                                     "kind": model_kind(real)}
+                                     "kind": model_kind(real), "context_window": context_window_of(real)}
     return list(found.values())
 
 
 def available_note(roots: Sequence[Path], limit: int = 20) -> str:
     """'. Available models: a, b' for a 404, so a client can correct its request without asking the operator."""
-    ids = list(dict.fromkeys([m["id"] for m in list_root_models(roots)] + [m["id"] for m in list_cached_models()]))
+    ids = list(dict.fromkeys([*_operator_names] + [m["id"] for m in list_root_models(roots)]
+                             + [m["id"] for m in list_cached_models()]))
     if not ids:
         return ". No models are available in the engine's model directories or Hugging Face cache"
     more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
@@ -226,7 +260,8 @@ def list_cached_models() -> list[dict]:
         newest = max(repo.revisions, key=lambda r: r.last_modified)
         if is_mlx_model_dir(Path(newest.snapshot_path)):
             found.append({"id": repo.repo_id, "created": int(repo.last_modified), "path": str(newest.snapshot_path),
-                          "kind": model_kind(Path(newest.snapshot_path))})
+                          "kind": model_kind(Path(newest.snapshot_path)),
+                          "context_window": context_window_of(Path(newest.snapshot_path))})
     found.sort(key=lambda m: -m["created"])
     return found
 

@@ -57,6 +57,8 @@ class EngineRequest:
     accepted: bool = False
     # Request-specific logits processors (grammar constraint, thinking budget), after the sampling ones.
     processors: list[Any] = field(default_factory=list)
+    # {"mode": "truncated"|"summarized", "dropped_messages": n} when older turns made way (context_overflow.py)
+    context_overflow: dict[str, Any] | None = None
 
     @property
     def params(self) -> dict[str, Any]:
@@ -216,6 +218,12 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     request.prompt_tokens = build_prompt(loaded, request.body)
     if isinstance(request.body.get("prompt"), list):
         check_token_ids(request.prompt_tokens, loaded.vocab_size)
+    # -- models-config max_tokens default; --context-overflow truncate/summarize (engine_daemon/context_overflow.py) --
+    from engine_daemon.context_overflow import fit_context
+
+    default_max_tokens = loaded.profile.max_tokens or default_max_tokens
+    fit_context(request, loaded, default_max_tokens)
+    # -- end of context overflow --
     try:
         request.max_tokens = settle_max_tokens(loaded, len(request.prompt_tokens),
                                                request.params.get("max_tokens"), default_max_tokens)
@@ -294,7 +302,9 @@ def logprob_entries(tokenizer: Any, logprobs: Any, token: int, top: int) -> list
 
     def describe(token_id: int, logprob: float) -> dict[str, Any]:
         text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        # A token masked out (grammar constraint) has logprob -inf, which JSON cannot carry: clamp
+        # it as vLLM does.
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
 
     entry = describe(token, row[token].item())
     entry["top_logprobs"] = []

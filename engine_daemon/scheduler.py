@@ -20,8 +20,10 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from engine_daemon import requests as rq
+from engine_daemon.adapters import AdapterManager
+from engine_daemon.model_aliases import ModelNames
 from engine_daemon.model_manager import ModelManager
-from engine_daemon.model_store import InvalidModelName, ModelNotFound, ModelRef, resolve
+from engine_daemon.model_store import InvalidModelName, ModelNotFound, ModelRef
 from engine_daemon.requests import EngineRequest, RequestError
 from engine_daemon.sampling import make_request_processors, make_request_sampler
 from protocol import MsgType
@@ -55,6 +57,16 @@ class SchedulerConfig:
     model_dirs: tuple[Path, ...] = ()
     # Let mlx_lm run Python files shipped with a model (never by default: models come from requests too).
     trust_remote_code: bool = False
+    # The operator's model names and per-model settings (engine_daemon/model_aliases.py); None: no names.
+    names: ModelNames | None = None
+    # Seconds without any request after which the mlx thread unloads the model (--idle-unload); None: never.
+    idle_unload: float | None = None
+    # LoRA adapters (engine_daemon/adapters.py): --adapter-path for --model's requests, LRU of loaded adapters.
+    adapter_path: str | None = None
+    adapter_cache_size: int = 8
+    # Speculative decoding of lone requests (engine_daemon/speculative.py): --draft-model, --num-draft-tokens.
+    draft_model: str | None = None
+    num_draft_tokens: int = 3
 
 
 @dataclass
@@ -98,6 +110,9 @@ class BaseScheduler:
         self.stats = SchedulerStats()
         # Requests that wait for another model (or, in the serial scheduler, for their turn).
         self.waiting: deque[tuple[EngineRequest, ModelRef]] = deque()
+        # LoRA adapters: registry, loaded weights, switching on the loaded model (engine_daemon/adapters.py).
+        self.adapters = AdapterManager(config.model_dirs, config.adapter_cache_size, config.adapter_path,
+                                       config.default_model)
 
     # -- what the worker asks ------------------------------------------------------
     def has_work(self) -> bool:
@@ -126,10 +141,11 @@ class BaseScheduler:
             name = self.config.default_model
         if current is not None and name in (current.ref.id, str(current.ref.path)):
             return current.ref
-        # The operator's --model is trusted as typed; any other name is confined to --model-dir and the HF cache.
-        roots = None if name == self.config.default_model else self.config.model_dirs
+        # Aliases and the served name map to their sources; the operator's --model is trusted as typed;
+        # any other name is confined to --model-dir and the HF cache (engine_daemon/model_aliases.py).
         try:
-            return resolve(name, allow_download=self.config.allow_download, roots=roots)
+            return self.models.names.resolve(name, default_model=self.config.default_model,
+                                             roots=self.config.model_dirs, allow_download=self.config.allow_download)
         except InvalidModelName as exc:
             raise RequestError(400, "invalid_model_name", str(exc), param="model") from None
         except ModelNotFound as exc:
@@ -169,6 +185,8 @@ class BaseScheduler:
         """Tokenises and checks the request against the loaded model; raises RequestError to refuse."""
         loaded = self.models.current
         rq.prepare(request, loaded, self.config.default_max_tokens, self.config.sampling_defaults)
+        # The adapter (a name, a path under --model-dir, or --adapter-path's) settles into its cache key here.
+        request.body["adapter"] = self.adapters.admit(request.body.get("adapter"), loaded)
         budget = self.config.memory_budget_bytes
         if budget is not None:
             needed = loaded.kv_bytes_per_token * (len(request.prompt_tokens) + request.max_tokens)
@@ -185,8 +203,11 @@ class BaseScheduler:
     def accepted_event(request: EngineRequest) -> Event:
         log.info("rid=%s accepted model=%s prompt_tokens=%d cached_tokens=%d max_tokens=%d", request.rid,
                  request.model_id, len(request.prompt_tokens), request.cached_tokens, request.max_tokens)
-        return (request.peer, MsgType.ACCEPTED, {"rid": request.rid, "prompt_tokens": len(request.prompt_tokens),
-                                                 "cached_tokens": request.cached_tokens, "model": request.model_id})
+        body = {"rid": request.rid, "prompt_tokens": len(request.prompt_tokens),
+                "cached_tokens": request.cached_tokens, "model": request.model_id}
+        if request.context_overflow:  # older turns dropped or summarised to fit (engine_daemon/context_overflow.py)
+            body["context_overflow"] = request.context_overflow
+        return (request.peer, MsgType.ACCEPTED, body)
 
     def _admit(self, request: EngineRequest) -> list[Event]:
         """Hands an accepted request for the loaded model to the generator."""
@@ -311,7 +332,8 @@ class SerialScheduler(BaseScheduler):
     def _start(self, request: EngineRequest) -> None:
         config = self.config
         self._tokens = generate_step(
-            mx.array(request.prompt_tokens), self.models.current.model, self.stream,
+            mx.array(request.prompt_tokens), self.adapters.bind(self.models.current, request.body.get("adapter")),
+            self.stream,
             max_tokens=request.max_tokens, sampler=make_request_sampler(request.sampling),
             logits_processors=make_request_processors(request.sampling) + request.processors,
             prefill_step_size=config.prefill_step_size, max_kv_size=config.max_kv_size,

@@ -24,6 +24,7 @@ from engine_daemon.model_store import list_cached_models, list_root_models
 from engine_daemon.response_store import ResponseStore, StoreCallError, handle_call
 from engine_daemon.scheduler import SchedulerConfig
 from engine_daemon.socket_security import SocketSecurity, ThreadAuthenticator, secure_router
+from engine_daemon.speculative import speculative_stats
 from engine_daemon.worker import MlxWorker
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 
@@ -85,6 +86,7 @@ class EngineServer:
         self._auth: ThreadAuthenticator | None = None
         # Responses API records (previous_response_id, GET, DELETE): touched on the io thread only.
         self.responses = responses if responses is not None else ResponseStore()
+        self._load_reported = 0  # seconds of the current model load already logged (_report_loading)
 
     def stop(self) -> None:
         self._stop.set()
@@ -124,6 +126,7 @@ class EngineServer:
                         self._receive(router, parts)
                 if time.monotonic() >= next_sweep:
                     self._sweep_peers()
+                    self._report_loading()
                     next_sweep = time.monotonic() + 1.0
         finally:
             self.worker.stop()
@@ -184,7 +187,8 @@ class EngineServer:
         status = self.worker.status
         self._reply(router, peer, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": status.state,
-            "model": status.model, "adapter": None, "started_at": self.started_at, "pid": os.getpid()})
+            "model": status.model, "adapter": self.worker.scheduler.adapters.registry.default,
+            "started_at": self.started_at, "pid": os.getpid()})
 
     def state(self) -> str:
         """The worker's state, or 'stalled' when one piece of its work runs past --stall-timeout.
@@ -225,7 +229,8 @@ class EngineServer:
 
     def _on_call(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         method, args = body["method"], body.get("args") or {}
-        if method in ("unload", "debug_sleep", "tokenize", "detokenize"):  # need the mlx thread
+        if method in ("unload", "debug_sleep", "tokenize", "detokenize",
+                      "adapters.add", "adapters.remove"):  # need the mlx thread
             self.worker.commands.put(("call", peer, body["cid"], method, args))
             return
         if method == "status":
@@ -234,6 +239,8 @@ class EngineServer:
             result = self.list_models()
         elif method == "stats":
             result = self.stats()
+        elif method == "adapters.list":  # a snapshot the mlx thread replaces on every change
+            result = {"data": self.worker.scheduler.adapters.registry.snapshot}
         elif method.startswith("responses."):
             try:
                 result = handle_call(self.responses, method, args)
@@ -266,23 +273,51 @@ class EngineServer:
         status = self.worker.status
         busy = time.monotonic() - status.busy_since if status.busy_since else 0.0
         return {"epoch": self.epoch, "state": self.state(), "busy_seconds": busy, "model": status.model,
-                "adapter": None,
+                "model_kind": status.model_kind,
+                "adapter": self.worker.scheduler.adapters.registry.default,  # --adapter-path's name
                 "queued": status.queued, "running": status.running, "pid": os.getpid(),
                 "host": socket.gethostname(), "started_at": self.started_at,
-                "uptime": time.time() - self.started_at, "model_loads": self.worker.models.loads}
+                "uptime": time.time() - self.started_at, "model_loads": self.worker.models.loads,
+                **self.loading()}
+
+    def loading(self) -> dict[str, Any]:
+        """Which model the mlx thread is loading and for how long (None, None when it is not)."""
+        loading = self.worker.models.loading  # one read: the mlx thread replaces the tuple, never edits it
+        if loading is None:
+            return {"loading_model": None, "loading_seconds": None}
+        return {"loading_model": loading[0], "loading_seconds": round(time.monotonic() - loading[1], 1)}
+
+    def _report_loading(self) -> None:
+        """A log line every 10 s of a model load, so a slow load is not mistaken for a hang."""
+        loading = self.loading()
+        if loading["loading_model"] is None:
+            self._load_reported = 0
+            return
+        if loading["loading_seconds"] >= self._load_reported + 10:
+            self._load_reported = int(loading["loading_seconds"]) // 10 * 10
+            log.info("still loading model %s (%.0f s)", loading["loading_model"], loading["loading_seconds"])
 
     def list_models(self) -> list[dict[str, Any]]:
-        # Models under --model-dir first: a name resolves there before the HF cache.
-        models = list_root_models(self.worker.scheduler.config.model_dirs)
-        local = {m["id"] for m in models}
-        models += [m for m in list_cached_models() if m["id"] not in local]
-        loaded = self.worker.status.model
-        ids = {m["id"] for m in models}
-        if loaded and loaded not in ids:
-            models.insert(0, {"id": loaded, "created": int(self.started_at)})
+        """The catalogue: the operator's names, models under --model-dir, the HF cache, and the loaded model.
+
+        In that order, as names resolve. `loaded` marks every id a request could name
+        without a load: the loaded name, and ids whose directory is served under it.
+        """
+        names = self.worker.models.names
+        models = names.catalogue()
+        for found in (list_root_models(self.worker.scheduler.config.model_dirs), list_cached_models()):
+            seen = {m["id"] for m in models}
+            models += [m for m in found if m["id"] not in seen]
+        current = self.worker.models.current  # one read: the mlx thread may swap it meanwhile
+        loaded = current.ref.id if current else None
+        if current is not None and loaded not in {m["id"] for m in models}:
+            models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
         for entry in models:
-            entry.pop("path", None)
-            entry["loaded"] = entry["id"] == loaded
+            path = entry.pop("path", None)
+            served_as = entry["id"] if entry["id"] in names.entries else names.name_of_path(path) or entry["id"]
+            entry["loaded"] = served_as == loaded
+            if entry["loaded"]:
+                entry["context_window"] = current.context_window  # as loaded: a profile may override it
         return models
 
     def stats(self) -> dict[str, Any]:
@@ -290,4 +325,5 @@ class EngineServer:
         cache = scheduler.prompt_cache_stats() if hasattr(scheduler, "prompt_cache_stats") else {}
         return {**self.status(), "frontends": len(self.peers), "steps": self.worker.status.steps,
                 "batch_size": self.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
-                **cache, **self.responses.stats()}
+                **cache, **self.responses.stats(), **scheduler.adapters.stats(),
+                **speculative_stats(scheduler, self.worker.status.model)}

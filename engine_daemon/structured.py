@@ -14,6 +14,7 @@ for a 2k vocabulary but about a second for a 150k one.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -138,14 +139,25 @@ def forced_functions(specs: list[FunctionSpec], tool_choice: Any) -> list[Functi
 # -- grammar --------------------------------------------------------------------------
 
 def _compile(tokenizer: Any, lark: str) -> LLMatcher:
-    matcher = LLMatcher(llg_tokenizer(tokenizer), LLMatcher.grammar_from_lark(lark), log_level=0)
-    return matcher
+    """The matcher for a Lark grammar; llguidance reports grammar errors on it, never by raising."""
+    return LLMatcher(llg_tokenizer(tokenizer), LLMatcher.grammar_from_lark(lark), log_level=0)
+
+
+def _client_message(error: str) -> str:
+    """An llguidance error without the position in, and the quote of, the engine's own grammar text."""
+    lines = []
+    for line in error.splitlines():
+        if re.match(r"\s*\d+ \| ", line):
+            break
+        lines.append(line.strip())
+    text = " ".join(line for line in lines if line)
+    return re.sub(r"^at \d+\(\d+\): (failed to compile JSON schema: )?", "", text)
 
 
 def _schema_error(tokenizer: Any, schema: Any) -> str | None:
     """Why llguidance rejects one JSON schema, or None when it compiles."""
     matcher = _compile(tokenizer, f"start: {json_rule(schema)}")
-    return matcher.get_error() if matcher.is_error() else None
+    return _client_message(matcher.get_error()) if matcher.is_error() else None
 
 
 def _explain_failure(tokenizer: Any, schema: Any, specs: list[FunctionSpec], error: str) -> RequestError:
@@ -157,7 +169,7 @@ def _explain_failure(tokenizer: Any, schema: Any, specs: list[FunctionSpec], err
         if why := _schema_error(tokenizer, spec.parameters):
             return RequestError(400, "invalid_value", f"Invalid JSON schema for tool {spec.name!r}: {why}",
                                 param=f"tools[{spec.index}].function.parameters")
-    return RequestError(400, "invalid_value", f"The output constraint could not be built: {error}",
+    return RequestError(400, "invalid_value", f"The output constraint could not be built: {_client_message(error)}",
                         param="response_format" if schema is not None else "tool_choice")
 
 
@@ -194,5 +206,6 @@ def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice
         raise _explain_failure(tokenizer, schema if not forced else None, used, matcher.get_error())
     log.debug("compiled %s grammar in %.1f ms", description, (time.perf_counter() - started) * 1000)
     gate = getattr(tokenizer, "think_end_tokens", None) if starts_in_thinking else None
-    return GrammarConstraint(matcher, llg_tokenizer(tokenizer).vocab_size, tokenizer.eos_token_ids,
-                             gate_tokens=gate, description=description)
+    vocabulary = llg_tokenizer(tokenizer)
+    eos = list(getattr(tokenizer, "eos_token_ids", None) or []) or [vocabulary.eos_token]
+    return GrammarConstraint(matcher, vocabulary.vocab_size, eos, gate_tokens=gate, description=description)

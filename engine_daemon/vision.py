@@ -120,6 +120,16 @@ class VisionSupport:
 
 
 # -- loading ---------------------------------------------------------------------------------
+class _ProcessorKwargsNoise(logging.Filter):
+    """Drops transformers' per-request warning about the template kwargs mlx-vlm passes (harmless)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "have to be in `processor_kwargs`" not in record.getMessage()
+
+
+_NOISE_FILTER = _ProcessorKwargsNoise()
+
+
 def _accepts_audio(config: dict[str, Any], model: Any) -> bool:
     return bool(config.get("audio_config")) or any(
         getattr(model, name, None) is not None for name in ("audio_tower", "audio_model", "audio_encoder"))
@@ -137,8 +147,14 @@ def load_vision_model(ref: ModelRef, trust_remote_code: bool = False) -> LoadedM
 
     config = json.loads((ref.path / "config.json").read_text())
     kind = model_kind(ref.path)
+    logging.getLogger("transformers.processing_utils").addFilter(_NOISE_FILTER)  # idempotent
     model, processor = mlx_vlm_load(str(ref.path), trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(Path(ref.path), eos_token_ids=config.get("eos_token_id"))
+    # Text exactly as mlx-vlm writes it (mlx_vlm.generate / mlx_vlm.server): its streaming
+    # detokenizer keeps the first token's leading space, which mlx-lm's trims.
+    detokenizer = getattr(processor, "detokenizer", None)
+    if detokenizer is not None and hasattr(tokenizer, "_detokenizer"):
+        tokenizer._detokenizer = detokenizer
     parameters = [p for _, p in tree_flatten(model.parameters())]
     itemsize = max((p.dtype.size for p in parameters if mx.issubdtype(p.dtype, mx.floating)), default=2)
     text_config = {**config, **(config.get("text_config") or {})}
@@ -331,11 +347,13 @@ def prepare(request: EngineRequest, loaded: LoadedModel) -> None:
                     "prompt": [int(t) for t in inputs.input_ids[0].tolist()]}
 
 
-def inputs_of(request: EngineRequest) -> VisionInputs:
-    """The inputs `prepare` built, or text-only inputs from the request's prompt tokens."""
+def take_inputs(request: EngineRequest) -> VisionInputs:
+    """The inputs `prepare` built (released from the request: pixels are not kept while it decodes),
+    or text-only inputs from the request's prompt tokens."""
     inputs = getattr(request, _INPUTS_ATTR, None)
     if inputs is None:
-        inputs = VisionInputs(input_ids=mx.array([request.prompt_tokens]))
+        return VisionInputs(input_ids=mx.array([request.prompt_tokens]))
+    setattr(request, _INPUTS_ATTR, None)
     return inputs
 
 

@@ -16,8 +16,10 @@ What it writes (``build_vlm``), in the layout of a Qwen2-VL-Instruct checkpoint:
   plus Qwen2-VL's vision tokens (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``,
   ``<|video_pad|>``), and Qwen2-VL-Instruct's real chat template (it renders image parts as
   ``<|vision_start|><|image_pad|><|vision_end|>``);
-* ``preprocessor_config.json`` for mlx-vlm's torch-free Qwen2-VL image processor with a small
-  pixel budget (56x56 to 112x112 pixels: 4 to 16 image tokens), so tests stay fast on CPU.
+* ``preprocessor_config.json`` for mlx-vlm's torch-free Qwen2-VL image processor. Size ``tiny``
+  (tests) has a small pixel budget (56x56 to 112x112 pixels: 4 to 16 image tokens) and a 2-block
+  vision tower, so a request takes milliseconds on CPU; ``bench`` (72M parameters, up to 448x448
+  pixels: 256 image tokens) makes encoding an image cost what it costs in practice.
 
 Dynamic resolution is why Qwen2-VL was picked: the number of image tokens follows the image
 size, so per-request ``resize_shape`` visibly changes the prompt. Nothing heavy is imported
@@ -82,23 +84,29 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Shapes of the tiny build: the text part is model_builder's "tiny" preset.
-TEXT = PRESETS["tiny"]
-VISION = {
-    "depth": 2,
-    "embed_dim": 32,
-    "num_heads": 2,
-    "mlp_ratio": 2,  # an int: transformers validates Qwen2-VL configs strictly
-    "patch_size": 14,
-    "spatial_patch_size": 14,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "in_channels": 3,
+_PATCHES = {"patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+            "in_channels": 3}
+# Shapes per size. "tiny" (tests): model_builder's tiny text model, a 2-block vision tower and a
+# 56x56..112x112 pixel budget (in 28-pixel steps: 4 to 16 image tokens after the 2x2 merge), so a
+# request takes milliseconds on CPU. "bench" (benchmarks): a vision tower and pixel budget big
+# enough (up to 448x448: 256 image tokens) that encoding an image costs what it costs in practice.
+# mlp_ratio is an int: transformers validates Qwen2-VL configs strictly.
+VLM_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "text": PRESETS["tiny"],
+        "vision": {"depth": 2, "embed_dim": 32, "num_heads": 2, "mlp_ratio": 2, **_PATCHES},
+        "min_pixels": 56 * 56,
+        "max_pixels": 112 * 112,
+    },
+    "bench": {
+        "text": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+                 "intermediate_size": 1536, "vocab_size": 8192, "max_position_embeddings": 32768,
+                 "rms_norm_eps": 1e-6},
+        "vision": {"depth": 12, "embed_dim": 512, "num_heads": 8, "mlp_ratio": 4, **_PATCHES},
+        "min_pixels": 56 * 56,
+        "max_pixels": 448 * 448,
+    },
 }
-# Pixel budget of the image processor: any image is resized to between 56x56 and 112x112
-# (in 28-pixel steps), i.e. 4 to 16 image tokens after the 2x2 merge.
-MIN_PIXELS = 56 * 56
-MAX_PIXELS = 112 * 112
 
 _PAYLOAD_FILES = (
     "model.safetensors",
@@ -174,7 +182,9 @@ def _special_tokens_map() -> dict:
             "pad_token": tok(ENDOFTEXT)}
 
 
-def _preprocessor_config() -> dict:
+def _preprocessor_config(size: str) -> dict:
+    preset = VLM_PRESETS[size]
+    vision = preset["vision"]
     return {
         "do_convert_rgb": True,
         "do_normalize": True,
@@ -183,25 +193,29 @@ def _preprocessor_config() -> dict:
         "image_mean": [0.48145466, 0.4578275, 0.40821073],
         "image_std": [0.26862954, 0.26130258, 0.27577711],
         "image_processor_type": "Qwen2VLImageProcessor",
-        "max_pixels": MAX_PIXELS,
-        "merge_size": VISION["spatial_merge_size"],
-        "min_pixels": MIN_PIXELS,
-        "patch_size": VISION["patch_size"],
+        "max_pixels": preset["max_pixels"],
+        "merge_size": vision["spatial_merge_size"],
+        "min_pixels": preset["min_pixels"],
+        "patch_size": vision["patch_size"],
         "processor_class": "Qwen2VLProcessor",
         "resample": 3,
         "rescale_factor": 1 / 255,
-        "temporal_patch_size": VISION["temporal_patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
     }
 
 
-def _model_config(seed: int) -> dict:
+def _model_config(size: str, seed: int) -> dict:
     """The full config.json (minus the file manifest); also the idempotency key."""
+    if size not in VLM_PRESETS:
+        raise ValueError(f"unknown size {size!r}; choose from {sorted(VLM_PRESETS)}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    text_vocab = TEXT["vocab_size"]
+    text = VLM_PRESETS[size]["text"]
+    vision = VLM_PRESETS[size]["vision"]
+    text_vocab = text["vocab_size"]
     text_ids = _text_token_ids(text_vocab)
     vision_ids = _vision_token_ids(text_vocab)
-    head_dim = TEXT["hidden_size"] // TEXT["num_attention_heads"]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
     # mRoPE splits the rotary half-dimension into (temporal, height, width) sections (16/24/24 of 64 in Qwen2-VL).
     half = head_dim // 2
     section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
@@ -215,10 +229,10 @@ def _model_config(seed: int) -> dict:
         "tie_word_embeddings": True,
         "use_sliding_window": False,
         "sliding_window": 32768,
-        **copy.deepcopy(TEXT),
+        **copy.deepcopy(text),
         "vocab_size": text_vocab + len(VISION_TOKENS),
-        "vision_config": {**VISION, "model_type": "qwen2_vl", "hidden_size": TEXT["hidden_size"],
-                          "in_chans": VISION["in_channels"]},
+        "vision_config": {**vision, "model_type": "qwen2_vl", "hidden_size": text["hidden_size"],
+                          "in_chans": vision["in_channels"]},
         "image_token_id": vision_ids[IMAGE_PAD],
         "video_token_id": vision_ids[VIDEO_PAD],
         "vision_start_token_id": vision_ids[VISION_START],
@@ -232,6 +246,7 @@ def _model_config(seed: int) -> dict:
         BUILD_INFO_KEY: {
             "builder": "vlm_builder",
             "builder_version": VLM_BUILDER_VERSION,
+            "size": size,
             "seed": seed,
             "arch": "qwen2_vl",
             "note": "RANDOM WEIGHTS, NOT A TRAINED MODEL. Built by engine_daemon.vlm_builder.",
@@ -241,7 +256,7 @@ def _model_config(seed: int) -> dict:
 
 
 def _generation_config(config: dict) -> dict:
-    ids = _text_token_ids(TEXT["vocab_size"])
+    ids = _text_token_ids(config["vocab_size"] - len(VISION_TOKENS))
     # Greedy by default: a random-weight model has nothing to gain from sampling, and tests
     # compare the server's output with mlx_vlm.generate token for token.
     return {"bos_token_id": ids[ENDOFTEXT], "eos_token_id": [ids[IM_END], ids[ENDOFTEXT]],
@@ -298,6 +313,8 @@ def _random_weights(config: dict, seed: int) -> dict:
 
 
 def _readme(config: dict, n_params: int) -> str:
+    info = config[BUILD_INFO_KEY]
+    preset = VLM_PRESETS[info["size"]]
     return f"""# RANDOM WEIGHTS - NOT A TRAINED MODEL
 
 Generated by `engine_daemon.vlm_builder` (mlx-engined) for tests and benchmarks. **Its weights
@@ -306,15 +323,15 @@ are random noise**: it "describes" images with gibberish. Do not evaluate or ser
 | field | value |
 |---|---|
 | architecture | `qwen2_vl` (mlx-vlm) |
-| seed | `{config[BUILD_INFO_KEY]['seed']}` |
+| size preset / seed | `{info['size']}` / `{info['seed']}` |
 | parameters | {n_params:,} (float32) |
 | text hidden / layers / heads | {config['hidden_size']} / {config['num_hidden_layers']} / {config['num_attention_heads']} |
 | vision embed / depth / patch | {config['vision_config']['embed_dim']} / {config['vision_config']['depth']} / {config['vision_config']['patch_size']} |
-| image pixels | {MIN_PIXELS} to {MAX_PIXELS} (4 to 16 image tokens) |
+| image pixels | {preset['min_pixels']} to {preset['max_pixels']} |
 
 Rebuild with:
 
-    python -m engine_daemon.vlm_builder OUT_DIR --seed {config[BUILD_INFO_KEY]['seed']}
+    python -m engine_daemon.vlm_builder OUT_DIR --size {info['size']} --seed {info['seed']}
 """
 
 
@@ -335,14 +352,14 @@ def _is_complete_build(out_dir: Path, expected: dict) -> bool:
     return True
 
 
-def build_vlm(out_dir: str | Path, seed: int = 0) -> Path:
+def build_vlm(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     """Writes the model directory and returns its path (idempotent, like ``build_model``).
 
     A directory that already holds a complete build of the same seed and builder version
     is returned as is; a config.json not written by a builder is never overwritten.
     """
     out_dir = Path(out_dir).expanduser().resolve()
-    config = _model_config(seed)
+    config = _model_config(size, seed)
     if _is_complete_build(out_dir, config):
         logger.info("reusing existing VLM build in %s", out_dir)
         return out_dir
@@ -366,12 +383,12 @@ def build_vlm(out_dir: str | Path, seed: int = 0) -> Path:
         os.replace(tmp, out_dir / "model.safetensors")
         del weights
 
-        text_vocab = TEXT["vocab_size"]
+        text_vocab = VLM_PRESETS[size]["text"]["vocab_size"]
         _atomic_write_bytes(out_dir / "tokenizer.json", _tokenizer_json(text_vocab).encode())
         _atomic_write_json(out_dir / "tokenizer_config.json",
                            _tokenizer_config(text_vocab, config["max_position_embeddings"]))
         _atomic_write_json(out_dir / "special_tokens_map.json", _special_tokens_map())
-        _atomic_write_json(out_dir / "preprocessor_config.json", _preprocessor_config())
+        _atomic_write_json(out_dir / "preprocessor_config.json", _preprocessor_config(size))
         _atomic_write_json(out_dir / "chat_template.json", {"chat_template": QWEN2_VL_CHAT_TEMPLATE})
         _atomic_write_json(out_dir / "generation_config.json", _generation_config(config))
         _atomic_write_bytes(out_dir / "README.md", _readme(config, n_params).encode())
@@ -379,7 +396,7 @@ def build_vlm(out_dir: str | Path, seed: int = 0) -> Path:
         final = copy.deepcopy(config)
         final[BUILD_INFO_KEY]["files"] = {name: (out_dir / name).stat().st_size for name in _PAYLOAD_FILES}
         _atomic_write_json(out_dir / _CONFIG_FILE, final)
-        logger.info("built qwen2_vl seed=%d (%.2fM params) in %s (%.1fs)", seed, n_params / 1e6, out_dir,
+        logger.info("built qwen2_vl %s seed=%d (%.2fM params) in %s (%.1fs)", size, seed, n_params / 1e6, out_dir,
                     time.perf_counter() - t0)
     return out_dir
 
@@ -389,11 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="engined-build-vlm",
         description="Build a tiny random-weight Qwen2-VL model (mlx-vlm layout) for tests and benchmarks.")
     parser.add_argument("out_dir", type=Path, help="directory to write the model into")
+    parser.add_argument("--size", choices=sorted(VLM_PRESETS), default="tiny",
+                        help="tiny (tests) or bench (benchmarks) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        path = build_vlm(args.out_dir, seed=args.seed)
+        path = build_vlm(args.out_dir, size=args.size, seed=args.seed)
     except (ValueError, FileExistsError) as exc:
         parser.error(str(exc))
     print(path)

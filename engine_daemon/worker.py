@@ -38,6 +38,7 @@ class EngineStatus:
 
     state: str = "idle"  # idle | loading | ready | draining
     model: str | None = None
+    model_kind: str | None = None  # "text" | "vision" | "audio" (engine_daemon/model_store.kind_of_config)
     queued: int = 0
     running: int = 0
     steps: int = 0
@@ -63,12 +64,14 @@ class MlxWorker(threading.Thread):
         super().__init__(name="mlx", daemon=True)
         self.commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self.status = EngineStatus()
-        self.models = ModelManager(trust_remote_code=config.trust_remote_code)
+        self.models = ModelManager(trust_remote_code=config.trust_remote_code, names=config.names)
         self.scheduler = make_scheduler(self.models, config)
         self._context = context
         self._outbox_address = outbox_address
         self._preload = preload
         self._stopping = threading.Event()
+        self._idle_unload = config.idle_unload  # --idle-unload seconds, None: keep the model
+        self._last_active = time.monotonic()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -92,6 +95,7 @@ class MlxWorker(threading.Thread):
                     self.status.last_step_at = time.monotonic()
                 self._publish(outbox, events)
                 self._update_status()
+                self._unload_if_idle()
                 self.status.busy_since = 0.0
         except Exception:
             log.exception("mlx thread crashed")
@@ -111,9 +115,33 @@ class MlxWorker(threading.Thread):
         self.status.state = "loading"
         try:
             self.models.ensure(self.scheduler.resolve_model(name))
+            self.scheduler.adapters.warm(self.models.current)  # --adapter-path: checked against the model now
+            if getattr(self.scheduler, "speculative", None) is not None:  # --draft-model: loaded and checked now
+                self.scheduler.speculative.draft_for(self.models.current)
         except Exception:
             log.exception("could not preload model %s", name)
         self._update_status()
+        self._last_active = time.monotonic()  # --idle-unload counts from the end of the preload
+
+    def _unload_if_idle(self) -> None:
+        """--idle-unload: frees the model once no command or request has come for that long.
+
+        Any work of this loop turn (a command, a scheduler step, a load) counts as use;
+        the next request after an unload loads the model again.
+        """
+        if self.status.busy_since or self.scheduler.has_work():
+            self._last_active = time.monotonic()
+            return
+        current = self.models.current
+        if not self._idle_unload or current is None:
+            return
+        idle = time.monotonic() - self._last_active
+        if idle >= self._idle_unload:
+            log.info("model %s unused for %.0f s (--idle-unload %g): unloading it", current.ref.id, idle,
+                     self._idle_unload)
+            self.scheduler.reset()  # the generator and prompt cache hold on to the model
+            self.models.unload()
+            self._update_status()
 
     def _mark_busy(self) -> None:
         if self.scheduler.waiting:
@@ -125,6 +153,7 @@ class MlxWorker(threading.Thread):
     def _update_status(self) -> None:
         current = self.models.current
         self.status.model = current.ref.id if current else None
+        self.status.model_kind = current.kind if current else None
         self.status.queued = self.scheduler.queued()
         self.status.running = self.scheduler.running()
         self.status.state = "ready" if current else "idle"
@@ -193,6 +222,10 @@ class MlxWorker(threading.Thread):
         if method == "unload":
             events = self.scheduler.fail_all(503, "model_unloaded", "The model was unloaded")
             return events, {"status": "success" if self.models.unload() else "no_model_loaded"}
+        if method == "adapters.add":  # the adapter registry (engine_daemon/adapters.py); adapters.list: io thread
+            return [], self.scheduler.adapters.add(args, self.models.current)
+        if method == "adapters.remove":
+            return [], self.scheduler.adapters.remove(args)
         if method == "tokenize":
             return [], tokenize(self.models.current, args)
         if method == "detokenize":

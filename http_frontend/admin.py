@@ -23,17 +23,38 @@ async def call_engine(client: EngineClient, method: str, timeout: float = 5.0,
         raise APIError.from_engine(exc.body) from None
 
 
+def model_object(m: dict[str, Any]) -> dict[str, Any]:
+    """A catalogue entry of the engine as an OpenAI model object, with this server's extra fields."""
+    kind = m.get("kind") or "text"
+    return {"id": m["id"], "object": "model", "created": m.get("created", int(time.time())), "owned_by": "local",
+            "context_window": m.get("context_window"), "type": kind, "kind": kind, "loaded": m.get("loaded", False)}
+
+
 class Models:
-    """OpenAI model list: MLX models in the engine host's HF cache plus the loaded one."""
+    """OpenAI model list: the operator's aliases, MLX models under --model-dir and in the HF cache, the loaded one."""
 
     def __init__(self, client: EngineClient):
         self.client = client
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         models = await call_engine(self.client, "list_models", timeout=30.0)
-        resp.media = {"object": "list", "data": [
-            {"id": m["id"], "object": "model", "created": m.get("created", int(time.time())),
-             "owned_by": "local", "loaded": m.get("loaded", False)} for m in models]}
+        resp.media = {"object": "list", "data": [model_object(m) for m in models]}
+
+
+class ModelById:
+    """GET /v1/models/{model_id}: one model of the catalogue. Ids may hold slashes (`org/name`)."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model_id: str) -> None:
+        models = await call_engine(self.client, "list_models", timeout=30.0)
+        found = next((m for m in models if m["id"] == model_id), None)
+        if found is None:
+            listed = ", ".join(m["id"] for m in models[:20]) or "none"
+            raise APIError(404, f"The model '{model_id}' does not exist. Available models: {listed}",
+                           code="model_not_found", param="model")
+        resp.media = model_object(found)
 
 
 class Health:
@@ -48,7 +69,8 @@ class Health:
         except (EngineUnavailable, EngineError) as exc:
             resp.status = falcon.HTTP_503
             resp.set_header("Retry-After", "1")
-            resp.media = {"status": "unhealthy", "error": str(exc), "loaded_model": None, "loaded_adapter": None}
+            resp.media = {"status": "unhealthy", "error": str(exc), "loaded_model": None, "loaded_model_kind": None,
+                          "loaded_adapter": None}
             return
         stalled = status["state"] == "stalled"
         if stalled:
@@ -56,9 +78,13 @@ class Health:
             resp.status = falcon.HTTP_503
             resp.set_header("Retry-After", "5")
         resp.media = {"status": "stalled" if stalled else "healthy", "loaded_model": status["model"],
+                      "loaded_model_kind": status.get("model_kind"),  # "text" | "vision" | "audio"
                       "loaded_adapter": status["adapter"],
                       "engine": {k: status[k] for k in ("state", "epoch", "uptime", "pid", "queued", "running",
                                                          "model_loads", "busy_seconds")}}
+        # While a model loads: which one and for how long (state "loading").
+        resp.media["engine"].update(loading_model=status.get("loading_model"),
+                                    loading_seconds=status.get("loading_seconds"))
 
 
 class Unload:

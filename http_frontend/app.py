@@ -13,6 +13,7 @@ import falcon.asgi
 from falcon.routing import CompiledRouter
 
 from http_frontend import admin, errors
+from http_frontend.adapters import AdapterByName, Adapters
 from http_frontend.anthropic import CountTokens, Messages
 from http_frontend.auth import security_middleware
 from http_frontend.chat import ChatCompletions
@@ -67,6 +68,9 @@ def create_app(endpoint: str | None = None) -> DisconnectWatch:
     add_route(app, "/v1/tokenize", Tokenize(client, settings))
     add_route(app, "/v1/detokenize", Detokenize(client, settings))
     add_route(app, "/v1/models", admin.Models(client))
+    add_route(app, "/v1/adapters", Adapters(client, settings))
+    add_route(app, "/v1/adapters/{name}", AdapterByName(client))
+    add_route(app, "/v1/models/{model_id:path}", admin.ModelById(client))  # ids may hold a slash: org/name
     app.add_route("/health", admin.Health(client))
     app.add_route("/unload", admin.Unload(client))
     app.add_route("/stats", admin.Stats(client))

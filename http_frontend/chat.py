@@ -12,10 +12,12 @@ import falcon.asgi
 from falcon.asgi import SSEvent
 
 from http_frontend.choices import MAX_CHOICES, choice_requests, merge_event_streams, merge_results
+from http_frontend.context_overflow import report_context_overflow
 from http_frontend.disconnect import disconnected_event
 from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
 from http_frontend.errors import APIError, bad_request
 from http_frontend.generation_fields import parse_reasoning, parse_response_format, parse_tool_choice, parse_tools
+from http_frontend.media import AUDIO_PART_TYPES, IMAGE_PART_TYPES, MediaCollector
 from http_frontend.metrics import RID_KEY, FrontendMetrics, TokenTimer
 from http_frontend.settings import FrontendSettings
 from http_frontend.validation import get_field, read_json_object
@@ -23,6 +25,7 @@ from http_frontend.validation import get_field, read_json_object
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_STOP_STRINGS = 16
 KEEPALIVE_SECONDS = 1.0
+MEDIA_PART_TYPES = IMAGE_PART_TYPES + AUDIO_PART_TYPES
 
 # Fields this server does not implement yet: refused with a 400 rather than silently ignored.
 UNSUPPORTED = {
@@ -32,8 +35,12 @@ UNSUPPORTED = {
 }
 
 
-def _message_text(message: dict[str, Any], index: int) -> str | None:
-    """Flattens OpenAI content (string or typed parts) into the text a chat template takes."""
+def _message_text(message: dict[str, Any], index: int, media: MediaCollector | None = None) -> str | None:
+    """Flattens OpenAI content (string or typed parts) into the text a chat template takes.
+
+    Image and audio parts become placeholders in the text, their bytes entries of `media`
+    (http_frontend/media.py); without a collector (routes that take no media) they are refused.
+    """
     content = message.get("content")
     param = f"messages.[{index}].content"
     if content is None or isinstance(content, str):
@@ -50,13 +57,15 @@ def _message_text(message: dict[str, Any], index: int) -> str | None:
                 raise bad_request(f"A text part in '{param}' needs a string 'text'", param=param,
                                   code="invalid_type")
             texts.append(part["text"])
+        elif media is not None and part["type"] in MEDIA_PART_TYPES:
+            texts.append(media.add_part(part, param, message.get("role", "")))
         else:
-            raise bad_request(f"Content parts of type '{part['type']}' are not supported by this model",
+            raise bad_request(f"Content parts of type '{part['type']}' are not supported here",
                               param=param, code="unsupported_content")
     return "".join(texts)
 
 
-def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def parse_messages(body: dict[str, Any], media: MediaCollector | None = None) -> list[dict[str, Any]]:
     messages = get_field(body, "messages", (list,), required=True)
     if not messages:
         raise bad_request("'messages' must contain at least one message", param="messages")
@@ -69,7 +78,7 @@ def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(role, str) or role not in ROLES:
             raise bad_request(f"Invalid value for 'messages.[{index}].role': {role!r}; expected one of "
                               f"{sorted(ROLES)}", param=f"messages.[{index}].role")
-        text = _message_text(message, index)
+        text = _message_text(message, index, media)
         entry = {"role": "system" if role == "developer" else role, "content": text or ""}
         entry.update(_tool_fields(message, index, role))
         parsed.append(entry)
@@ -263,7 +272,8 @@ class ChatCompletions(GenerationRoute):
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
         check_message_count(body, self.settings.max_messages)
-        messages = parse_messages(body)
+        media = MediaCollector.for_request(body, self.settings)
+        messages = parse_messages(body, media)
         check_unsupported(body, logprobs_supported=True)
         params = {**parse_sampling(body), **parse_logprobs(body)}
         check_max_tokens(body, params, self.settings.max_tokens_limit)
@@ -279,7 +289,10 @@ class ChatCompletions(GenerationRoute):
                           "chat_template_kwargs": template_kwargs, "tools": tools,
                           "tool_choice": parse_tool_choice(body, tools),
                           "parallel_tool_calls": get_field(body, "parallel_tool_calls", (bool,)),
-                          "response_format": parse_response_format(body)}
+                          "response_format": parse_response_format(body),
+                          # LoRA adapter: a registered name or a directory under --model-dir (mlx_vlm.server's field)
+                          "adapter": get_field(body, "adapter_path", (str,)) or None}
+        engine_request["media"] = await media.resolve()  # fetches http(s) images: after every other check
 
         logprobs = bool(params.get("logprobs"))
         await serve_generation(
@@ -383,6 +396,7 @@ async def serve_generation(
         else:
             results = await until_disconnect(req, asyncio.gather(*(complete(s, meta, timer) for s in streams)))
             resp.media = results[0] if n == 1 else merge_results(results)
+        report_context_overflow(resp, accepted[0])  # header, and usage.context_overflow in JSON answers
     except APIError as exc:
         if exc.code == "client_disconnected":
             reason = exc.code

@@ -34,7 +34,9 @@ TOKENIZE_TIMEOUT = 60.0  # the CALL waits for the mlx thread, which may be in th
 
 
 def _is_token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    # 64-bit range: msgpack carries nothing larger (the engine checks the vocabulary itself).
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63
+                                           for t in value)
 
 
 def parse_prompt(body: dict[str, Any]) -> str | list[int]:
@@ -91,7 +93,8 @@ class Completions(GenerationRoute):
         await serve_generation(
             req, resp, self.client, self.request_timeout, self.metrics,
             {"model": model, "prompt": prompt, "params": params,
-             **({"response_format": fmt} if (fmt := parse_response_format(body)) else {})},
+             **({"response_format": fmt} if (fmt := parse_response_format(body)) else {}),
+             **({"adapter": adapter} if (adapter := get_field(body, "adapter_path", (str,))) else {})},
             "cmpl", model, stream_requested,
             events=lambda stream, meta, timer: self._events(stream, meta, include_usage, timer),
             complete=self._complete, n=get_field(body, "n", (int,), default=1), include_usage=include_usage)

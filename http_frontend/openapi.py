@@ -93,6 +93,7 @@ CHAT_REQUEST = obj({
     **SAMPLING,
     "messages": arr(MESSAGE, minItems=1),
     "max_completion_tokens": nullable({"type": "integer", "minimum": 1}),
+    "adapter_path": nullable(STRING),  # LoRA adapter: a registered name or a directory under --model-dir
     "logprobs": nullable(BOOLEAN),
     "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 20}),
     "tools": nullable(arr(TOOL, maxItems=128)),
@@ -109,6 +110,7 @@ COMPLETION_REQUEST = obj({
     "prompt": {"oneOf": [{"type": "string", "minLength": 1}, arr({"type": "integer", "minimum": 0}, minItems=1),
                          arr(STRING, minItems=1, maxItems=1)]},
     "echo": nullable({"type": "boolean", "enum": [False]}),
+    "adapter_path": nullable(STRING),
     "suffix": nullable({"type": "string", "maxLength": 0}),
     "best_of": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
     "logprobs": {"type": "integer", "nullable": True, "minimum": 0, "maximum": 0},
@@ -170,7 +172,8 @@ RESPONSE_OBJECT = obj({
 }, ("id", "object", "status", "output"))
 RESPONSE_DELETED = obj({"id": STRING, "object": STRING, "deleted": BOOLEAN}, ("id", "deleted"))
 
-ANTHROPIC_BLOCK = obj({"type": STRING, "text": STRING, "source": ANY_OBJECT, "id": STRING, "name": STRING,
+ANTHROPIC_BLOCK = obj({"type": STRING, "text": STRING, "thinking": STRING, "signature": STRING,
+                       "source": ANY_OBJECT, "id": STRING, "name": STRING,
                        "input": ANY_OBJECT, "tool_use_id": STRING,
                        "content": {"oneOf": [STRING, arr(ANY_OBJECT)]}}, ("type",))
 ANTHROPIC_MESSAGE_PARAM = obj({"role": {"type": "string", "enum": ["user", "assistant"]},
@@ -183,7 +186,7 @@ ANTHROPIC_COMMON: dict[str, Schema] = {
     "tools": arr(ANTHROPIC_TOOL),
     "tool_choice": obj({"type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": STRING,
                         "disable_parallel_tool_use": BOOLEAN}, ("type",)),
-    "thinking": obj({"type": {"type": "string", "enum": ["enabled", "disabled"]},
+    "thinking": obj({"type": {"type": "string", "enum": ["enabled", "disabled", "adaptive"]},
                      "budget_tokens": {"type": "integer", "minimum": 0}}, ("type",)),
 }
 ANTHROPIC_REQUEST = obj({
@@ -202,14 +205,23 @@ ANTHROPIC_MESSAGE = obj({
     "role": {"type": "string", "enum": ["assistant"]}, "model": STRING, "content": arr(ANTHROPIC_BLOCK),
     "stop_reason": nullable({"type": "string", "enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]}),
     "stop_sequence": nullable(STRING),
-    "usage": obj({"input_tokens": INTEGER, "output_tokens": INTEGER}, ("input_tokens", "output_tokens")),
+    "usage": obj({"input_tokens": INTEGER, "output_tokens": INTEGER, "cache_read_input_tokens": INTEGER,
+                  "cache_creation_input_tokens": INTEGER}, ("input_tokens", "output_tokens")),
 }, ("id", "type", "role", "content", "stop_reason", "usage"))
 
+MODEL_TYPE = {"type": "string", "enum": ["text", "vision", "audio"]}
 MODEL = obj({"id": STRING, "object": {"type": "string", "enum": ["model"]}, "created": INTEGER, "owned_by": STRING,
-             "loaded": BOOLEAN}, ("id", "object"))
+             "context_window": nullable(INTEGER), "type": MODEL_TYPE, "kind": MODEL_TYPE, "loaded": BOOLEAN},
+            ("id", "object"))
 HEALTH = obj({"status": {"type": "string", "enum": ["healthy", "stalled", "unhealthy"]},
               "loaded_model": nullable(STRING), "loaded_adapter": nullable(STRING), "engine": ANY_OBJECT,
               "error": STRING}, ("status",))
+ADAPTER_NAME_SCHEMA = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}
+ADAPTER = obj({"id": STRING, "object": {"type": "string", "enum": ["adapter"]}, "path": STRING, "default": BOOLEAN},
+              ("id", "object"))
+ADAPTER_REGISTRATION = obj({"name": ADAPTER_NAME_SCHEMA, "path": {"type": "string", "minLength": 1}},
+                           ("name", "path"))
+ADAPTER_DELETED = obj({"id": STRING, "object": STRING, "deleted": BOOLEAN}, ("id", "deleted"))
 TOKENIZE_REQUEST = obj({"model": STRING, "prompt": STRING, "messages": arr(MESSAGE, minItems=1),
                         "chat_template_kwargs": ANY_OBJECT, "tools": arr(TOOL)})
 TOKENIZE_RESULT = obj({"tokens": arr(INTEGER), "count": INTEGER, "max_model_len": nullable(INTEGER)},
@@ -225,6 +237,7 @@ SCHEMAS: dict[str, Schema] = {
     "MessagesRequest": ANTHROPIC_REQUEST, "Message": ANTHROPIC_MESSAGE,
     "CountTokensRequest": ANTHROPIC_COUNT_REQUEST,
     "Model": MODEL, "Health": HEALTH,
+    "Adapter": ADAPTER, "AdapterRegistration": ADAPTER_REGISTRATION, "AdapterDeleted": ADAPTER_DELETED,
     "TokenizeRequest": TOKENIZE_REQUEST, "TokenizeResult": TOKENIZE_RESULT,
     "DetokenizeRequest": DETOKENIZE_REQUEST, "DetokenizeResult": DETOKENIZE_RESULT,
 }
@@ -245,6 +258,7 @@ DESCRIPTIONS = {
     400: "Invalid request: the error names the offending `param`.",
     401: "Missing or wrong API key (when the server has keys).",
     404: "Unknown model or object.",
+    409: "Conflict: the name is already taken.",
     405: "Method not allowed on this route.",
     413: "Request body too large.",
     429: "The engine's queue is full; retry after `Retry-After` seconds.",
@@ -272,6 +286,9 @@ def _ok(schema: Schema, streams: bool = False) -> dict[str, Any]:
 
 
 RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": STRING}]
+# The route is /v1/models/{model_id:path}: an id may hold slashes (org/name), sent as is or as %2F.
+MODEL_ID = [{"name": "model_id", "in": "path", "required": True, "schema": STRING}]
+ADAPTER_NAME = [{"name": "name", "in": "path", "required": True, "schema": STRING}]
 
 
 def openapi_document() -> dict[str, Any]:
@@ -301,6 +318,18 @@ def openapi_document() -> dict[str, Any]:
         "/v1/models": {"get": _operation("MLX models this engine can serve", None,
                                          _ok(obj({"object": {"type": "string", "enum": ["list"]},
                                                   "data": arr(ref("Model"))}, ("object", "data"))), CALL_ERRORS)},
+        "/v1/models/{model_id}": {"get": {**_operation("One model of the catalogue; unknown → 404 model_not_found",
+                                                       None, _ok(ref("Model")), (401, 404, 503, 504)),
+                                          "parameters": MODEL_ID}},
+        "/v1/adapters": {
+            "get": _operation("LoRA adapters registered with the engine", None,
+                              _ok(obj({"object": {"type": "string", "enum": ["list"]}, "data": arr(ref("Adapter"))},
+                                      ("object", "data"))), CALL_ERRORS),
+            "post": _operation("Register a LoRA adapter directory (under the engine's --model-dir) by name",
+                               "AdapterRegistration", _ok(ref("Adapter")), (400, 401, 404, 409, 413, 503, 504)),
+        },
+        "/v1/adapters/{name}": {"delete": {**_operation("Unregister a LoRA adapter", None, _ok(ref("AdapterDeleted")),
+                                                        (400, 401, 404, 503, 504)), "parameters": ADAPTER_NAME}},
         "/health": {"get": {"summary": "Liveness of the engine behind this front-end", "responses": {
             "200": {"description": "The engine answers and is not stalled", "content": _json(ref("Health"))},
             "503": {"description": "The engine is unreachable or stalled", "content": _json(ref("Health"))}}}},

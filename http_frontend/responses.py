@@ -16,21 +16,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import falcon.asgi
+import msgpack
 from falcon.asgi import SSEvent
 
 from http_frontend.chat import GenerationRoute, parse_sampling, relay, serve_generation
 from http_frontend.engine_client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
 from http_frontend.errors import APIError, bad_request
 from http_frontend.generation_fields import parse_reasoning as chat_reasoning
+from http_frontend.media import MediaCollector
 from http_frontend.metrics import TokenTimer
 from http_frontend.responses_items import (NO_THINKING_EFFORTS, name_tool_results, parse_input, parse_reasoning,
                                            parse_text_format, parse_tool_choice, parse_tools)
 from http_frontend.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
 from http_frontend.validation import get_field, read_json_object
+from protocol.messages import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 256
+# A record travels in one CALL frame: leave room for the frame's other fields.
+MAX_RECORD_BYTES = MAX_FRAME_BYTES - 4096
 
 # Fields this server cannot honour: refused with a 400 rather than silently ignored.
 UNSUPPORTED = {
@@ -54,7 +59,12 @@ class ResponsesRequest:
     store: bool
 
 
-def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | None) -> ResponsesRequest:
+def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | None,
+                  media: MediaCollector | None = None) -> ResponsesRequest:
+    """Checks every field before anything reaches the engine; a bad one is a 400 naming it.
+
+    Image and audio parts are registered with `media` (fetched later, after every check).
+    """
     for name, message in UNSUPPORTED.items():
         if body.get(name):
             raise bad_request(message, param=name, code="unsupported_parameter")
@@ -64,15 +74,16 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
     value = body.get("input")
     if value is None and previous is None:
         raise bad_request("Missing required parameter: 'input'", param="input", code="missing_required_parameter")
-    messages = parse_input(value, max_items) if value is not None else []
+    messages = parse_input(value, max_items, media) if value is not None else []
     params = parse_sampling(body)
-    max_output = get_field(body, "max_output_tokens", (int,), minimum=1)
+    max_output = get_field(body, "max_output_tokens", (int,), minimum=1, maximum=2**31 - 1)
     if max_output is not None:
         params["max_tokens"] = max_output
-        if max_tokens_limit is not None and max_output > max_tokens_limit:
-            raise bad_request(f"Invalid value for 'max_output_tokens': {max_output} is greater than this "
-                              f"server's limit of {max_tokens_limit}", param="max_output_tokens",
-                              code="max_tokens_exceeded")
+    if max_tokens_limit is not None and params.get("max_tokens", 0) > max_tokens_limit:
+        name = "max_output_tokens" if max_output is not None else \
+            "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        raise bad_request(f"Invalid value for '{name}': {params['max_tokens']} is greater than this server's "
+                          f"limit of {max_tokens_limit}", param=name, code="max_tokens_exceeded")
     tools = parse_tools(body.get("tools"))
     tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
     parallel = get_field(body, "parallel_tool_calls", (bool,))
@@ -105,6 +116,26 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
                             echo, get_field(body, "stream", (bool,), default=False), echo["store"])
 
 
+def packed_size(value: Any) -> int:
+    """Bytes of `value` in a frame; integers msgpack cannot carry (past 64 bits) count as too large."""
+    try:
+        return len(msgpack.packb(value, use_bin_type=True))
+    except (OverflowError, ValueError, TypeError):
+        return MAX_FRAME_BYTES + 1
+
+
+def check_frame_size(engine_request: dict[str, Any], echo: dict[str, Any]) -> None:
+    """What goes to the engine (the ADD, later the stored record) must fit in one frame.
+
+    The body limit keeps a lone request under the frame limit, but a long stored
+    history may not; an integer past 64 bits (in a tool schema, in metadata) cannot
+    be sent at all. Both are 400s here rather than a failure after the model ran.
+    """
+    if packed_size({"request": engine_request, "echo": echo}) > MAX_RECORD_BYTES:
+        raise bad_request("The request (with the conversation of its previous responses) is too large to send to "
+                          "the engine, or holds an integer outside the 64-bit range", code="request_too_large")
+
+
 async def store_call(client: EngineClient, method: str, args: dict[str, Any]) -> Any:
     """A `responses.*` CALL to the engine's store, its failures as HTTP errors."""
     try:
@@ -134,23 +165,30 @@ class Responses(GenerationRoute):
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
-        request = parse_request(body, self.settings.max_messages, self.settings.max_tokens_limit)
+        collector = MediaCollector.for_request(body, self.settings)
+        request = parse_request(body, self.settings.max_messages, self.settings.max_tokens_limit, collector)
         history: list[dict[str, Any]] = []
+        media: list[dict[str, Any]] = []  # the conversation's images and audio, earlier turns' included
         if request.previous_response_id is not None:
             record = await load_record(self.client, request.previous_response_id, "previous_response_id")
             history = list(record.get("messages") or [])
+            media = list(record.get("media") or [])
         conversation = name_tool_results(history + request.messages)
         if not conversation:
             raise bad_request("'input' must contain at least one item", param="input")
+        media += await collector.resolve() or []  # fetches http(s) images: after every other check
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        engine_request = {**request.engine, "messages": system + conversation}
+        if media:
+            engine_request["media"] = media
+        check_frame_size(engine_request, request.echo)
         await serve_generation(
-            req, resp, self.client, self.request_timeout, self.metrics,
-            {**request.engine, "messages": system + conversation}, "resp", request.engine.get("model"),
-            request.stream,
+            req, resp, self.client, self.request_timeout, self.metrics, engine_request, "resp",
+            request.engine.get("model"), request.stream,
             events=lambda stream, meta, timer: self._events(stream, self._builder(meta, request), timer,
-                                                            request, conversation),
+                                                            request, conversation, media),
             complete=lambda stream, meta, timer: self._complete(stream, self._builder(meta, request), timer,
-                                                                request, conversation))
+                                                                request, conversation, media))
 
     @staticmethod
     def _builder(meta: dict[str, Any], request: ResponsesRequest) -> ResponseBuilder:
@@ -158,13 +196,22 @@ class Responses(GenerationRoute):
         return ResponseBuilder({"id": response_id, "created_at": meta["created"], "model": meta["model"],
                                 **request.echo})
 
-    async def _store(self, builder: ResponseBuilder, request: ResponsesRequest,
-                     conversation: list[dict[str, Any]]) -> None:
-        """Hands a finished response to the engine's store; a failure is logged, the answer still goes out."""
+    async def _store(self, builder: ResponseBuilder, request: ResponsesRequest, conversation: list[dict[str, Any]],
+                     media: list[dict[str, Any]]) -> None:
+        """Hands a finished response to the engine's store; a failure is logged, the answer still goes out.
+
+        The record keeps the conversation's media (their placeholders are in its messages)
+        so a later turn sends them again: the engine keeps nothing between requests.
+        """
         if not request.store or builder.status == "failed":
             return
         response = builder.response()
         record = {"response": response, "messages": conversation + [builder.assistant_message()]}
+        if media:
+            record["media"] = media
+        if packed_size(record) > MAX_RECORD_BYTES:
+            log.warning("response %s not stored: too large for one frame to the engine", response["id"])
+            return
         try:
             result = await store_call(self.client, "responses.put", {"id": response["id"], "record": record})
         except APIError as exc:
@@ -174,17 +221,19 @@ class Responses(GenerationRoute):
             log.warning("response %s not stored: larger than the engine's response store", response["id"])
 
     async def _complete(self, stream: RequestStream, builder: ResponseBuilder, timer: TokenTimer,
-                        request: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+                        request: ResponsesRequest, conversation: list[dict[str, Any]],
+                        media: list[dict[str, Any]]) -> dict[str, Any]:
         async for update in relay(stream, self.request_timeout):
             if update is None:
                 continue
             timer.on_update(update)
             builder.feed(update)
-        await self._store(builder, request, conversation)
+        await self._store(builder, request, conversation, media)
         return builder.response()
 
     async def _events(self, stream: RequestStream, builder: ResponseBuilder, timer: TokenTimer,
-                      request: ResponsesRequest, conversation: list[dict[str, Any]]) -> AsyncIterator[SSEvent | None]:
+                      request: ResponsesRequest, conversation: list[dict[str, Any]],
+                      media: list[dict[str, Any]]) -> AsyncIterator[SSEvent | None]:
         """The shared SSE body (keep-alives, release on every path) without `[DONE]`, in Responses events.
 
         The first two events go out through `first`, so the request is released even when
@@ -209,7 +258,7 @@ class Responses(GenerationRoute):
                         yield _sse(failed)
                     continue
                 if isinstance(payload, dict) and payload.get("type") in TERMINAL_EVENTS:
-                    await self._store(builder, request, conversation)
+                    await self._store(builder, request, conversation, media)
                 yield event
                 if payload is created:
                     yield _sse(in_progress)

@@ -12,9 +12,11 @@ from typing import Any
 
 from http_frontend.errors import bad_request
 from http_frontend.generation_fields import MAX_TOOLS, REASONING_EFFORTS, TOOL_NAME
+from http_frontend.media import MediaCollector
 
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
 TEXT_PARTS = {"input_text", "output_text"}
+MEDIA_PARTS = {"input_image", "input_audio"}  # Responses' names for what MediaCollector takes
 TOOL_CHOICE_MODES = {"none", "auto", "required"}
 # Efforts that ask for no thinking: templates that can switch it off get enable_thinking=false.
 NO_THINKING_EFFORTS = {"none", "minimal"}
@@ -35,49 +37,44 @@ def _string(value: Any, param: str, required: bool = True) -> str | None:
     return value
 
 
-def _content(content: Any, param: str) -> str | list[dict[str, Any]]:
-    """A message's content as chat content: a string, or parts when it holds images.
+def _content(content: Any, param: str, role: str = "", media: MediaCollector | None = None) -> str:
+    """A message's content as the text a chat template takes.
 
-    `input_image` parts keep the chat `image_url` shape so the vision path sees them
-    as it sees chat images; text-only content is flattened for the chat template.
+    Image and audio parts (`input_image`, `input_audio`) go to the request's media
+    collector, as the chat route's do (http_frontend/media.py): their place in the
+    text is a placeholder the engine matches to the bytes. Without a collector
+    (function call outputs) only text is accepted.
     """
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _invalid_type(param, "a string or an array of content parts")
-    parts: list[dict[str, Any]] = []
+    texts: list[str] = []
     for index, part in enumerate(content):
         where = f"{param}[{index}]"
         if not isinstance(part, dict):
             raise _invalid_type(where, "an object")
         kind = part.get("type")
+        if not isinstance(kind, str):
+            raise _invalid_type(f"{where}.type", "a string")
         if kind in TEXT_PARTS:
-            parts.append({"type": "text", "text": _string(part.get("text"), f"{where}.text")})
+            texts.append(_string(part.get("text"), f"{where}.text"))
         elif kind == "refusal":
-            parts.append({"type": "text", "text": _string(part.get("refusal"), f"{where}.refusal")})
-        elif kind == "input_image":
-            url = _string(part.get("image_url"), f"{where}.image_url", required=False)
-            if url is None:
-                raise bad_request(f"'{where}' needs an 'image_url' (a URL or data URL); file ids are not supported",
-                                  param=f"{where}.image_url", code="unsupported_parameter")
-            image: dict[str, Any] = {"url": url}
-            if isinstance(part.get("detail"), str):
-                image["detail"] = part["detail"]
-            parts.append({"type": "image_url", "image_url": image})
+            texts.append(_string(part.get("refusal"), f"{where}.refusal"))
+        elif media is not None and kind in MEDIA_PARTS:
+            if kind == "input_image" and part.get("image_url") is None and part.get("file_id") is not None:
+                raise bad_request(f"'{where}': file ids are not supported; send 'image_url' (a URL or a data: "
+                                  "URL)", param=f"{where}.file_id", code="unsupported_parameter")
+            texts.append(media.add_part(part, where, role))
         else:
-            raise bad_request(f"Content parts of type {kind!r} are not supported", param=f"{where}.type",
+            raise bad_request(f"Content parts of type {kind!r} are not supported here", param=f"{where}.type",
                               code="unsupported_content")
-    if all(p["type"] == "text" for p in parts):
-        return "".join(p["text"] for p in parts)
-    return parts
+    return "".join(texts)
 
 
 def _output_text(output: Any, param: str) -> str:
     """A function_call_output's `output`: a string or input_text parts."""
-    content = _content(output, param)
-    if not isinstance(content, str):
-        raise bad_request(f"'{param}' may only hold text", param=param, code="unsupported_content")
-    return content
+    return _content(output, param)
 
 
 def _reasoning_text(item: dict[str, Any]) -> str:
@@ -104,7 +101,7 @@ class _Conversation:
             self.pending_reasoning = ""
         return message
 
-    def add_message(self, role: str, content: str | list[dict[str, Any]]) -> None:
+    def add_message(self, role: str, content: str) -> None:
         message = {"role": "system" if role == "developer" else role, "content": content}
         self.messages.append(self._assistant(message) if role == "assistant" else message)
 
@@ -120,8 +117,8 @@ class _Conversation:
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
 
 
-def parse_input(value: Any, max_items: int) -> list[dict[str, Any]]:
-    """`input` (a string or a list of items) as chat messages."""
+def parse_input(value: Any, max_items: int, media: MediaCollector | None = None) -> list[dict[str, Any]]:
+    """`input` (a string or a list of items) as chat messages; images and audio go to `media`."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
@@ -138,10 +135,10 @@ def parse_input(value: Any, max_items: int) -> list[dict[str, Any]]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
-            if role not in MESSAGE_ROLES:
+            if not isinstance(role, str) or role not in MESSAGE_ROLES:
                 raise bad_request(f"Invalid value for '{where}.role': {role!r}; expected one of "
                                   f"{sorted(MESSAGE_ROLES)}", param=f"{where}.role")
-            conversation.add_message(role, _content(item.get("content"), f"{where}.content"))
+            conversation.add_message(role, _content(item.get("content"), f"{where}.content", role, media))
         elif kind == "function_call":
             conversation.add_call(_string(item.get("call_id"), f"{where}.call_id"),
                                   _string(item.get("name"), f"{where}.name"),
@@ -274,7 +271,7 @@ def parse_reasoning(value: Any) -> str | None:
     if not isinstance(value, dict):
         raise _invalid_type("reasoning", "an object")
     effort = value.get("effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
+    if effort is not None and (not isinstance(effort, str) or effort not in REASONING_EFFORTS):
         raise bad_request(f"Invalid value for 'reasoning.effort': {effort!r}; expected one of "
                           f"{sorted(REASONING_EFFORTS)}", param="reasoning.effort")
     return effort

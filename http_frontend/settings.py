@@ -23,10 +23,16 @@ MAX_MESSAGES_ENV = "MLX_FRONTEND_MAX_MESSAGES"
 MAX_TOKENS_LIMIT_ENV = "MLX_FRONTEND_MAX_TOKENS_LIMIT"
 REQUEST_TIMEOUT_ENV = "MLX_FRONTEND_REQUEST_TIMEOUT"
 LOG_LEVEL_ENV = "MLX_FRONTEND_LOG_LEVEL"
+# Images / audio in chat messages (http_frontend/media.py)
+ALLOW_PRIVATE_IMAGE_URLS_ENV = "MLX_FRONTEND_ALLOW_PRIVATE_IMAGE_URLS"
+MAX_IMAGE_BYTES_ENV = "MLX_FRONTEND_MAX_IMAGE_BYTES"
+IMAGE_FETCH_TIMEOUT_ENV = "MLX_FRONTEND_IMAGE_FETCH_TIMEOUT"
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_MESSAGES = 2048
 DEFAULT_REQUEST_TIMEOUT = 600.0
+DEFAULT_MAX_IMAGE_BYTES = 10 * 1024 * 1024
+DEFAULT_IMAGE_FETCH_TIMEOUT = 10.0
 
 
 def split_list(value: str | None) -> tuple[str, ...]:
@@ -48,6 +54,27 @@ def _positive_int(environ: Mapping[str, str], name: str, default: int | None) ->
     return value
 
 
+def _bool(environ: Mapping[str, str], name: str) -> bool:
+    """A switch variable: 1/true/yes/on is on, unset/empty/0/false/no/off is off, anything else an error."""
+    raw = environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be true or false, got {raw!r}")
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class FrontendSettings:
     """Security, limits and timeouts of one front-end worker."""
@@ -59,6 +86,10 @@ class FrontendSettings:
     max_tokens_limit: int | None = None  # None: no ceiling beyond the engine's own checks
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     log_level: str = "info"
+    # Media in chat messages: http(s) image URLs to private/loopback addresses are refused unless allowed.
+    allow_private_image_urls: bool = False
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # per image or audio clip, inline or fetched
+    image_fetch_timeout: float = DEFAULT_IMAGE_FETCH_TIMEOUT  # seconds for one URL, redirects included
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "FrontendSettings":
@@ -76,6 +107,9 @@ class FrontendSettings:
             max_tokens_limit=_positive_int(env, MAX_TOKENS_LIMIT_ENV, None),
             request_timeout=request_timeout,
             log_level=env.get(LOG_LEVEL_ENV, "info").strip() or "info",
+            allow_private_image_urls=_bool(env, ALLOW_PRIVATE_IMAGE_URLS_ENV),
+            max_image_bytes=_positive_int(env, MAX_IMAGE_BYTES_ENV, DEFAULT_MAX_IMAGE_BYTES),
+            image_fetch_timeout=_seconds(env, IMAGE_FETCH_TIMEOUT_ENV, DEFAULT_IMAGE_FETCH_TIMEOUT),
         )
 
     def __repr__(self) -> str:
@@ -83,7 +117,9 @@ class FrontendSettings:
         return (f"FrontendSettings(api_keys=<{len(self.api_keys)} configured>, "
                 f"allowed_origins={self.allowed_origins}, max_body_bytes={self.max_body_bytes}, "
                 f"max_messages={self.max_messages}, max_tokens_limit={self.max_tokens_limit}, "
-                f"request_timeout={self.request_timeout}, log_level={self.log_level!r})")
+                f"request_timeout={self.request_timeout}, log_level={self.log_level!r}, "
+                f"allow_private_image_urls={self.allow_private_image_urls}, max_image_bytes={self.max_image_bytes}, "
+                f"image_fetch_timeout={self.image_fetch_timeout})")
 
 
 # -- the `frontend` command's flags for these settings ---------------------------------------
@@ -128,6 +164,35 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-limit", type=_limit_arg, default=env(MAX_TOKENS_LIMIT_ENV, "0"),
                         help="ceiling on a request's max_tokens / max_completion_tokens; over it gets 400 "
                              f"max_tokens_exceeded. 0 = no ceiling. [{MAX_TOKENS_LIMIT_ENV}] (default: %(default)s)")
+    add_media_flags(parser)
+
+
+def _positive_seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def add_media_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags for images/audio in chat messages (http_frontend/media.py); each defaults to its variable."""
+    env = os.environ.get
+    parser.add_argument("--allow-private-image-urls", action="store_true",
+                        default=env(ALLOW_PRIVATE_IMAGE_URLS_ENV, "").strip().lower() in ("1", "true", "yes", "on"),
+                        help="let image_url parts fetch from loopback, private, link-local and other non-public "
+                             "addresses (refused by default: a client could make the server read internal "
+                             f"services). [{ALLOW_PRIVATE_IMAGE_URLS_ENV}=true] (default: off)")
+    parser.add_argument("--max-image-bytes", type=_limit_arg,
+                        default=env(MAX_IMAGE_BYTES_ENV, str(DEFAULT_MAX_IMAGE_BYTES)),
+                        help="largest image or audio clip in bytes, inline (data: URL / base64) or fetched; "
+                             f"larger gets 400 (0 = the default). [{MAX_IMAGE_BYTES_ENV}] (default: %(default)s)")
+    parser.add_argument("--image-fetch-timeout", type=_positive_seconds_arg,
+                        default=env(IMAGE_FETCH_TIMEOUT_ENV) or str(DEFAULT_IMAGE_FETCH_TIMEOUT),
+                        help="seconds to fetch one http(s) image URL, redirects included; slower gets 400. "
+                             f"[{IMAGE_FETCH_TIMEOUT_ENV}] (default: %(default)s)")
 
 
 def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
@@ -144,6 +209,9 @@ def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
         MAX_BODY_BYTES_ENV: str(args.max_body_bytes or DEFAULT_MAX_BODY_BYTES),
         MAX_MESSAGES_ENV: str(args.max_messages or DEFAULT_MAX_MESSAGES),
         MAX_TOKENS_LIMIT_ENV: str(args.max_tokens_limit or ""),
+        ALLOW_PRIVATE_IMAGE_URLS_ENV: "true" if getattr(args, "allow_private_image_urls", False) else "",
+        MAX_IMAGE_BYTES_ENV: str(getattr(args, "max_image_bytes", 0) or DEFAULT_MAX_IMAGE_BYTES),
+        IMAGE_FETCH_TIMEOUT_ENV: str(getattr(args, "image_fetch_timeout", DEFAULT_IMAGE_FETCH_TIMEOUT)),
     }
 
 

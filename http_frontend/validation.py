@@ -51,6 +51,9 @@ def get_field(body: dict[str, Any], name: str, types: tuple[type, ...], *, requi
     if isinstance(value, bool) and bool not in types or not isinstance(value, accepted):
         raise bad_request(f"Invalid type for '{name}': expected {_describe(types)}, got {type(value).__name__}",
                           param=name, code="invalid_type")
+    if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
+        # msgpack carries 64-bit integers: a bigger one could never reach the engine.
+        raise bad_request(f"Invalid value for '{name}': {value} is out of the 64-bit integer range", param=name)
     if minimum is not None and value < minimum:
         raise bad_request(f"Invalid value for '{name}': {value} is less than the minimum of {minimum}", param=name)
     if maximum is not None and value > maximum:

@@ -104,6 +104,8 @@ SCHEMAS: dict[MsgType, Schema] = {
         "prompt_tokens": ((int,), True),
         "cached_tokens": ((int,), False),
         "model": ((str,), False),
+        # Set when older turns made way for the window: {"mode": "truncated"|"summarized", "dropped_messages": n}
+        "context_overflow": ((dict, NONE), False),
     },
     MsgType.DELTAS: {"items": ((list,), True)},
     MsgType.ERROR: {
@@ -140,8 +142,9 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
 # One item of a DELTAS message (documented here; the front-end reads these keys).
 # `text` is answer text; `reasoning` is text inside the model's thinking block; `tool_calls`
 # holds complete parsed calls: [{"index", "id", "name", "arguments" (a JSON string)}].
+# `stop_sequence` on the last item names the stop string that ended the request, if one did.
 DELTA_ITEM_KEYS = ("rid", "seq", "text", "reasoning", "tool_calls", "token_ids", "logprobs", "finish_reason",
-                   "usage")
+                   "stop_sequence", "usage")
 
 # Engine states reported in WELCOME / PONG.
 ENGINE_STATES = ("idle", "loading", "ready", "stalled", "draining")

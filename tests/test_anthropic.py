@@ -7,19 +7,22 @@ through `extra_body` (its `create` has no `temperature`), as any client may send
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import pytest
+from falcon.asgi import SSEvent
 
 from engine_daemon.model_builder import derive_model, thinking_chat_template
 from http_frontend.anthropic_request import chat_messages, engine_request
-from http_frontend.anthropic_stream import BlockBuilder, stop_reason
+from http_frontend.anthropic_stream import BlockBuilder, anthropic_sse, stop_reason
 from http_frontend.engine_client import Update
-from http_frontend.errors import APIError
+from http_frontend.errors import APIError, anthropic_error_body, is_anthropic_path
 from http_frontend.settings import FrontendSettings
 from tests.helpers import Frontend
 
@@ -102,6 +105,21 @@ def test_raw_sse_names_every_event_and_pings(frontend: Frontend, model_id: str) 
     assert "[DONE]" not in raw
 
 
+def test_a_vanished_stream_client_frees_the_engine(frontend: Frontend, model_id: str) -> None:
+    body = {"model": model_id, "max_tokens": 3000, "messages": PROMPT, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{frontend.base_url}/v1/messages", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        while "content_block_delta" not in next(lines):
+            pass
+    left = time.monotonic()
+    while True:
+        stats = httpx.get(f"{frontend.base_url}/stats", timeout=10).json()
+        if stats["running"] == 0 and stats["queued"] == 0:
+            break
+        assert time.monotonic() - left < 3.0, stats
+        time.sleep(0.05)
+
+
 def test_max_tokens_and_stop_sequences(frontend: Frontend, model_id: str) -> None:
     client = client_for(frontend)
     full = client.messages.create(model=model_id, max_tokens=24, messages=PROMPT, extra_body=GREEDY)
@@ -171,7 +189,7 @@ def test_errors_come_in_anthropic_shape(frontend: Frontend, model_id: str) -> No
 
 def test_tool_use_round_trip(frontend: Frontend, model_id: str) -> None:
     client = client_for(frontend)
-    ask = {"model": model_id, "max_tokens": 60, "tools": TOOLS, "tool_choice": {"type": "any"},
+    ask = {"model": model_id, "max_tokens": 60, "tools": TOOLS, "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
            "messages": [{"role": "user", "content": "What is the weather in Paris?"}], "extra_body": GREEDY}
     result = client.messages.create(**ask)
     assert result.stop_reason == "tool_use", result
@@ -338,3 +356,39 @@ def test_whitespace_alone_opens_no_text_block() -> None:
     later.feed(Update(text="\n\n"))
     later.feed(Update(text="Hi"))
     assert later.blocks == [{"type": "text", "text": "\n\nHi"}]
+
+
+def test_keepalives_and_errors_become_anthropic_events() -> None:
+    closed = []
+
+    async def inner():
+        try:
+            yield SSEvent(event="message_start", json={"type": "message_start"})
+            yield None
+            yield SSEvent(json={"error": {"message": "The engine restarted", "type": "server_error",
+                                          "code": "engine_restarted", "param": None}})
+            yield SSEvent(event="never", json={"type": "never"})
+        finally:
+            closed.append(True)
+
+    async def first_four() -> list[SSEvent]:
+        outer = anthropic_sse(inner())
+        events = [await outer.__anext__() for _ in range(4)]
+        await outer.aclose()  # as falcon does when the client leaves
+        return events
+
+    events = asyncio.run(first_four())
+    assert [e.event for e in events] == ["message_start", "ping", "ping", "error"]
+    assert events[3].json == {"type": "error", "error": {"type": "overloaded_error",
+                                                         "message": "The engine restarted"}}
+    assert closed == [True]
+
+
+def test_error_envelope_switches_on_the_path() -> None:
+    assert all(is_anthropic_path(p) for p in ("/v1/messages", "/messages", "/v1/messages/count_tokens"))
+    assert not any(is_anthropic_path(p) for p in ("/v1/messagesx", "/v1/chat/completions", "/v1/responses"))
+    kinds = {status: anthropic_error_body(APIError(status, "m"))["error"]["type"]
+             for status in (400, 401, 404, 413, 429, 500, 503, 504)}
+    assert kinds == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                     413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
+                     504: "timeout_error"}

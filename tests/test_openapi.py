@@ -9,6 +9,7 @@ generated generation requests stay cheap.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,8 +52,8 @@ def _routes(app: object) -> set[str]:
 
     def walk(nodes: list) -> None:
         for node in nodes:
-            if node.resource is not None:
-                found.add(node.uri_template)
+            if node.resource is not None:  # converters ({model_id:path}) are not part of OpenAPI's template
+                found.add(re.sub(r"\{(\w+):\w+\}", r"{\1}", node.uri_template))
             walk(node.children)
 
     walk(app._router._roots)

@@ -7,6 +7,8 @@ from stop strings cut out of an earlier greedy answer, from constrained decoding
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import signal
 import time
@@ -14,16 +16,23 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
 from pydantic import TypeAdapter
 
 from engine_daemon.model_builder import derive_model, thinking_chat_template
 from engine_daemon.response_store import ResponseStore, StoreCallError, handle_call
 from http_frontend.engine_client import Update
 from http_frontend.errors import APIError
+from http_frontend.media import MediaCollector
+from http_frontend.responses import parse_request
 from http_frontend.responses_items import parse_input
 from http_frontend.responses_stream import ResponseBuilder
+from http_frontend.settings import FrontendSettings
 from tests.helpers import Engine, Frontend
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
@@ -110,20 +119,73 @@ def test_input_items_become_chat_messages() -> None:
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"unit\": \"C\"}"},
         {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
         {"role": "assistant", "content": [{"type": "output_text", "text": "It is 18 C."}]},
-        {"role": "user", "content": [{"type": "input_text", "text": "And this?"},
-                                     {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "And this? "},
+                                     {"type": "input_image", "image_url": data_url(png(1)), "detail": "auto"}]},
     ]
-    assert parse_input(items, 100) == [
+    media = MediaCollector(FrontendSettings())
+    messages = parse_input(items, 100, media)
+    # The image leaves a placeholder where it was; its bytes go to the ADD's `media`.
+    assert len(media) == 1 and messages[-1]["content"].startswith("And this? <|media:")
+    placeholder = messages[-1]["content"][len("And this? "):]
+    assert messages == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "reasoning_content": "hmm", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"unit\": \"C\"}"}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"unit\": \"C\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
         {"role": "assistant", "content": "It is 18 C."},
-        {"role": "user", "content": [{"type": "text", "text": "And this?"},
-                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+        {"role": "user", "content": "And this? " + placeholder},
     ]
     assert parse_input("hi", 1) == [{"role": "user", "content": "hi"}]
+    # Without a collector (as in function_call_output), and in a system message, images are refused.
+    with pytest.raises(APIError) as refused:
+        parse_input([items[-1]], 100)
+    assert refused.value.param == "input[0].content[1].type"
+    with pytest.raises(APIError) as refused:
+        parse_input([{**items[-1], "role": "system"}], 100, MediaCollector(FrontendSettings()))
+    assert refused.value.param == "input[0].content[1]"
+
+
+def png(seed: int, side: int = 56) -> bytes:
+    """A deterministic noise image."""
+    pixels = (np.random.default_rng(seed).random((side, side, 3)) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+FIELDS = ["input", "instructions", "tools", "tool_choice", "text", "reasoning", "max_output_tokens", "temperature",
+          "previous_response_id", "store", "stream", "metadata", "parallel_tool_calls"]
+ITEM = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"]) | JSON,
+    "role": st.sampled_from(["user", "assistant", "system", "developer"]) | JSON,
+    "content": JSON | st.lists(st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"]) | JSON,
+        "text": JSON, "image_url": JSON, "refusal": JSON}), max_size=3),
+    "call_id": JSON, "name": JSON, "arguments": JSON, "output": JSON})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=6), st.lists(ITEM, max_size=4))
+def test_any_body_is_parsed_or_refused_with_a_400(body: dict[str, Any], items: list[dict[str, Any]]) -> None:
+    """Fuzzed fields never raise anything but a 400 naming a param (a 500 would be a bug)."""
+    for candidate in (body, {**body, "input": items}):
+        try:
+            request = parse_request(candidate, max_items=16, max_tokens_limit=None,
+                                    media=MediaCollector(FrontendSettings()))
+        except APIError as exc:
+            assert exc.status == 400 and exc.param, (candidate, exc.message)
+        else:
+            assert all(isinstance(m, dict) and m["role"] in ("system", "user", "assistant", "tool")
+                       for m in request.messages)
 
 
 def test_builder_events_match_the_sdk_types() -> None:
@@ -331,6 +393,9 @@ def test_bad_fields_are_400s_naming_the_param(frontend: Frontend, model_id: str)
         assert error["param"] == param and error["type"] == "invalid_request_error", (extra, error)
     response = httpx.post(f"{frontend.base_url}/v1/responses", json={"model": model_id}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+    # An integer msgpack cannot carry to the engine is refused up front, not a 500.
+    response = httpx.post(f"{frontend.base_url}/v1/responses", json={**base, "metadata": {"n": 10**30}}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "request_too_large"
 
 
 def test_json_schema_output(frontend: Frontend, model_id: str) -> None:
@@ -408,6 +473,34 @@ def test_reasoning_item_and_events(frontend: Frontend, thinking_model: str) -> N
     plain = client.responses.create(model=thinking_model, input="Is 7 prime?", max_output_tokens=4,
                                     temperature=0, reasoning={"effort": "none"}, extra_body={"ignore_eos": True})
     assert [item.type for item in plain.output] == ["message"]
+
+
+@pytest.fixture(scope="module")
+def vision_model(tiny_model: Path) -> str:
+    from engine_daemon.vlm_builder import build_vlm
+
+    return str(build_vlm(tiny_model.parent / "tiny-vlm-responses", seed=1))
+
+
+def test_input_image_and_its_resumed_conversation(frontend: Frontend, model_id: str, vision_model: str) -> None:
+    """An input_image reaches the vision model; a later turn by previous_response_id still sees it."""
+    client = client_for(frontend)
+    common = {"max_output_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    turn = [{"role": "user", "content": [{"type": "input_text", "text": "Describe this image."},
+                                         {"type": "input_image", "image_url": data_url(png(2)),
+                                          "detail": "auto"}]}]
+    first = client.responses.create(model=vision_model, input=turn, **common)
+    text_only = client.responses.create(model=vision_model, input="Describe this image.", **common)
+    assert first.usage.input_tokens > text_only.usage.input_tokens  # the image's tokens
+    second = client.responses.create(model=vision_model, input="And its colours?", previous_response_id=first.id,
+                                     **common)
+    explicit = client.responses.create(model=vision_model, **common, input=[
+        *turn, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And its colours?"}])
+    assert second.usage.input_tokens == explicit.usage.input_tokens
+    assert second.output_text == explicit.output_text
+    refused = httpx.post(f"{frontend.base_url}/v1/responses", timeout=60,
+                         json={"model": model_id, "input": turn, "max_output_tokens": 2})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "images_not_supported"
 
 
 def test_a_client_leaving_mid_stream_frees_the_engine(frontend: Frontend, model_id: str) -> None:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 import jsonschema
 import mlx.core as mx
 import openai
@@ -168,6 +169,7 @@ def test_constrained_and_free_requests_share_a_batch(tiny: tuple[Any, Any]) -> N
     finally:
         generator.close()
     assert got[uids[1]] == reference
+    assert got[uids[0]][-1] in tokenizer.eos_token_ids
     jsonschema.validate(json.loads(tokenizer.decode(got[uids[0]][:-1])), SCHEMA)
 
 
@@ -370,6 +372,17 @@ def test_bad_formats_are_400(tiny: tuple[Any, Any], response_format: Any, tools:
     assert str(info.value)
 
 
+def test_unenforceable_keywords_are_refused_not_ignored(tiny: tuple[Any, Any]) -> None:
+    """A schema keyword llguidance cannot enforce (here "uniqueItems") is a 400 naming it."""
+    _, tokenizer = tiny
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    with pytest.raises(RequestError) as info:
+        constraint_for(tokenizer, {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                       None, None, None, False)
+    assert "uniqueItems" in str(info.value)
+    assert "%json" not in str(info.value)  # the engine's grammar text is not leaked into the message
+
+
 # -- end to end: openai SDK -> front-end -> engine -------------------------------------
 
 def client_for(frontend: Frontend) -> openai.OpenAI:
@@ -474,3 +487,15 @@ def test_named_tool_choice_over_http(frontend: Frontend, model_id: str) -> None:
     assert {call.function.name for call in choice.message.tool_calls} == {"get_weather"}
     for call in choice.message.tool_calls:
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_PARAMS)
+
+
+def test_logprobs_of_a_constrained_reply_are_finite_json(frontend: Frontend, model_id: str) -> None:
+    """Masked tokens have logprob -inf: top_logprobs must still be valid JSON numbers."""
+    response = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60, json={
+        "model": model_id, "messages": [{"role": "user", "content": "JSON"}], "max_tokens": 250,
+        "temperature": 0, "response_format": RESPONSE_FORMAT, "logprobs": True, "top_logprobs": 5})
+    assert response.status_code == 200, response.text
+    body = json.loads(response.text, parse_constant=lambda name: pytest.fail(f"non-JSON number {name}"))
+    entries = body["choices"][0]["logprobs"]["content"]
+    assert entries and all(len(entry["top_logprobs"]) == 5 for entry in entries)
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), SCHEMA)

@@ -20,9 +20,9 @@ from tests.helpers import Frontend
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
                                                      "unit": {"type": "string", "enum": ["C", "F"]}},
-                   "required": ["city"]}}}]
+                   "required": ["city"], "additionalProperties": False}}}]
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +126,9 @@ def test_tool_fields_are_validated(frontend: Frontend, model_id: str) -> None:
 
 def _forced_call(client: openai.OpenAI, model: str, stream: bool, **extra: object):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # One call: random weights would otherwise keep appending parallel calls until max_tokens.
     return client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=120,
-                                          temperature=0, stream=stream, **extra)
+                                          temperature=0, stream=stream, parallel_tool_calls=False, **extra)
 
 
 def test_forced_tool_call_round_trip(frontend: Frontend, model_id: str) -> None:
