@@ -276,6 +276,19 @@ class SerialScheduler(BaseScheduler):
 
     batching_note = "serial: one request at a time"
 
+    def accept(self, request: EngineRequest) -> None:
+        """Text only: mlx-vlm's path batches and has no quantized KV cache, so it never runs here."""
+        if getattr(self.models.current, "kind", "text") != "text":
+            raise RequestError(400, "unsupported_model",
+                               f"Model '{self.models.current.ref.id}' is a {self.models.current.kind} model; the "
+                               "engine runs with --kv-bits (the serial text-only scheduler): restart it without "
+                               "--kv-bits to serve vision models", param="model")
+        if request.body.get("media"):
+            raise RequestError(400, "unsupported_content",
+                               f"Model '{self.models.current.ref.id}' takes text only; images and audio need a "
+                               "vision model", param="messages")
+        super().accept(request)
+
     def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):
         super().__init__(models, config, stream)
         self.current: EngineRequest | None = None

@@ -23,6 +23,7 @@ from http_frontend.anthropic_stream import (BlockBuilder, anthropic_sse, engine_
 from http_frontend.chat import GenerationRoute, relay, serve_generation
 from http_frontend.completions import TOKENIZE_TIMEOUT
 from http_frontend.engine_client import EngineClient, RequestStream, Update
+from http_frontend.media import MediaCollector
 from http_frontend.metrics import TokenTimer
 from http_frontend.settings import FrontendSettings
 from http_frontend.validation import get_field, read_json_object
@@ -38,7 +39,11 @@ class Messages(GenerationRoute):
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
-        request = engine_request(body, self.settings)
+        media = MediaCollector.for_request(body, self.settings)
+        request = engine_request(body, self.settings, media=media)
+        resolved = await media.resolve()  # fetches http(s) images: after every other check
+        if resolved:
+            request["media"] = resolved
         stream_requested = get_field(body, "stream", (bool,), default=False)
         await serve_generation(req, resp, self.client, self.request_timeout, self.metrics, request, "msg",
                                request.get("model"), stream_requested, events=self._events, complete=self._complete)

@@ -15,6 +15,7 @@ from typing import Any
 from http_frontend.chat import MAX_STOP_STRINGS, check_max_tokens, check_message_count, parse_messages
 from http_frontend.errors import bad_request
 from http_frontend.generation_fields import parse_response_format, parse_tool_choice, parse_tools
+from http_frontend.media import MediaCollector
 from http_frontend.settings import FrontendSettings
 from http_frontend.validation import get_field
 
@@ -294,8 +295,12 @@ def parse_params(body: dict[str, Any], limit: int | None) -> dict[str, Any]:
     return {key: value for key, value in params.items() if value is not None}
 
 
-def engine_request(body: dict[str, Any], settings: FrontendSettings, *, generation: bool = True) -> dict[str, Any]:
-    """The ADD body (without rid/epoch) for an Anthropic request; `generation=False` for count_tokens."""
+def engine_request(body: dict[str, Any], settings: FrontendSettings, *, generation: bool = True,
+                   media: MediaCollector | None = None) -> dict[str, Any]:
+    """The ADD body (without rid/epoch) for an Anthropic request; `generation=False` for count_tokens.
+
+    Image blocks are registered with `media` (the caller resolves it into the ADD's `media`).
+    """
     for name, message in UNSUPPORTED_FIELDS.items():
         if body.get(name):
             raise bad_request(message, param=name, code="unsupported_parameter")
@@ -306,7 +311,7 @@ def engine_request(body: dict[str, Any], settings: FrontendSettings, *, generati
         params["thinking_budget"] = budget
     tools = parse_anthropic_tools(body)
     tool_choice, parallel = parse_anthropic_tool_choice(body, tools)
-    request = {"model": get_field(body, "model", (str,)), "messages": parse_messages({"messages": chat_messages(body)}),
+    request = {"model": get_field(body, "model", (str,)), "messages": parse_messages({"messages": chat_messages(body)}, media),
                "chat_template_kwargs": template_kwargs, "tools": tools, "tool_choice": tool_choice,
                "parallel_tool_calls": parallel, "response_format": parse_output_format(body)}
     if generation:

@@ -242,7 +242,33 @@ SCHEMAS: dict[str, Schema] = {
     "DetokenizeRequest": DETOKENIZE_REQUEST, "DetokenizeResult": DETOKENIZE_RESULT,
 }
 
-SSE = {"text/event-stream": {"schema": STRING}}
+CHAT_CHUNK = obj({
+    "id": STRING, "object": {"type": "string", "enum": ["chat.completion.chunk"]}, "created": INTEGER,
+    "model": STRING,
+    "choices": arr(obj({
+        "index": INTEGER,
+        "delta": obj({"role": STRING, "content": nullable(STRING), "reasoning_content": STRING, "reasoning": STRING,
+                      "tool_calls": arr(obj({"index": INTEGER, "id": STRING, "type": STRING,
+                                             "function": obj({"name": STRING, "arguments": STRING})},
+                                            ("index",)))}),
+        "logprobs": nullable(obj({"content": arr(LOGPROB_ENTRY)})),
+        "finish_reason": FINISH_REASON}, ("index", "delta"))),
+    "usage": USAGE,
+}, ("id", "object", "created", "model", "choices"))
+COMPLETION_CHUNK = obj({
+    "id": STRING, "object": {"type": "string", "enum": ["text_completion"]}, "created": INTEGER, "model": STRING,
+    "choices": arr(obj({"index": INTEGER, "text": STRING, "finish_reason": FINISH_REASON}, ("index", "text"))),
+    "usage": USAGE,
+}, ("id", "object", "created", "model", "choices"))
+RESPONSES_EVENT = obj({"type": STRING, "sequence_number": INTEGER}, ("type", "sequence_number"))
+ANTHROPIC_EVENT = obj({"type": STRING}, ("type",))
+
+
+def sse(event: Schema) -> dict[str, Any]:
+    """Server-Sent Events whose `data` is JSON matching `event` (or the `[DONE]` marker)."""
+    data = {"anyOf": [{"type": "string", "enum": ["[DONE]"]},
+                      {"type": "string", "contentMediaType": "application/json", "contentSchema": event}]}
+    return {"text/event-stream": {"schema": obj({"event": STRING, "id": STRING, "data": data})}}
 
 
 def _json(schema: Schema) -> dict[str, Any]:
@@ -277,10 +303,12 @@ def _operation(summary: str, request: str | None, responses: dict[str, Any], err
     return operation
 
 
-def _ok(schema: Schema, streams: bool = False) -> dict[str, Any]:
+def _ok(schema: Schema, events: Schema | None = None) -> dict[str, Any]:
+    """200 with a JSON body, and with an SSE body of `events` when the route streams."""
+    streams = events is not None
     content = _json(schema)
-    if streams:
-        content.update(SSE)
+    if events is not None:
+        content.update(sse(events))
     return {"200": {"description": "Success" + (" (JSON, or Server-Sent Events with `stream: true`)"
                                                 if streams else ""), "content": content}}
 
@@ -295,10 +323,10 @@ def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.0 document (plain data, built once per worker)."""
     paths = {
         "/v1/chat/completions": {"post": _operation("OpenAI chat completion", "ChatCompletionRequest",
-                                                    _ok(ref("ChatCompletion"), True), GENERATION_ERRORS)},
+                                                    _ok(ref("ChatCompletion"), {"anyOf": [CHAT_CHUNK, ERROR]}), GENERATION_ERRORS)},
         "/v1/completions": {"post": _operation("OpenAI text completion (raw prompt, no chat template)",
-                                               "CompletionRequest", _ok(ref("Completion"), True), GENERATION_ERRORS)},
-        "/v1/responses": {"post": _operation("OpenAI Responses API", "ResponsesRequest", _ok(ref("Response"), True),
+                                               "CompletionRequest", _ok(ref("Completion"), {"anyOf": [COMPLETION_CHUNK, ERROR]}), GENERATION_ERRORS)},
+        "/v1/responses": {"post": _operation("OpenAI Responses API", "ResponsesRequest", _ok(ref("Response"), RESPONSES_EVENT),
                                              GENERATION_ERRORS)},
         "/v1/responses/{response_id}": {
             "get": {**_operation("A stored response", None, _ok(ref("Response")), (401, 404, 503, 504)),
@@ -306,7 +334,7 @@ def openapi_document() -> dict[str, Any]:
             "delete": {**_operation("Delete a stored response", None, _ok(ref("ResponseDeleted")),
                                     (401, 404, 503, 504)), "parameters": RESPONSE_ID},
         },
-        "/v1/messages": {"post": _operation("Anthropic Messages API", "MessagesRequest", _ok(ref("Message"), True),
+        "/v1/messages": {"post": _operation("Anthropic Messages API", "MessagesRequest", _ok(ref("Message"), ANTHROPIC_EVENT),
                                             GENERATION_ERRORS, anthropic=True)},
         "/v1/messages/count_tokens": {"post": _operation(
             "Anthropic token counting", "CountTokensRequest",

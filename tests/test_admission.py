@@ -82,6 +82,10 @@ def test_over_budget_and_over_context_get_400_and_a_full_queue_429(strict_stack:
     assert stats["batching"] is True and stats["decode_concurrency"] == 1
 
 
+# A valid 1x1 PNG.
+PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgYGAAAAAEAAH2FzhVAAAAAElFTkSuQmCC"
+
+
 def test_kv_bits_falls_back_to_serial_and_says_so(tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
     engine = Engine(f"ipc://{ipc_dir}/kvq.sock", tmp_path / "engined.log", model=str(tiny_model),
                     args=["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0"])
@@ -94,6 +98,11 @@ def test_kv_bits_falls_back_to_serial_and_says_so(tiny_model: Path, ipc_dir: Pat
         stats = httpx.get(f"{frontend.base_url}/stats").json()
         assert stats["batching"] is False and "kv-bits" in stats["batching_note"]
         assert "cannot batch a quantized KV cache" in engine.log()
+        # An image is refused with a clear 400 here too (the serial path is text only).
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG_1PX}}
+        r = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=30, json={
+            "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     finally:
         frontend.stop()
         engine.stop()

@@ -23,7 +23,8 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls count s
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Frontend]]:
+def served(tiny_model: Path, ipc_dir: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Frontend]]:
     base = tmp_path_factory.mktemp("overflow")
     entries = [("trunc", None), ("strict", "error"), ("summ", "summarize")]
     (base / "models.yaml").write_text("models:\n" + "".join(

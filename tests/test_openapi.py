@@ -35,7 +35,8 @@ def api(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactor
     frontend = None
     try:
         engine.wait_ready()
-        frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=1, args=["--max-tokens-limit", "8"])
+        frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=1,
+                            args=["--max-tokens-limit", "8", "--image-fetch-timeout", "1"])
         frontend.wait_healthy()
         yield frontend
     finally:
@@ -84,3 +85,23 @@ def test_live_server_matches_the_document(case: schemathesis.Case, api: Frontend
     if case.path == "/unload":
         pytest.skip("unloading is covered by test_operations; here it would only slow every other case")
     case.call_and_validate(base_url=api.base_url, checks=CHECKS, timeout=60)
+
+
+VALID_REQUESTS = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                             "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2},
+    "/v1/completions": {"prompt": "Once upon", "max_tokens": 4, "stream_options": {"include_usage": True}},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 4},
+    "/v1/messages": {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+}
+
+
+@pytest.mark.parametrize("path", sorted(VALID_REQUESTS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_valid_requests_match_the_document(api: Frontend, path: str, stream: bool) -> None:
+    """Generated cases are mostly invalid: these make sure real answers, streamed too, are checked."""
+    case = SCHEMA[path]["POST"].Case(body={**VALID_REQUESTS[path], "stream": stream}, media_type="application/json")
+    response = case.call_and_validate(base_url=api.base_url, checks=CHECKS, timeout=60)
+    assert response.status_code == 200
+    expected = "text/event-stream" if stream else "application/json"
+    assert response.headers["content-type"][0].startswith(expected)

@@ -511,3 +511,16 @@ def test_chunked_image_prefill_matches_and_reports_progress(model_dir: Path, ref
             assert len(progress) > 2  # prefilled over several steps
     assert outputs[8] == outputs[2048]
     assert loaded.tokenizer.decode(outputs[8][0]) == reference["text"]
+
+
+def test_anthropic_image_block_matches_the_chat_route(stack: Frontend, reference: dict[str, Any]) -> None:
+    """An Anthropic base64 image block reaches the VLM like an OpenAI image_url part."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=60)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(IMAGE).decode()}}
+    result = client.messages.create(model=VLM, max_tokens=16, extra_body={"temperature": 0},
+                                    messages=[{"role": "user", "content": [{"type": "text", "text": PROMPT}, image]}])
+    assert "".join(block.text for block in result.content if block.type == "text") == reference["text"]
+    assert result.usage.input_tokens + (result.usage.cache_read_input_tokens or 0) == reference["prompt_tokens"]
