@@ -311,6 +311,8 @@ class BoundModel:
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # layers, make_cache, args...
+        if name in ("model", "switch", "weights"):  # not set yet (copying): never recurse
+            raise AttributeError(name)
         return getattr(self.model, name)
 
 
@@ -323,6 +325,7 @@ class AdapterManager:
         self.registry = AdapterRegistry(roots)
         self.cache_size = max(1, cache_size)
         self.default_model = default_model
+        self._default_model_path: Path | None = None  # --model's directory, known once it has loaded
         self._cache: OrderedDict[str, AdapterWeights] = OrderedDict()
         self._switch: AdapterSwitch | None = None
         self.loads = 0
@@ -376,7 +379,7 @@ class AdapterManager:
     # -- requests and CALLs ---------------------------------------------------------------
     def admit(self, spec: str | None, loaded: Any) -> str | None:
         """The adapter key a request runs with (None: the base model); RequestError to refuse it."""
-        if spec is None and self.registry.default is not None and loaded.ref.id == self.default_model:
+        if spec is None and self.registry.default is not None and self._is_default_model(loaded):
             spec = self.registry.default
         if spec is None:
             return None
@@ -391,6 +394,10 @@ class AdapterManager:
         except OSError as exc:
             raise RequestError(404, "adapter_not_found", f"Adapter '{spec}' could not be read: {exc}",
                                param="adapter_path") from None
+
+    def _is_default_model(self, loaded: Any) -> bool:
+        """`loaded` is --model (by directory: it may be served under --served-model-name or an alias)."""
+        return loaded.ref.id == self.default_model or loaded.ref.path == self._default_model_path
 
     def add(self, args: dict[str, Any], loaded: Any) -> dict[str, Any]:
         """adapters.add {name, path}: registered, and checked against the loaded text model if any."""
@@ -420,6 +427,7 @@ class AdapterManager:
     def warm(self, loaded: Any) -> None:
         """Loads and checks the --adapter-path adapter with the model at start, so a mismatch is logged early."""
         if self.registry.default is not None and loaded is not None:
+            self._default_model_path = loaded.ref.path  # called once, with the model loaded at start
             try:
                 self.admit(None, loaded)
             except RequestError as exc:

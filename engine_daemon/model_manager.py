@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
 from engine_daemon.model_aliases import ModelNames, ModelProfile, apply_profile
-from engine_daemon.model_store import ModelRef, model_kind
+from engine_daemon.model_store import ModelRef, context_window_of_config, model_kind
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +73,6 @@ def _kv_bytes_per_token(config: dict[str, Any], itemsize: int) -> int:
     return 2 * layers * kv_heads * head_dim * itemsize
 
 
-def _context_window(config: dict[str, Any]) -> int | None:
-    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
-        value = config.get(key) or config.get("text_config", {}).get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 class ModelManager:
     """Keeps at most one model loaded; a different model evicts the current one."""
 
@@ -127,7 +119,7 @@ class ModelManager:
             ref=ref,
             model=model,
             tokenizer=tokenizer,
-            context_window=_context_window(config),
+            context_window=context_window_of_config(config),
             vocab_size=int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0),
             weights_bytes=sum(p.nbytes for p in parameters),
             kv_bytes_per_token=_kv_bytes_per_token(config, itemsize),

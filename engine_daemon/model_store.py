@@ -101,8 +101,11 @@ def context_window_of(path: Path) -> int | None:
         config = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict):
-        return None
+    return context_window_of_config(config) if isinstance(config, dict) else None
+
+
+def context_window_of_config(config: dict) -> int | None:
+    """The context window a parsed config.json declares (top level, or the text part of a VLM's)."""
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     for key in _CONTEXT_KEYS:
         value = config.get(key) or text_config.get(key)

@@ -30,8 +30,8 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engine_daemon.model_manager import LoadedModel, _context_window, _kv_bytes_per_token, _read_generation_defaults
-from engine_daemon.model_store import ModelRef, model_kind
+from engine_daemon.model_manager import LoadedModel, _kv_bytes_per_token, _read_generation_defaults
+from engine_daemon.model_store import ModelRef, context_window_of_config, model_kind
 from engine_daemon.requests import EngineRequest, RequestError
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ def load_vision_model(ref: ModelRef, trust_remote_code: bool = False) -> LoadedM
         log.info("model type %s: no per-image feature cache (images are encoded on every request)",
                  support.model_type)
     return LoadedModel(
-        ref=ref, model=model, tokenizer=tokenizer, context_window=_context_window(config),
+        ref=ref, model=model, tokenizer=tokenizer, context_window=context_window_of_config(config),
         vocab_size=int(text_config.get("vocab_size") or 0),
         weights_bytes=sum(p.nbytes for p in parameters),
         kv_bytes_per_token=_kv_bytes_per_token(config, itemsize),

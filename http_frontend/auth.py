@@ -84,7 +84,7 @@ def cors_middleware(origins: tuple[str, ...]) -> falcon.CORSMiddleware:
     """
     allow: str | tuple[str, ...] = "*" if "*" in origins else origins
     return falcon.CORSMiddleware(allow_origins=allow, allow_credentials=None,
-                                 expose_headers=["X-Request-Id", "Retry-After"])
+                                 expose_headers=["X-Request-Id", "Retry-After", "X-Context-Overflow"])
 
 
 def security_middleware(settings: FrontendSettings) -> list[object]:

@@ -79,8 +79,11 @@ def test_frontend_restarts_and_reloads_without_model_reload(engine: Engine, mode
     pid_file = tmp_path / "gunicorn.pid"
     frontend = Frontend(engine.endpoint, tmp_path / "fe1.log", workers=2, pid_file=pid_file)
     try:
-        before = frontend.wait_healthy()["engine"]
+        frontend.wait_healthy()
+        # The shared engine may hold another model from earlier tests: load this one first.
         first = _chat_ok(frontend, model_id)
+        before = httpx.get(f"{frontend.base_url}/health").json()["engine"]
+        loads_logged = engine.log().count("loading model")
     finally:
         frontend.stop()
     with pytest.raises(httpx.HTTPError):
@@ -105,8 +108,8 @@ def test_frontend_restarts_and_reloads_without_model_reload(engine: Engine, mode
     assert before["epoch"] == after["epoch"] == reloaded["epoch"]
     assert before["pid"] == after["pid"] == reloaded["pid"]
     assert reloaded["uptime"] > before["uptime"]
-    assert before["model_loads"] == after["model_loads"] == reloaded["model_loads"] == 1
-    assert engine.log().count("loading model") == 1
+    assert before["model_loads"] == after["model_loads"] == reloaded["model_loads"] >= 1
+    assert engine.log().count("loading model") == loads_logged
 
 
 def _worker_pids(frontend: Frontend) -> list[int]:
