@@ -16,7 +16,6 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx

@@ -43,7 +43,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -587,7 +587,7 @@ def _read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def _is_complete_build(out_dir: Path, expected: dict) -> bool:
+def _is_complete_build(out_dir: Path, expected: dict, payload_files: tuple[str, ...] = _PAYLOAD_FILES) -> bool:
     """True when out_dir holds a finished build of exactly ``expected`` (config incl. build info)."""
     on_disk = _read_json(out_dir / _CONFIG_FILE)
     if on_disk is None:
@@ -596,7 +596,7 @@ def _is_complete_build(out_dir: Path, expected: dict) -> bool:
     manifest = info.pop("files", None)
     if not isinstance(manifest, dict) or {**on_disk, BUILD_INFO_KEY: info} != expected:
         return False
-    for name in _PAYLOAD_FILES:
+    for name in payload_files:
         try:
             if (out_dir / name).stat().st_size != manifest.get(name):
                 return False
@@ -621,55 +621,69 @@ def _build_lock(out_dir: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def write_build(out_dir: Path, config: dict, payload_files: tuple[str, ...],
+                write_payload: Callable[[Path], None]) -> bool:
+    """The idempotent build protocol every builder shares; True when it built, False when it reused.
+
+    A complete build is detected from config.json (written last, atomically, with the
+    builder version and a size manifest of the payload files), so a crashed or partial
+    build is never mistaken for a finished one and is simply rebuilt. A directory whose
+    config.json is not one of ours is refused rather than overwritten, so a real
+    checkpoint cannot be clobbered. Concurrent builders of one directory serialise.
+    """
+    if _is_complete_build(out_dir, config, payload_files):
+        return False
+    existing = _read_json(out_dir / _CONFIG_FILE)
+    if (out_dir / _CONFIG_FILE).exists() and not (existing or {}).get(MARKER_KEY):
+        raise FileExistsError(f"{out_dir} holds a config.json not written by a builder; refusing to overwrite it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _build_lock(out_dir):
+        if _is_complete_build(out_dir, config, payload_files):  # another process finished it meanwhile
+            return False
+        # Invalidate first: from here until the final config.json write the dir is "incomplete".
+        (out_dir / _CONFIG_FILE).unlink(missing_ok=True)
+        write_payload(out_dir)
+        final = copy.deepcopy(config)
+        final[BUILD_INFO_KEY]["files"] = {name: (out_dir / name).stat().st_size for name in payload_files}
+        _atomic_write_json(out_dir / _CONFIG_FILE, final)
+    return True
+
+
+def save_weights(out_dir: Path, weights: dict) -> int:
+    """Writes model.safetensors atomically; returns the parameter count."""
+    import mlx.core as mx
+
+    n_params = sum(int(w.size) for w in weights.values())
+    tmp = out_dir / f".tmp-{os.getpid()}-model.safetensors"
+    mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
+    os.replace(tmp, out_dir / "model.safetensors")
+    return n_params
+
+
 def build_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: str = "qwen2") -> Path:
     """Writes the model dir (idempotent: if out_dir already holds a complete build with the same size/seed/arch, return at once without rebuilding) and returns its path.
 
-    Why idempotent: tests, benchmarks and CI call this on every run; a complete build is
-    detected from config.json (written last, atomically, with the builder version and a
-    size manifest of the other files), so a crashed or partial build is never mistaken for
-    a finished one and is simply rebuilt. A directory whose config.json is not one of ours
-    is refused rather than overwritten, so a real checkpoint cannot be clobbered.
+    Why idempotent: tests, benchmarks and CI call this on every run (see `write_build`).
     """
     out_dir = Path(out_dir).expanduser().resolve()
     config = _model_config(size, seed, arch)
-    if _is_complete_build(out_dir, config):
-        logger.info("reusing existing build in %s", out_dir)
-        return out_dir
-    existing = _read_json(out_dir / _CONFIG_FILE)
-    if (out_dir / _CONFIG_FILE).exists() and not (existing or {}).get(MARKER_KEY):
-        raise FileExistsError(f"{out_dir} holds a config.json not written by model_builder; refusing to overwrite it")
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _build_lock(out_dir):
-        if _is_complete_build(out_dir, config):  # another process finished it meanwhile
-            return out_dir
+    def write_payload(out: Path) -> None:
         t0 = time.perf_counter()
-        # Invalidate first: from here until the final config.json write the dir is "incomplete".
-        (out_dir / _CONFIG_FILE).unlink(missing_ok=True)
-
-        import mlx.core as mx
-
-        weights = _random_weights(config, seed)
-        n_params = sum(int(w.size) for w in weights.values())
-        tmp = out_dir / f".tmp-{os.getpid()}-model.safetensors"
-        mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
-        os.replace(tmp, out_dir / "model.safetensors")
-        del weights
+        n_params = save_weights(out, _random_weights(config, seed))
         logger.info("wrote %s weights (%.1fM params) in %.1fs", size, n_params / 1e6, time.perf_counter() - t0)
+        _atomic_write_bytes(out / "tokenizer.json", _train_tokenizer_json(config["vocab_size"]).encode())
+        _atomic_write_json(out / "tokenizer_config.json",
+                           _tokenizer_config(config["vocab_size"], config["max_position_embeddings"]))
+        _atomic_write_json(out / "special_tokens_map.json", _special_tokens_map())
+        _atomic_write_json(out / "generation_config.json", _generation_config(config))
+        _atomic_write_bytes(out / "README.md", _readme(config, n_params).encode())
 
-        _atomic_write_bytes(out_dir / "tokenizer.json", _train_tokenizer_json(config["vocab_size"]).encode())
-        _atomic_write_json(
-            out_dir / "tokenizer_config.json",
-            _tokenizer_config(config["vocab_size"], config["max_position_embeddings"]),
-        )
-        _atomic_write_json(out_dir / "special_tokens_map.json", _special_tokens_map())
-        _atomic_write_json(out_dir / "generation_config.json", _generation_config(config))
-        _atomic_write_bytes(out_dir / "README.md", _readme(config, n_params).encode())
-
-        final = copy.deepcopy(config)
-        final[BUILD_INFO_KEY]["files"] = {name: (out_dir / name).stat().st_size for name in _PAYLOAD_FILES}
-        _atomic_write_json(out_dir / _CONFIG_FILE, final)
+    t0 = time.perf_counter()
+    if write_build(out_dir, config, _PAYLOAD_FILES, write_payload):
         logger.info("built %s/%s seed=%d in %s (%.1fs)", arch, size, seed, out_dir, time.perf_counter() - t0)
+    else:
+        logger.info("reusing existing build in %s", out_dir)
     return out_dir
 
 

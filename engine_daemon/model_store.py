@@ -265,6 +265,6 @@ def list_cached_models() -> list[dict]:
             found.append({"id": repo.repo_id, "created": int(repo.last_modified), "path": str(newest.snapshot_path),
                           "kind": model_kind(Path(newest.snapshot_path)),
                           "context_window": context_window_of(Path(newest.snapshot_path))})
-    found.sort(key=lambda m: -m["created"])
+    found.sort(key=lambda m: (-m["created"], m["id"]))  # ties (same second) by id: a stable order
     return found
 

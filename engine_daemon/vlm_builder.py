@@ -32,9 +32,7 @@ import argparse
 import copy
 import json
 import logging
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +46,9 @@ from engine_daemon.model_builder import (
     PRESETS,
     _atomic_write_bytes,
     _atomic_write_json,
-    _build_lock,
-    _read_json,
     _train_tokenizer_json,
+    save_weights,
+    write_build,
 )
 
 logger = logging.getLogger(__name__)
@@ -118,7 +116,6 @@ _PAYLOAD_FILES = (
     "generation_config.json",
     "README.md",
 )
-_CONFIG_FILE = "config.json"
 
 
 def _vision_token_ids(text_vocab: int) -> dict[str, int]:
@@ -335,23 +332,6 @@ Rebuild with:
 """
 
 
-def _is_complete_build(out_dir: Path, expected: dict) -> bool:
-    on_disk = _read_json(out_dir / _CONFIG_FILE)
-    if on_disk is None:
-        return False
-    info = dict(on_disk.get(BUILD_INFO_KEY) or {})
-    manifest = info.pop("files", None)
-    if not isinstance(manifest, dict) or {**on_disk, BUILD_INFO_KEY: info} != expected:
-        return False
-    for name in _PAYLOAD_FILES:
-        try:
-            if (out_dir / name).stat().st_size != manifest.get(name):
-                return False
-        except OSError:
-            return False
-    return True
-
-
 def build_vlm(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     """Writes the model directory and returns its path (idempotent, like ``build_model``).
 
@@ -360,44 +340,22 @@ def build_vlm(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     """
     out_dir = Path(out_dir).expanduser().resolve()
     config = _model_config(size, seed)
-    if _is_complete_build(out_dir, config):
-        logger.info("reusing existing VLM build in %s", out_dir)
-        return out_dir
-    existing = _read_json(out_dir / _CONFIG_FILE)
-    if (out_dir / _CONFIG_FILE).exists() and not (existing or {}).get(MARKER_KEY):
-        raise FileExistsError(f"{out_dir} holds a config.json not written by a builder; refusing to overwrite it")
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with _build_lock(out_dir):
-        if _is_complete_build(out_dir, config):
-            return out_dir
-        t0 = time.perf_counter()
-        (out_dir / _CONFIG_FILE).unlink(missing_ok=True)
-
-        import mlx.core as mx
-
-        weights = _random_weights(config, seed)
-        n_params = sum(int(w.size) for w in weights.values())
-        tmp = out_dir / f".tmp-{os.getpid()}-model.safetensors"
-        mx.save_safetensors(str(tmp), weights, metadata={"format": "mlx"})
-        os.replace(tmp, out_dir / "model.safetensors")
-        del weights
-
+    def write_payload(out: Path) -> None:
+        n_params = save_weights(out, _random_weights(config, seed))
         text_vocab = VLM_PRESETS[size]["text"]["vocab_size"]
-        _atomic_write_bytes(out_dir / "tokenizer.json", _tokenizer_json(text_vocab).encode())
-        _atomic_write_json(out_dir / "tokenizer_config.json",
+        _atomic_write_bytes(out / "tokenizer.json", _tokenizer_json(text_vocab).encode())
+        _atomic_write_json(out / "tokenizer_config.json",
                            _tokenizer_config(text_vocab, config["max_position_embeddings"]))
-        _atomic_write_json(out_dir / "special_tokens_map.json", _special_tokens_map())
-        _atomic_write_json(out_dir / "preprocessor_config.json", _preprocessor_config(size))
-        _atomic_write_json(out_dir / "chat_template.json", {"chat_template": QWEN2_VL_CHAT_TEMPLATE})
-        _atomic_write_json(out_dir / "generation_config.json", _generation_config(config))
-        _atomic_write_bytes(out_dir / "README.md", _readme(config, n_params).encode())
+        _atomic_write_json(out / "special_tokens_map.json", _special_tokens_map())
+        _atomic_write_json(out / "preprocessor_config.json", _preprocessor_config(size))
+        _atomic_write_json(out / "chat_template.json", {"chat_template": QWEN2_VL_CHAT_TEMPLATE})
+        _atomic_write_json(out / "generation_config.json", _generation_config(config))
+        _atomic_write_bytes(out / "README.md", _readme(config, n_params).encode())
+        logger.info("built qwen2_vl %s seed=%d (%.2fM params) in %s", size, seed, n_params / 1e6, out)
 
-        final = copy.deepcopy(config)
-        final[BUILD_INFO_KEY]["files"] = {name: (out_dir / name).stat().st_size for name in _PAYLOAD_FILES}
-        _atomic_write_json(out_dir / _CONFIG_FILE, final)
-        logger.info("built qwen2_vl %s seed=%d (%.2fM params) in %s (%.1fs)", size, seed, n_params / 1e6, out_dir,
-                    time.perf_counter() - t0)
+    if not write_build(out_dir, config, _PAYLOAD_FILES, write_payload):
+        logger.info("reusing existing VLM build in %s", out_dir)
     return out_dir
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -154,3 +156,22 @@ class Frontend(Proc):
                 pass
             time.sleep(0.1)
         raise TimeoutError(f"frontend not healthy after {timeout} s (last: {last}):\n{self.log()}")
+
+
+@contextlib.contextmanager
+def running_stack(endpoint: str, logs: Path, *, model: str | None = None, engine_args: list[str] | None = None,
+                  env: dict[str, str] | None = None, frontend_args: list[str] | None = None, workers: int = 1,
+                  model_loaded: bool | None = None) -> Iterator[tuple[Engine, Frontend]]:
+    """A dedicated engined + front-end for tests that need their own flags; both stopped on exit.
+
+    `model_loaded` (default: whether a `model` was given) says whether to wait for a loaded model.
+    """
+    engine = Engine(endpoint, logs / "engined.log", model=model, args=engine_args, env=env)
+    frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=workers, args=frontend_args)
+    try:
+        engine.wait_ready(model_loaded=bool(model) if model_loaded is None else model_loaded)
+        frontend.wait_healthy()
+        yield engine, frontend
+    finally:
+        frontend.stop()
+        engine.stop()

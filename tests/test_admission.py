@@ -10,24 +10,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Engine, Frontend
+from tests.helpers import Engine, Frontend, running_stack
 
 
 @pytest.fixture(scope="module")
 def strict_stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontend]:
     """One request decodes at a time, one may wait, and memory is budgeted at 10 MB."""
     logs = tmp_path_factory.mktemp("strict")
-    engine = Engine(f"ipc://{ipc_dir}/strict.sock", logs / "engined.log", model=str(tiny_model),
-                    args=["--decode-concurrency", "1", "--prompt-concurrency", "1", "--max-queued", "1",
-                          "--memory-budget", "0.01"])
-    frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=2)
-    try:
-        engine.wait_ready()
-        frontend.wait_healthy()
+    with running_stack(f"ipc://{ipc_dir}/strict.sock", logs, model=str(tiny_model), workers=2,
+                       engine_args=["--decode-concurrency", "1", "--prompt-concurrency", "1", "--max-queued", "1",
+                                    "--memory-budget", "0.01"]) as (_, frontend):
         yield frontend
-    finally:
-        frontend.stop()
-        engine.stop()
 
 
 def post(frontend: Frontend, **body) -> httpx.Response:

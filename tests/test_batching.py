@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.helpers import Engine, Frontend
+from tests.helpers import Frontend
 from tests.test_chat_e2e import client_for
 
 SHORT = "Hi."

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Engine, Frontend
+from tests.helpers import Engine, Frontend, running_stack
 
 WINDOW, MAX_TOKENS = 256, 16
 WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls count silver stars".split()
@@ -30,16 +30,10 @@ def served(tiny_model: Path, ipc_dir: Path,
     (base / "models.yaml").write_text("models:\n" + "".join(
         f"  - alias: {name}\n    path: {tiny_model}\n    context_length: {WINDOW}\n"
         + (f"    context_overflow: {mode}\n" if mode else "") for name, mode in entries))
-    engine = Engine(f"ipc://{ipc_dir}/overflow.sock", base / "engined.log",
-                    args=["--models-config", str(base / "models.yaml"), "--context-overflow", "truncate"])
-    frontend = Frontend(engine.endpoint, base / "frontend.log", workers=1)
-    try:
-        engine.wait_ready(model_loaded=False)
-        frontend.wait_healthy()
-        yield engine, frontend
-    finally:
-        frontend.stop()
-        engine.stop()
+    with running_stack(f"ipc://{ipc_dir}/overflow.sock", base,
+                       engine_args=["--models-config", str(base / "models.yaml"),
+                                    "--context-overflow", "truncate"]) as stack:
+        yield stack
 
 
 def conversation(turns: int, words: int = 4) -> list[dict[str, str]]:

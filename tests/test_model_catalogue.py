@@ -21,7 +21,7 @@ import pytest
 
 from engine_daemon.model_aliases import ModelNames, ModelsConfigError, load_models_config
 from engine_daemon.model_builder import derive_model, place_in_hf_cache, thinking_chat_template
-from tests.helpers import Engine, Frontend
+from tests.helpers import Frontend, running_stack
 
 TEXT_REPO, VLM_REPO, NOT_MLX = "mlx-community/tiny-text", "mlx-community/tiny-vlm", "someone/pytorch-only"
 SERVED = "tiny-served"
@@ -101,19 +101,12 @@ models:
 @pytest.fixture(scope="module")
 def served(layout: dict[str, Path], ipc_dir: Path) -> Iterator[Frontend]:
     base = layout["base"]
-    engine = Engine(f"ipc://{ipc_dir}/catalogue.sock", base / "engined.log", model=TEXT_REPO,
-                    env={"HF_HUB_CACHE": str(layout["cache"]), "HF_HUB_OFFLINE": "1"},
-                    args=["--served-model-name", SERVED, "--models-config", str(base / "models.yaml"),
-                          "--chat-template-file", str(base / "templates" / "global.jinja"),
-                          "--model-dir", str(layout["root"])])
-    frontend = Frontend(engine.endpoint, base / "frontend.log", workers=1)
-    try:
-        engine.wait_ready()
-        frontend.wait_healthy()
+    with running_stack(f"ipc://{ipc_dir}/catalogue.sock", base, model=TEXT_REPO,
+                       env={"HF_HUB_CACHE": str(layout["cache"]), "HF_HUB_OFFLINE": "1"},
+                       engine_args=["--served-model-name", SERVED, "--models-config", str(base / "models.yaml"),
+                                    "--chat-template-file", str(base / "templates" / "global.jinja"),
+                                    "--model-dir", str(layout["root"])]) as (_, frontend):
         yield frontend
-    finally:
-        frontend.stop()
-        engine.stop()
 
 
 def client_for(frontend: Frontend) -> openai.OpenAI:

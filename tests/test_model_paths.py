@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine_daemon.model_store import InvalidModelName, ModelNotFound, model_roots, resolve
-from tests.helpers import Engine, Frontend
+from tests.helpers import Engine, Frontend, running_stack
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +30,10 @@ def served(root: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     empty_cache = tmp_path_factory.mktemp("empty-hub")
     empty_root = tmp_path_factory.mktemp("empty-root")
     # Two roots through the environment (os.pathsep-separated); test_operations uses the flag.
-    engine = Engine(f"ipc://{ipc_dir}/paths.sock", logs / "engined.log",
-                    env={"MLX_ENGINE_MODEL_DIRS": f"{empty_root}{os.pathsep}{root}",
-                         "HF_HUB_CACHE": str(empty_cache), "HF_HUB_OFFLINE": "1"})
-    frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=1)
-    try:
-        engine.wait_ready(model_loaded=False)
-        frontend.wait_healthy()
-        yield engine, frontend
-    finally:
-        frontend.stop()
-        engine.stop()
+    with running_stack(f"ipc://{ipc_dir}/paths.sock", logs,
+                       env={"MLX_ENGINE_MODEL_DIRS": f"{empty_root}{os.pathsep}{root}",
+                            "HF_HUB_CACHE": str(empty_cache), "HF_HUB_OFFLINE": "1"}) as stack:
+        yield stack
 
 
 def chat(frontend: Frontend, model: str) -> httpx.Response:
