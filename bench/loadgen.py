@@ -16,6 +16,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
