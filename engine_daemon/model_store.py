@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +149,22 @@ def resolve(name: str, allow_download: bool = False, roots: Sequence[Path] | Non
     return _from_hf_cache(name, allow_download)
 
 
+# The Hub download in progress (repo id, monotonic start): the mlx thread blocks in it, and the
+# io thread reports it in /health and the log (engine_daemon/server.py `loading`).
+downloading: tuple[str, float] | None = None
+
+
+def downloaded_bytes(repo_id: str) -> int:
+    """Bytes of `repo_id` in the HF cache so far, partial downloads included (download progress)."""
+    from huggingface_hub import constants
+
+    blobs = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}" / "blobs"
+    try:
+        return sum(entry.stat().st_size for entry in blobs.iterdir() if entry.is_file())
+    except OSError:
+        return 0
+
+
 def _from_hf_cache(name: str, allow_download: bool, roots: Sequence[Path] | None = None) -> ModelRef:
     from huggingface_hub import snapshot_download
 
@@ -160,10 +177,15 @@ def _from_hf_cache(name: str, allow_download: bool, roots: Sequence[Path] | None
                 + ("" if roots is None else available_note(roots))
             ) from None
         log.info("downloading %s from the Hugging Face Hub", name)
+        global downloading
+        downloading = (name, time.monotonic())
         try:
             path = Path(snapshot_download(name, allow_patterns=MODEL_FILE_PATTERNS))
         except Exception as exc:
             raise ModelNotFound(f"The model '{name}' could not be downloaded: {exc}") from None
+        finally:
+            downloading = None
+        log.info("downloaded %s (%.0f MiB)", name, downloaded_bytes(name) / 2**20)
     if not is_mlx_model_dir(path):
         raise ModelNotFound(f"The model '{name}' is not an MLX model")
     return ModelRef(id=name, path=path)

@@ -20,6 +20,7 @@ from typing import Any, BinaryIO
 
 import zmq
 
+from engine_daemon import model_store
 from engine_daemon.model_store import list_cached_models, list_root_models
 from engine_daemon.response_store import ResponseStore, StoreCallError, handle_call
 from engine_daemon.scheduler import SchedulerConfig
@@ -282,7 +283,11 @@ class EngineServer:
 
     def loading(self) -> dict[str, Any]:
         """Which model the mlx thread is loading and for how long (None, None when it is not)."""
-        loading = self.worker.models.loading  # one read: the mlx thread replaces the tuple, never edits it
+        download = model_store.downloading  # one read each: the mlx thread replaces these tuples
+        if download is not None:
+            return {"loading_model": download[0], "loading_seconds": round(time.monotonic() - download[1], 1),
+                    "downloaded_bytes": model_store.downloaded_bytes(download[0])}
+        loading = self.worker.models.loading
         if loading is None:
             return {"loading_model": None, "loading_seconds": None}
         return {"loading_model": loading[0], "loading_seconds": round(time.monotonic() - loading[1], 1)}
@@ -295,7 +300,11 @@ class EngineServer:
             return
         if loading["loading_seconds"] >= self._load_reported + 10:
             self._load_reported = int(loading["loading_seconds"]) // 10 * 10
-            log.info("still loading model %s (%.0f s)", loading["loading_model"], loading["loading_seconds"])
+            if "downloaded_bytes" in loading:
+                log.info("still downloading model %s (%.0f s, %.0f MiB so far)", loading["loading_model"],
+                         loading["loading_seconds"], loading["downloaded_bytes"] / 2**20)
+            else:
+                log.info("still loading model %s (%.0f s)", loading["loading_model"], loading["loading_seconds"])
 
     def list_models(self) -> list[dict[str, Any]]:
         """The catalogue: the operator's names, models under --model-dir, the HF cache, and the loaded model.

@@ -85,6 +85,8 @@ class Health:
         # While a model loads: which one and for how long (state "loading").
         resp.media["engine"].update(loading_model=status.get("loading_model"),
                                     loading_seconds=status.get("loading_seconds"))
+        if status.get("downloaded_bytes") is not None:  # a Hub download in progress
+            resp.media["engine"]["downloaded_bytes"] = status["downloaded_bytes"]
 
 
 class Unload:
