@@ -198,6 +198,8 @@ class EngineServer:
         streams and /health says what is wrong. A model load is never a stall.
         """
         status = self.worker.status
+        if model_store.downloading is not None:
+            return "loading"  # a Hub download blocks the mlx thread: slow, but not wedged
         busy_since = status.busy_since
         if (status.state != "loading" and busy_since
                 and time.monotonic() - busy_since > self.stall_timeout):
