@@ -155,7 +155,9 @@ const checks = {
       sequence_numbers: events.map((event) => event.sequence_number),
       stream_text: events.filter((e) => e.type === 'response.output_text.delta').map((e) => e.delta).join(''),
       stream_final_status: done.response?.status ?? null,
-      stream_final_output_text: done.response ? (done.response.output_text ?? null) : null,
+      // Raw events carry the API's response object; output_text is an SDK convenience it lacks.
+      stream_final_text: (done.response?.output ?? []).flatMap((item) => item.content ?? [])
+        .filter((part) => part.type === 'output_text').map((part) => part.text).join(''),
       stream_final_usage: done.response?.usage ?? null,
       helper_text: helperDeltas.join(''),
       helper_final_text: final.output_text,
