@@ -80,6 +80,11 @@ class OutputParser:
         self.seen_content = False
         self.after_thinking = False  # the newlines a template puts after </think> are not answer text
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Inside a thinking block (as far as the text fed so far shows)."""
+        return self.state == REASONING
+
     def _markers(self) -> list[str]:
         if self.state == REASONING:
             return [self.think_end]

@@ -49,6 +49,7 @@ class EngineRequest:
     stop: StopStringMatcher | None = None
     detokenizer: Any = None
     parser: OutputParser | None = None
+    reasoning_tokens: int = 0  # generated while inside a thinking block
     eos_token_ids: frozenset[int] = frozenset()
     generated: int = 0
     cached_tokens: int = 0
@@ -272,6 +273,8 @@ def consume_token(request: EngineRequest, token: int | None) -> ParsedDelta:
     else:
         detokenizer.add_token(token)
         request.generated += 1
+        if request.parser is not None and request.parser.in_reasoning:
+            request.reasoning_tokens += 1  # usage.completion_tokens_details.reasoning_tokens
         if request.generated >= request.max_tokens:
             request.finish_reason = "length"
     if request.finish_reason is not None:
@@ -318,4 +321,5 @@ def logprob_entries(tokenizer: Any, logprobs: Any, token: int, top: int) -> list
 def usage(request: EngineRequest, cached_tokens: int = 0) -> dict[str, int]:
     prompt = len(request.prompt_tokens)
     return {"prompt_tokens": prompt, "completion_tokens": request.generated,
-            "total_tokens": prompt + request.generated, "cached_tokens": cached_tokens}
+            "total_tokens": prompt + request.generated, "cached_tokens": cached_tokens,
+            "reasoning_tokens": request.reasoning_tokens}

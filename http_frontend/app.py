@@ -42,11 +42,11 @@ class EngineLifespan:
         await self.client.close()
 
 
-def add_route(app: falcon.asgi.App, path: str, resource: object) -> None:
+def add_route(app: falcon.asgi.App, path: str, resource: object, suffix: str | None = None) -> None:
     """Every API route also answers without the /v1 prefix, as mlx_vlm.server does."""
-    app.add_route(path, resource)
+    app.add_route(path, resource, suffix=suffix)
     if path.startswith("/v1/"):
-        app.add_route(path[3:], resource)
+        app.add_route(path[3:], resource, suffix=suffix)
 
 
 def create_app(endpoint: str | None = None) -> DisconnectWatch:
@@ -64,7 +64,10 @@ def create_app(endpoint: str | None = None) -> DisconnectWatch:
     add_route(app, "/v1/messages", Messages(client, settings.request_timeout, settings=settings, metrics=metrics))
     add_route(app, "/v1/messages/count_tokens", CountTokens(client, settings))
     add_route(app, "/v1/responses", Responses(client, settings.request_timeout, settings=settings, metrics=metrics))
-    add_route(app, "/v1/responses/{response_id}", ResponseById(client))
+    responses_by_id = ResponseById(client)
+    add_route(app, "/v1/responses/{response_id}", responses_by_id)
+    add_route(app, "/v1/responses/{response_id}/input_items", responses_by_id, suffix="input_items")
+    add_route(app, "/v1/responses/{response_id}/cancel", responses_by_id, suffix="cancel")
     add_route(app, "/v1/tokenize", Tokenize(client, settings))
     add_route(app, "/v1/detokenize", Detokenize(client, settings))
     add_route(app, "/v1/models", admin.Models(client))

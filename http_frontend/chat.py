@@ -221,7 +221,8 @@ def _usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
         return None
     return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"],
-            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)}}
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+            "completion_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)}}
 
 
 class GenerationRoute:

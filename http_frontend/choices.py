@@ -34,6 +34,9 @@ def merge_usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     merged = dict(present[0])
     merged["completion_tokens"] = sum(u["completion_tokens"] for u in present)
     merged["total_tokens"] = merged["prompt_tokens"] + merged["completion_tokens"]
+    if "completion_tokens_details" in merged:
+        merged["completion_tokens_details"] = {"reasoning_tokens": sum(
+            (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0) for u in present)}
     return merged
 
 

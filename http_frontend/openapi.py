@@ -117,7 +117,9 @@ COMPLETION_REQUEST = obj({
 }, ("prompt",))
 
 USAGE = nullable(obj({"prompt_tokens": INTEGER, "completion_tokens": INTEGER, "total_tokens": INTEGER,
-                      "prompt_tokens_details": obj({"cached_tokens": INTEGER})},
+                      "prompt_tokens_details": obj({"cached_tokens": INTEGER}),
+                      "completion_tokens_details": obj({"reasoning_tokens": INTEGER}),
+                      "context_overflow": ANY_OBJECT},
                      ("prompt_tokens", "completion_tokens", "total_tokens")))
 FINISH_REASON = nullable({"type": "string", "enum": ["stop", "length", "tool_calls", "content_filter"]})
 LOGPROB_ENTRY = obj({"token": STRING, "logprob": NUMBER, "bytes": nullable(arr(INTEGER)),
@@ -334,6 +336,21 @@ def openapi_document() -> dict[str, Any]:
             "delete": {**_operation("Delete a stored response", None, _ok(ref("ResponseDeleted")),
                                     (401, 404, 503, 504)), "parameters": RESPONSE_ID},
         },
+        "/v1/responses/{response_id}/input_items": {"get": {
+            **_operation("The input items of a stored response", None,
+                         _ok(obj({"object": {"type": "string", "enum": ["list"]},
+                                  "data": arr(obj({"id": STRING, "type": STRING}, ("id", "type"))),
+                                  "first_id": nullable(STRING), "last_id": nullable(STRING), "has_more": BOOLEAN},
+                                 ("object", "data", "has_more"))), (400, 401, 404, 503, 504)),
+            "parameters": RESPONSE_ID + [
+                {"name": "order", "in": "query", "required": False,
+                 "schema": {"type": "string", "enum": ["asc", "desc"]}},
+                {"name": "limit", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                {"name": "after", "in": "query", "required": False, "schema": STRING}]}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            **_operation("Cancel a background response (none run here: always 400 or 404)", None, {},
+                         (400, 401, 404, 503, 504)), "parameters": RESPONSE_ID}},
         "/v1/messages": {"post": _operation("Anthropic Messages API", "MessagesRequest", _ok(ref("Message"), ANTHROPIC_EVENT),
                                             GENERATION_ERRORS, anthropic=True)},
         "/v1/messages/count_tokens": {"post": _operation(

@@ -25,7 +25,7 @@ from http_frontend.errors import APIError, bad_request
 from http_frontend.generation_fields import parse_reasoning as chat_reasoning
 from http_frontend.media import MediaCollector
 from http_frontend.metrics import TokenTimer
-from http_frontend.responses_items import (NO_THINKING_EFFORTS, name_tool_results, parse_input, parse_reasoning,
+from http_frontend.responses_items import (NO_THINKING_EFFORTS, input_item_list, name_tool_results, parse_input, parse_reasoning,
                                            parse_text_format, parse_tool_choice, parse_tools)
 from http_frontend.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
 from http_frontend.validation import get_field, read_json_object
@@ -57,6 +57,7 @@ class ResponsesRequest:
     echo: dict[str, Any]  # what the response object repeats of the request
     stream: bool
     store: bool
+    input_items: list[dict[str, Any]]  # this request's input as Responses items, for GET …/input_items
 
 
 def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | None,
@@ -113,7 +114,8 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
         "metadata": metadata,
     }
     return ResponsesRequest(messages, instructions, previous, {k: v for k, v in engine.items() if v is not None},
-                            echo, get_field(body, "stream", (bool,), default=False), echo["store"])
+                            echo, get_field(body, "stream", (bool,), default=False), echo["store"],
+                            input_item_list(value))
 
 
 def packed_size(value: Any) -> int:
@@ -206,7 +208,8 @@ class Responses(GenerationRoute):
         if not request.store or builder.status == "failed":
             return
         response = builder.response()
-        record = {"response": response, "messages": conversation + [builder.assistant_message()]}
+        record = {"response": response, "messages": conversation + [builder.assistant_message()],
+                  "input_items": request.input_items}
         if media:
             record["media"] = media
         if packed_size(record) > MAX_RECORD_BYTES:
@@ -279,6 +282,30 @@ class ResponseById:
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
         record = await load_record(self.client, response_id)
         resp.media = record.get("response")
+
+    async def on_get_input_items(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                                 response_id: str) -> None:
+        """GET /v1/responses/{id}/input_items: the stored request's input items, OpenAI's list shape."""
+        order = req.get_param("order", default="desc")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"Invalid value for 'order': {order!r}; expected 'asc' or 'desc'", param="order")
+        limit = req.get_param_as_int("limit", min_value=1, max_value=100, default=20)
+        items = list((await load_record(self.client, response_id)).get("input_items") or [])
+        if order == "desc":
+            items.reverse()
+        after = req.get_param("after")
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            items = items[ids.index(after) + 1:] if after in ids else []
+        page = items[:limit]
+        resp.media = {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                      "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    async def on_post_cancel(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
+        """Only background responses can be cancelled, and this server runs none (`background` is refused)."""
+        await load_record(self.client, response_id)  # an unknown id is a 404 first
+        raise bad_request("Only responses created with 'background': true can be cancelled; this server does not "
+                          "run background responses", param="response_id", code="not_background")
 
     async def on_delete(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
         result = None

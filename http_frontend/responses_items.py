@@ -8,6 +8,7 @@ and `reasoning.effort` steers the template's thinking switch. Every refusal is a
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from http_frontend.errors import bad_request
@@ -275,3 +276,30 @@ def parse_reasoning(value: Any) -> str | None:
         raise bad_request(f"Invalid value for 'reasoning.effort': {effort!r}; expected one of "
                           f"{sorted(REASONING_EFFORTS)}", param="reasoning.effort")
     return effort
+
+
+def input_item_list(value: Any) -> list[dict[str, Any]]:
+    """A request's `input` as OpenAI lists it under GET /v1/responses/{id}/input_items.
+
+    A string is one user message; message items get an id, a status and typed content
+    parts; other items (function calls and their outputs, reasoning) are kept as sent.
+    """
+    if value is None:
+        return []
+    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    listed = []
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        item = dict(item)
+        if item.get("type", "message") == "message":
+            item["type"] = "message"
+            part_type = "output_text" if item.get("role") == "assistant" else "input_text"
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": part_type, "text": item["content"]}]
+            item.setdefault("status", "completed")
+            item.setdefault("id", f"msg_{uuid.uuid4().hex}")
+        else:
+            item.setdefault("id", f"{str(item['type']).split('_')[0]}_{uuid.uuid4().hex}")
+        listed.append(item)
+    return listed

@@ -34,7 +34,7 @@ def response_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0), "cache_write_tokens": 0},
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}
 
 

@@ -555,3 +555,24 @@ def test_ttl_from_the_environment_and_a_killed_engine(tiny_model: Path, ipc_dir:
             client.close()
         frontend.stop()
         engine.stop()
+
+
+def test_input_items_and_cancel(frontend: Frontend, model_id: str) -> None:
+    """GET …/input_items lists the stored input (the SDK's pager reads it); cancel is a clear 400."""
+    client = openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    first = client.responses.create(model=model_id, input="Name a colour.", max_output_tokens=4, temperature=0)
+    items = list(client.responses.input_items.list(first.id))
+    assert len(items) == 1 and items[0].type == "message" and items[0].role == "user"
+    assert items[0].content[0].type == "input_text" and items[0].content[0].text == "Name a colour."
+    second = client.responses.create(model=model_id, max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "One"}, {"role": "assistant", "content": "Two"},
+        {"role": "user", "content": [{"type": "input_text", "text": "Three"}]}])
+    texts = [item.content[0].text for item in client.responses.input_items.list(second.id, order="asc")]
+    assert texts == ["One", "Two", "Three"]
+    page = client.responses.input_items.list(second.id, limit=2)  # newest first by default
+    assert [item.content[0].text for item in page.data] == ["Three", "Two"] and page.has_more
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.cancel(first.id)
+    assert caught.value.body["code"] == "not_background"

@@ -57,6 +57,7 @@ def test_open_thinking_block_goes_to_reasoning(frontend: Frontend, thinking_mode
     assert not message.content  # the block never closed: no answer text
     assert "<think>" not in message.reasoning_content and "</think>" not in message.reasoning_content
     assert result.choices[0].finish_reason == "length"
+    assert result.usage.completion_tokens_details.reasoning_tokens == result.usage.completion_tokens == 12
 
 
 def test_thinking_budget_closes_the_block_then_answers(frontend: Frontend, thinking_model: str) -> None:
@@ -68,6 +69,7 @@ def test_thinking_budget_closes_the_block_then_answers(frontend: Frontend, think
     assert "think>" not in message.content and "think>" not in message.reasoning_content
     # 4 thinking tokens + the forced </think> + 11 answer tokens = 16
     assert result.usage.completion_tokens == 16
+    assert result.usage.completion_tokens_details.reasoning_tokens == 5
     # The per-token logprobs show where the block closed: right after the 4 budgeted tokens.
     assert [entry.token for entry in result.choices[0].logprobs.content].index("</think>") == 4
     content, reasoning, finish, _ = streamed(client, thinking_model, **extra)
