@@ -395,7 +395,12 @@ async def serve_generation(
             resp.sse = bodies[0] if n == 1 else merge_event_streams(bodies, include_usage)
             handed_over = True
         else:
-            results = await until_disconnect(req, asyncio.gather(*(complete(s, meta, timer) for s in streams)))
+            async def complete_all() -> list[dict[str, Any]]:
+                # A coroutine, not a bare gather future: cancelling its task on disconnect cancels every
+                # choice cleanly (a cancelled gather future would log "exception was never retrieved").
+                return list(await asyncio.gather(*(complete(s, meta, timer) for s in streams)))
+
+            results = await until_disconnect(req, complete_all())
             resp.media = results[0] if n == 1 else merge_results(results)
         report_context_overflow(resp, accepted[0])  # header, and usage.context_overflow in JSON answers
     except APIError as exc:
