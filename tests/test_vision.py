@@ -30,7 +30,7 @@ from http_frontend.errors import APIError
 from http_frontend.media import MediaCollector, audio_format_of, is_public_address
 from http_frontend.settings import FrontendSettings
 from protocol import MsgType, decode, encode
-from tests.helpers import Engine, Frontend
+from tests.helpers import Engine, Frontend, call_engine
 
 VLM = "tiny-qwen2-vl"
 TEXT = "tiny-qwen2"
@@ -120,7 +120,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Frontend]:
     logs = tmp_path_factory.mktemp("vision-logs")
-    engine = Engine(f"ipc://{ipc_dir}/vision.sock", logs / "engined.log", args=["--model-dir", str(model_dir)])
+    # Fault injection: the batching test holds the mlx thread (debug_sleep) while its requests arrive.
+    engine = Engine(f"ipc://{ipc_dir}/vision.sock", logs / "engined.log", args=["--model-dir", str(model_dir)],
+                    env={"MLX_ENGINE_FAULT_INJECTION": "1"})
     frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=2,
                         args=["--allow-private-image-urls", "--image-fetch-timeout", "1.5",
                               "--max-image-bytes", str(MAX_IMAGE_BYTES)])
@@ -323,9 +325,15 @@ def test_concurrent_image_and_text_requests_batch(client: openai.OpenAI, stack: 
     alone_text = client.chat.completions.create(model=VLM, max_tokens=16, temperature=0, messages=[
         {"role": "user", "content": PROMPT}]).choices[0].message.content
     endpoint = stack.engine.endpoint  # type: ignore[attr-defined]
+    # Hold the mlx thread while the five ADDs arrive, so they are admitted in one go however busy the
+    # machine is (otherwise a fast request can finish before the next one is even read).
+    sleeper = threading.Thread(target=call_engine, args=(endpoint, "debug_sleep", {"seconds": 1.0}))
+    sleeper.start()
+    time.sleep(0.2)
     results = engine_run(endpoint, [image_add("b1", IMAGE), image_add("b2", OTHER_IMAGE), image_add("b3", None),
                                     image_add("b4", IMAGE, temperature=0.9, seed=4),
                                     image_add("b5", IMAGE, temperature=0.9, seed=4)])
+    sleeper.join()
     assert [results["t:b1"], results["t:b2"], results["t:b3"]] == [reference["text"], alone_other, alone_text]
     # Sampled requests bring their own sampler into the shared batch: a seed gives the same text twice.
     assert results["t:b4"] == results["t:b5"] != reference["text"]
