@@ -181,6 +181,10 @@ class BatchScheduler(BaseScheduler):
             request, ref = self.waiting[0]
             current = self.models.current
             if current is None or current.ref != ref:
+                if current is not None and (self.by_uid or self.pending) and self.switch_can_wait():
+                    # Within the switch delay the loaded model's own waiters still join its batch.
+                    events += self._admit_waiting_for(current.ref)
+                    break
                 if self.by_uid or self.pending:
                     break  # the running batch finishes on the current model first
                 self.on_unload()
@@ -192,6 +196,21 @@ class BatchScheduler(BaseScheduler):
                     events.append(error_event(request, engine_failure(exc)))
                     continue
             self.waiting.popleft()
+            try:
+                self.accept(request)
+                events += self._admit(request)
+            except RequestError as exc:
+                events.append(self.refuse(request, exc))
+        return events
+
+    def _admit_waiting_for(self, ref: ModelRef) -> list[Event]:
+        """Admits the waiting requests for `ref` (the loaded model) from anywhere in the queue, in order."""
+        events: list[Event] = []
+        mine = [item for item in self.waiting if item[1] == ref]
+        if not mine:
+            return events
+        self.waiting = deque(item for item in self.waiting if item[1] != ref)
+        for request, _ in mine:
             try:
                 self.accept(request)
                 events += self._admit(request)

@@ -87,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-unload", type=float, default=_env_float("MLX_ENGINE_IDLE_UNLOAD"), metavar="SECONDS",
                         help="unload the model after this many seconds without requests (frees its memory; the "
                              "next request loads it again). Default: never. [MLX_ENGINE_IDLE_UNLOAD]")
+    parser.add_argument("--model-switch-delay", type=float, metavar="SECONDS",
+                        default=_env_float("MLX_ENGINE_MODEL_SWITCH_DELAY") if os.environ.get(
+                            "MLX_ENGINE_MODEL_SWITCH_DELAY") else 2.0,
+                        help="while a request for another model waits, requests for the loaded model keep joining "
+                             "its batch for up to this long before the batch drains and the model switches: fewer "
+                             "reloads when clients alternate models, at most this much extra wait for the other "
+                             "model. 0: strict arrival order. [MLX_ENGINE_MODEL_SWITCH_DELAY] (default: "
+                             "%(default)s)")
     parser.add_argument("--endpoint", default=default_endpoint(),
                         help=f"ZeroMQ endpoint to bind: ipc://PATH or tcp://HOST:PORT. [{ENDPOINT_ENV}] "
                              "(default: %(default)s)")
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         trust_remote_code=args.trust_remote_code,
         names=names,
         idle_unload=args.idle_unload,
+        model_switch_delay=max(0.0, args.model_switch_delay),
         adapter_path=args.adapter_path,
         adapter_cache_size=args.adapter_cache_size,
         draft_model=args.draft_model,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,7 @@ class EngineRequest:
     accepted: bool = False
     # Request-specific logits processors (grammar constraint, thinking budget), after the sampling ones.
     processors: list[Any] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)  # when the engine got the ADD
     # {"mode": "truncated"|"summarized", "dropped_messages": n} when older turns made way (context_overflow.py)
     context_overflow: dict[str, Any] | None = None
 

@@ -10,6 +10,7 @@ combinations mlx-lm cannot batch (a quantized KV cache).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -67,6 +68,10 @@ class SchedulerConfig:
     # Speculative decoding of lone requests (engine_daemon/speculative.py): --draft-model, --num-draft-tokens.
     draft_model: str | None = None
     num_draft_tokens: int = 3
+    # While a request for another model waits, requests for the loaded one keep joining the batch for up
+    # to this many seconds (then the batch drains and the model switches): fewer loads when clients
+    # alternate models, bounded extra wait for the other model. 0: strict arrival order.
+    model_switch_delay: float = 2.0
 
 
 @dataclass
@@ -144,12 +149,20 @@ class BaseScheduler:
         # Aliases and the served name map to their sources; the operator's --model is trusted as typed;
         # any other name is confined to --model-dir and the HF cache (engine_daemon/model_aliases.py).
         try:
-            return self.models.names.resolve(name, default_model=self.config.default_model,
-                                             roots=self.config.model_dirs, allow_download=self.config.allow_download)
+            ref = self.models.names.resolve(name, default_model=self.config.default_model,
+                                            roots=self.config.model_dirs, allow_download=self.config.allow_download)
         except InvalidModelName as exc:
             raise RequestError(400, "invalid_model_name", str(exc), param="model") from None
         except ModelNotFound as exc:
             raise RequestError(404, "model_not_found", str(exc), param="model") from None
+        # The loaded directory under another spelling (its --model path vs. a name under --model-dir) is the
+        # loaded model, not a reason to load the same weights again. Operator names keep their own
+        # settings (a profile), so only unnamed spellings are folded together.
+        named = self.models.names.entries
+        if (current is not None and ref.path == current.ref.path and ref.id not in named
+                and current.ref.id not in named):
+            return current.ref
+        return ref
 
     def submit(self, peer: bytes, body: dict[str, Any]) -> list[Event]:
         """Admits or refuses a request. Refusals are answered at once, never queued."""
@@ -160,8 +173,9 @@ class BaseScheduler:
                 raise RequestError(400, "duplicate_request_id", f"Request id {request.rid!r} is already in flight")
             ref = self.resolve_model(body.get("model"))
             current = self.models.current
-            # Behind a pending model switch, later requests wait too: nobody is starved.
-            if current is not None and current.ref == ref and not self.waiting:
+            # Behind a pending model switch, later requests wait too (nobody is starved), except during
+            # the switch delay, when requests for the loaded model still join its batch.
+            if current is not None and current.ref == ref and (not self.waiting or self.switch_can_wait()):
                 self.accept(request)  # 400s come first: retrying a request that can never run is no use
                 self._check_queue()
                 return self._admit(request)
@@ -170,6 +184,10 @@ class BaseScheduler:
             return [self.refuse(request, exc)]
         self.waiting.append((request, ref))
         return []
+
+    def switch_can_wait(self) -> bool:
+        """True while the oldest waiting request (one for another model) is within the switch delay."""
+        return bool(self.waiting) and time.monotonic() - self.waiting[0][0].arrived < self.config.model_switch_delay
 
     def _check_queue(self) -> None:
         if self.queued() >= self.config.max_queued:
