@@ -196,27 +196,21 @@ class BatchScheduler(BaseScheduler):
                     events.append(error_event(request, engine_failure(exc)))
                     continue
             self.waiting.popleft()
-            try:
-                self.accept(request)
-                events += self._admit(request)
-            except RequestError as exc:
-                events.append(self.refuse(request, exc))
+            events += self._accept_and_admit(request)
         return events
+
+    def _accept_and_admit(self, request: EngineRequest) -> list[Event]:
+        try:
+            self.accept(request)
+            return self._admit(request)
+        except RequestError as exc:
+            return [self.refuse(request, exc)]
 
     def _admit_waiting_for(self, ref: ModelRef) -> list[Event]:
         """Admits the waiting requests for `ref` (the loaded model) from anywhere in the queue, in order."""
-        events: list[Event] = []
         mine = [item for item in self.waiting if item[1] == ref]
-        if not mine:
-            return events
         self.waiting = deque(item for item in self.waiting if item[1] != ref)
-        for request, _ in mine:
-            try:
-                self.accept(request)
-                events += self._admit(request)
-            except RequestError as exc:
-                events.append(self.refuse(request, exc))
-        return events
+        return [event for request, _ in mine for event in self._accept_and_admit(request)]
 
     # -- stepping -------------------------------------------------------------------
     def abort(self, rids: set[str]) -> int:
