@@ -576,3 +576,34 @@ def test_input_items_and_cancel(frontend: Frontend, model_id: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.cancel(first.id)
     assert caught.value.body["code"] == "not_background"
+
+
+def test_codex_style_request_streams(frontend: Frontend, model_id: str) -> None:
+    """A request shaped like Codex CLI's (function tools, store false, include, prompt_cache_key, a prior
+    reasoning item with encrypted content, a tool call and its output in the input) streams to completion."""
+    shell = {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False,
+             "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}},
+                                                             "workdir": {"type": "string"}},
+                            "required": ["command"], "additionalProperties": False}}
+    body = {
+        "model": model_id, "instructions": "You are a coding agent running in a terminal.", "stream": True,
+        "store": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": "session-1",
+        "tools": [shell], "tool_choice": "auto", "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"}, "text": {"verbosity": "low"},
+        "max_output_tokens": 8, "temperature": 0,
+        "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque-blob"},
+            {"type": "function_call", "call_id": "call_1", "name": "shell",
+             "arguments": "{\"command\": [\"ls\"]}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "README.md\nsrc"},
+        ],
+    }
+    with httpx.stream("POST", f"{frontend.base_url}/v1/responses", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    types = [event["type"] for event in events]
+    assert types[0] == "response.created" and types[-1] in ("response.completed", "response.incomplete")
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    final = events[-1]["response"]
+    assert final["usage"]["input_tokens"] > 0 and final["usage"]["output_tokens"] == 8
