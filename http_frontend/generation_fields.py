@@ -18,14 +18,50 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
+def check_tool_count(tools: list[Any]) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools",
+                          code="array_above_max_length")
+
+
+def function_tool(spec: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """One function tool in chat's shape from its fields (`name`, `description`, `parameters`, `strict`).
+
+    Shared by the chat route (fields under `function`) and Responses (fields at the top level);
+    errors name `<prefix>.<field>`.
+    """
+    name = spec.get("name")
+    if not isinstance(name, str):
+        raise bad_request(f"Invalid type for '{prefix}.name': expected a string", param=f"{prefix}.name",
+                          code="invalid_type")
+    if not TOOL_NAME.match(name):
+        raise bad_request(f"Invalid '{prefix}.name': {name!r} must match {TOOL_NAME.pattern}",
+                          param=f"{prefix}.name", code="invalid_value")
+    entry: dict[str, Any] = {"name": name, "parameters": {"type": "object", "properties": {}}}
+    for key, kind, expected in (("description", str, "a string"), ("parameters", dict, "a JSON schema object"),
+                                ("strict", bool, "a boolean")):
+        if spec.get(key) is not None:
+            if not isinstance(spec[key], kind):
+                raise bad_request(f"Invalid type for '{prefix}.{key}': expected {expected}",
+                                  param=f"{prefix}.{key}", code="invalid_type")
+            entry[key] = spec[key]
+    return {"type": "function", "function": entry}
+
+
+def unique_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The tools (None when empty), refused when two share a name."""
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("Tool names in 'tools' must be unique", param="tools", code="invalid_value")
+    return tools or None
+
+
 def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """OpenAI chat function tools, normalised to {"type": "function", "function": {name, description, parameters}}."""
     tools = get_field(body, "tools", (list,))
     if not tools:
         return None
-    if len(tools) > MAX_TOOLS:
-        raise bad_request(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools",
-                          code="array_above_max_length")
+    check_tool_count(tools)
     checked = []
     for index, tool in enumerate(tools):
         param = f"tools[{index}]"
@@ -36,23 +72,8 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise bad_request(f"Invalid '{param}.function': an object with a string 'name' is required",
                               param=f"{param}.function", code="invalid_type")
-        if not TOOL_NAME.match(function["name"]):
-            raise bad_request(f"Invalid '{param}.function.name': {function['name']!r} must match "
-                              f"{TOOL_NAME.pattern}", param=f"{param}.function.name", code="invalid_value")
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise bad_request(f"Invalid '{param}.function.parameters': expected a JSON schema object",
-                              param=f"{param}.function.parameters", code="invalid_type")
-        entry = {"name": function["name"], "parameters": parameters}
-        if isinstance(function.get("description"), str):
-            entry["description"] = function["description"]
-        if isinstance(function.get("strict"), bool):
-            entry["strict"] = function["strict"]
-        checked.append({"type": "function", "function": entry})
-    names = [tool["function"]["name"] for tool in checked]
-    if len(set(names)) != len(names):
-        raise bad_request("Tool names in 'tools' must be unique", param="tools", code="invalid_value")
-    return checked
+        checked.append(function_tool(function, f"{param}.function"))
+    return unique_tools(checked)
 
 
 def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:

@@ -12,7 +12,7 @@ import uuid
 from typing import Any
 
 from http_frontend.errors import bad_request
-from http_frontend.generation_fields import MAX_TOOLS, REASONING_EFFORTS, TOOL_NAME
+from http_frontend.generation_fields import REASONING_EFFORTS, check_tool_count, function_tool, unique_tools
 from http_frontend.media import MediaCollector
 
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
@@ -175,9 +175,7 @@ def parse_tools(value: Any) -> list[dict[str, Any]] | None:
         return None
     if not isinstance(value, list):
         raise _invalid_type("tools", "an array of tools")
-    if len(value) > MAX_TOOLS:
-        raise bad_request(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools",
-                          code="array_above_max_length")
+    check_tool_count(value)
     tools = []
     for index, tool in enumerate(value):
         where = f"tools[{index}]"
@@ -186,22 +184,8 @@ def parse_tools(value: Any) -> list[dict[str, Any]] | None:
         if tool.get("type") != "function":
             raise bad_request(f"Invalid '{where}': tools of type {tool.get('type')!r} are not supported; only "
                               f"'function' tools are", param=where, code="unsupported_parameter")
-        name = _string(tool.get("name"), f"{where}.name")
-        if not TOOL_NAME.match(name):
-            raise bad_request(f"Invalid '{where}.name': {name!r} must match {TOOL_NAME.pattern}",
-                              param=f"{where}.name")
-        function: dict[str, Any] = {"name": name, "parameters": {"type": "object", "properties": {}}}
-        for key, kind, expected in (("description", str, "a string"), ("parameters", dict, "a JSON schema object"),
-                                    ("strict", bool, "a boolean")):
-            if tool.get(key) is not None:
-                if not isinstance(tool[key], kind):
-                    raise _invalid_type(f"{where}.{key}", expected)
-                function[key] = tool[key]
-        tools.append({"type": "function", "function": function})
-    names = [tool["function"]["name"] for tool in tools]
-    if len(set(names)) != len(names):
-        raise bad_request("Tool names in 'tools' must be unique", param="tools")
-    return tools or None
+        tools.append(function_tool(tool, where))
+    return unique_tools(tools)
 
 
 def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:
