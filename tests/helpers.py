@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import zmq
 import zmq.auth
 
@@ -175,3 +176,17 @@ def running_stack(endpoint: str, logs: Path, *, model: str | None = None, engine
     finally:
         frontend.stop()
         engine.stop()
+
+
+def client_for(frontend: Frontend) -> openai.OpenAI:
+    """The official openai SDK pointed at a test front-end (no retries: a failure shows at once)."""
+    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def error_of(response: httpx.Response) -> dict:
+    """The OpenAI error object of a response, checked to have exactly OpenAI's four fields."""
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import Engine, Frontend
+from tests.helpers import Engine, Frontend, client_for
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a fox."}]
 MAX_TOKENS = 24
@@ -53,10 +53,6 @@ def references(tiny_model: Path, adapters: dict[str, Path]) -> dict[str | None, 
         texts[name] = generate(model, tokenizer, tokens, max_tokens=MAX_TOKENS, logits_processors=processors)
     assert len(set(texts.values())) == 3, "each adapter should change the greedy output for this test to mean anything"
     return texts
-
-
-def client_for(frontend: Frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def chat(frontend: Frontend, model_id: str, adapter: str | None, **extra: object) -> openai.types.chat.ChatCompletion:

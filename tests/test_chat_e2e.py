@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import Frontend
+from tests.helpers import Frontend, client_for, error_of
 
 PROMPTS = [
     "Tell me a story about a fox.",
@@ -23,10 +23,6 @@ PROMPTS = [
     "Give me a recipe for bread.",
     "Count from one to ten.",
 ]
-
-
-def client_for(frontend: Frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def chat(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 24) -> str:
@@ -93,14 +89,6 @@ def test_concurrent_streams_each_get_their_own_text(frontend: Frontend, model_id
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(run, PROMPTS))
     assert got == expected
-
-
-def error_of(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["message"]
-    return body["error"]
 
 
 def test_bad_input_gets_openai_errors_without_disturbing_a_good_request(frontend: Frontend, model_id: str) -> None:

@@ -6,23 +6,10 @@ import json
 from pathlib import Path
 
 import httpx
-import openai
 
-from tests.helpers import Frontend
+from tests.helpers import Frontend, client_for, error_of
 
 PROMPT = "Once upon a time, a fox"
-
-
-def client_for(frontend: Frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def error_of(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["message"]
-    return body["error"]
 
 
 def test_completion_stream_and_non_stream_agree_and_equal_mlx_lm(frontend: Frontend, tiny_model: Path,

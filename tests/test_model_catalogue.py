@@ -21,7 +21,7 @@ import pytest
 
 from engine_daemon.model_aliases import ModelNames, ModelsConfigError, load_models_config
 from engine_daemon.model_builder import derive_model, place_in_hf_cache, thinking_chat_template
-from tests.helpers import Frontend, running_stack
+from tests.helpers import Frontend, client_for, running_stack
 
 TEXT_REPO, VLM_REPO, NOT_MLX = "mlx-community/tiny-text", "mlx-community/tiny-vlm", "someone/pytorch-only"
 SERVED = "tiny-served"
@@ -107,10 +107,6 @@ def served(layout: dict[str, Path], ipc_dir: Path) -> Iterator[Frontend]:
                                     "--chat-template-file", str(base / "templates" / "global.jinja"),
                                     "--model-dir", str(layout["root"])]) as (_, frontend):
         yield frontend
-
-
-def client_for(frontend: Frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def health(frontend: Frontend) -> dict:

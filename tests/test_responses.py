@@ -33,17 +33,13 @@ from http_frontend.responses import parse_request
 from http_frontend.responses_items import parse_input
 from http_frontend.responses_stream import ResponseBuilder
 from http_frontend.settings import FrontendSettings
-from tests.helpers import Engine, Frontend
+from tests.helpers import Engine, Frontend, client_for
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
           "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}},
                          "required": ["unit"], "additionalProperties": False}}]
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
 TEXT_DONE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-
-
-def client_for(frontend: Frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def collapse(types: list[str]) -> list[str]:

@@ -20,10 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.helpers import Engine, Frontend
+from tests.helpers import Engine, Frontend, client_for
 
 PROMPTS = ["Tell me a story about a fox.", "What is the capital of France?", "Write a haiku about the sea."]
 MAX_TOKENS = 60
@@ -84,10 +83,6 @@ def self_draft(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPat
     finally:
         frontend.stop()
         engine.stop()
-
-
-def client_for(frontend: Frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def chat(frontend: Frontend, model_id: str, prompt: str, max_tokens: int = MAX_TOKENS, **extra: object) -> str:

@@ -29,7 +29,7 @@ from engine_daemon.grammar_processor import GrammarConstraint
 from engine_daemon.requests import RequestError
 from engine_daemon.sampling import make_request_sampler
 from engine_daemon.structured import constraint_for
-from tests.helpers import Frontend
+from tests.helpers import Frontend, client_for
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -384,10 +384,6 @@ def test_unenforceable_keywords_are_refused_not_ignored(tiny: tuple[Any, Any]) -
 
 
 # -- end to end: openai SDK -> front-end -> engine -------------------------------------
-
-def client_for(frontend: Frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
 
 def test_twenty_schema_requests_all_validate(frontend: Frontend, model_id: str) -> None:
     client = client_for(frontend)

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from engine_daemon.model_builder import derive_model, thinking_chat_template
-from tests.helpers import Frontend
+from tests.helpers import Frontend, client_for
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -29,10 +29,6 @@ TOOLS = [{"type": "function", "function": {
 def thinking_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     # Next to the tiny model: the engine serves paths under its --model's directory.
     return str(derive_model(tiny_model, tiny_model.parent / "tiny-thinking", thinking_chat_template()))
-
-
-def client_for(frontend: Frontend) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def ask(client: openai.OpenAI, model: str, **extra: object):
