@@ -5,6 +5,9 @@
 
 Both servers get --decode-concurrency equal to --clients, greedy requests, and no
 repetition penalty (mlx_lm.server ignores generation_config.json; ours would apply it).
+With --rounds N both stay up and take turns, N loads each, fresh prompts every round
+(so no prefix cache can reuse an earlier round), and the ratio of the pooled tokens/s
+is printed with each round's.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import json
 import logging
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -21,10 +25,9 @@ from loadgen import format_summary, run_load  # noqa: E402
 from stack import bench_model, mlx_lm_server, our_stack  # noqa: E402
 
 
-def drive(base_url: str, model: str, args: argparse.Namespace, extra: dict) -> dict:
-    asyncio.run(run_load(base_url, model, 1, 1, 16, 4, extra_body=extra))  # warm-up
+def drive(base_url: str, model: str, args: argparse.Namespace, extra: dict, seed: int) -> dict:
     return asyncio.run(run_load(base_url, model, args.clients, args.requests, args.prompt_tokens,
-                                args.max_tokens, args.shared_prefix_ratio, extra_body=extra))
+                                args.max_tokens, args.shared_prefix_ratio, extra_body=extra, seed=seed))
 
 
 def main() -> int:
@@ -35,22 +38,42 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=100)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--shared-prefix-ratio", type=float, default=0.0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="loads per server, alternating which goes first; new prompts every round")
     parser.add_argument("--skip-mlx-lm", action="store_true")
     parser.add_argument("--workers", type=int, default=2, help="our front-end's gunicorn workers")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     model = bench_model(args.size)
-    results = {}
-    if not args.skip_mlx_lm:
-        with mlx_lm_server(model, ["--decode-concurrency", str(args.clients)]) as base:
-            results["mlx_lm.server"] = drive(base, str(model), args, {})
-        print(format_summary("mlx_lm.server", results["mlx_lm.server"]), flush=True)
-    with our_stack(model, ["--decode-concurrency", str(args.clients)], workers=args.workers) as (base, _):
-        results["engined+frontend"] = drive(base, str(model), args, {"repetition_penalty": 1.0})
-    print(format_summary("engined+frontend", results["engined+frontend"]), flush=True)
-    if "mlx_lm.server" in results:
-        ratio = results["engined+frontend"]["aggregate_tps"] / results["mlx_lm.server"]["aggregate_tps"]
-        print(f"aggregate tok/s ratio (ours / mlx_lm.server): {ratio:.2f}x")
+    with ExitStack() as servers:
+        # Both servers stay up for the whole run and take turns, so slow drift of the machine
+        # (other tenants, heat) falls on both alike; only the one being driven does any work.
+        bases = {}
+        if not args.skip_mlx_lm:
+            bases["mlx_lm.server"] = (servers.enter_context(
+                mlx_lm_server(model, ["--decode-concurrency", str(args.clients)])), {})
+        ours, _ = servers.enter_context(our_stack(model, ["--decode-concurrency", str(args.clients)],
+                                                  workers=args.workers))
+        bases["engined+frontend"] = (ours, {"repetition_penalty": 1.0})
+        for base, extra in bases.values():
+            asyncio.run(run_load(base, str(model), 1, 1, 16, 4, extra_body=extra, seed=1000))  # warm-up
+        results: dict[str, list[dict]] = {name: [] for name in bases}
+        for round_ in range(args.rounds):
+            order = list(bases) if round_ % 2 == 0 else list(reversed(bases))
+            for name in order:
+                base, extra = bases[name]
+                results[name].append(drive(base, str(model), args, extra, seed=round_))
+                print(f"round {round_ + 1} " + format_summary(name, results[name][-1]), flush=True)
+            if len(bases) == 2:
+                ratio = (results["engined+frontend"][-1]["aggregate_tps"]
+                         / results["mlx_lm.server"][-1]["aggregate_tps"])
+                print(f"round {round_ + 1} aggregate tok/s ratio (ours / mlx_lm.server): {ratio:.3f}x", flush=True)
+    totals = {name: sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs) for name, runs in results.items()}
+    for name, tps in totals.items():
+        print(f"all rounds {name:<20} {tps:7.2f} tok/s")
+    if len(totals) == 2:
+        print(f"all rounds aggregate tok/s ratio (ours / mlx_lm.server): "
+              f"{totals['engined+frontend'] / totals['mlx_lm.server']:.3f}x")
     print(json.dumps(results))
     return 0
 

@@ -238,7 +238,7 @@ class BatchScheduler(BaseScheduler):
         generator = self.generator
         # While others decode, prefill only a paced chunk per step so their tokens keep flowing.
         decoding = self.decoding()
-        generator.prefill_step_size = self.pacer.chunk(decoding > 0, len(self.by_uid) - decoding)
+        generator.prefill_step_size = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
         started = time.perf_counter()
         try:
             progress, responses = generator.next()

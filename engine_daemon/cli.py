@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                         default=int(os.environ.get("MLX_ENGINE_DECODE_CONCURRENCY", "32")),
                         help="most requests decoding in one batch. [MLX_ENGINE_DECODE_CONCURRENCY] "
                              "(default: %(default)s)")
+    parser.add_argument("--cpu-parallel-ops", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_CPU_PARALLEL_OPS", str(min(os.cpu_count() or 1, 8)))),
+                        help="on the CPU, split large element-wise ops (SwiGLU, attention softmax) over this many "
+                             "MLX streams so all cores work during prefill; outputs are bitwise unchanged. "
+                             "1 turns it off; no effect on a GPU. [MLX_ENGINE_CPU_PARALLEL_OPS] "
+                             "(default: the CPU count, at most 8: %(default)s)")
     parser.add_argument("--prompt-concurrency", type=int,
                         default=int(os.environ.get("MLX_ENGINE_PROMPT_CONCURRENCY", "8")),
                         help="most prompts prefilled together. [MLX_ENGINE_PROMPT_CONCURRENCY] (default: %(default)s)")
@@ -253,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     from engine_daemon.server import EndpointInUse, EngineServer
 
     warn_if_slow_blas()
+    from engine_daemon import cpu_parallel
+    cpu_parallel.configure(args.cpu_parallel_ops)
     defaults = {"temperature": args.temperature if args.temperature is not None else 1.0}
     if args.top_p is not None:
         defaults["top_p"] = args.top_p

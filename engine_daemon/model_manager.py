@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
+from engine_daemon import cpu_parallel
 from engine_daemon.model_aliases import ModelNames, ModelProfile, apply_profile
 from engine_daemon.model_store import ModelRef, context_window_of_config, model_kind
 
@@ -113,6 +114,7 @@ class ModelManager:
             tokenizer_config={"trust_remote_code": True} if self.trust_remote_code else None)
         self.last_load_seconds = time.perf_counter() - started
         self.loads += 1
+        cpu_parallel.install()  # the model's module is imported now: split its CPU element-wise work
         parameters = [p for _, p in tree_flatten(model.parameters())]
         itemsize = max((p.dtype.size for p in parameters if mx.issubdtype(p.dtype, mx.floating)), default=2)
         self.current = LoadedModel(

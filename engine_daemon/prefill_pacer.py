@@ -7,6 +7,13 @@ from the steps it has seen and picks n so a step with prefill costs about `ratio
 decode steps more than one without. Inter-token latency of running streams stays
 near `1 + ratio` times its steady state, and a fast accelerator (cheap prefill)
 still gets large chunks.
+
+Pacing protects the streams that are running at the expense of the prompts that
+wait, so (unless the operator fixed the chunk) it only applies while the streams
+are at least as many as the waiting prompts. When more clients wait for a first token than are streaming (a burst of
+requests lands just after one started), the waiting prompts are prefilled at full
+speed: a few streams pause once instead of many clients waiting through dozens of
+slowed steps, and prefilling big chunks wastes no model calls.
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ class PrefillPacer:
         # (prompt tokens, seconds the prefill added to its step), most recent last
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
 
-    def chunk(self, decoding: bool, prefilling: int) -> int:
-        """Prompt tokens each prefilling request may process in the next step."""
+    def chunk(self, decoding: int, prefilling: int) -> int:
+        """Prompt tokens each of the `prefilling` requests may process in the next step, while `decoding` stream."""
         if not decoding:
             return self.maximum  # nobody to stall: prefill at full speed
         if self.fixed:
-            return self.fixed
+            return self.fixed  # the operator's --interleave-prefill-tokens
+        if decoding < prefilling:
+            return self.maximum  # more clients wait for a first token than stream: serve them first
         if self.decode_seconds is None or not self.samples:
             return self.minimum
         budget = self.ratio * self.decode_seconds

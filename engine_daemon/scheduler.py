@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from engine_daemon import requests as rq
+from engine_daemon import cpu_parallel, requests as rq
 from engine_daemon.adapters import AdapterManager
 from engine_daemon.model_aliases import ModelNames
 from engine_daemon.model_manager import ModelManager
@@ -132,7 +132,8 @@ class BaseScheduler:
     def describe(self) -> dict[str, Any]:
         return {"scheduler": type(self).__name__, "batching": self.batching, "batching_note": self.batching_note,
                 "decode_concurrency": self.config.decode_concurrency if self.batching else 1,
-                "prompt_concurrency": self.config.prompt_concurrency if self.batching else 1}
+                "prompt_concurrency": self.config.prompt_concurrency if self.batching else 1,
+                "cpu_parallel_ops": cpu_parallel.active_parts()}
 
     # -- admission -----------------------------------------------------------------
     def resolve_model(self, name: str | None) -> ModelRef:

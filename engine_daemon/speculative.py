@@ -37,6 +37,8 @@ import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequences, speculative_generate_step
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from engine_daemon import cpu_parallel
+
 log = logging.getLogger(__name__)
 
 
@@ -117,6 +119,7 @@ class SpeculativeDecoder:
             str(ref.path), return_config=True, trust_remote_code=self.trust_remote_code,
             tokenizer_config={"trust_remote_code": True} if self.trust_remote_code else None)
         self._draft_vocab_size = int(config.get("vocab_size") or 0)
+        cpu_parallel.install()
         self.draft_loads += 1
 
     def draft_for(self, loaded: Any) -> nn.Module | None:
