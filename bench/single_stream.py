@@ -108,7 +108,9 @@ def main() -> int:
     reference = summarize("in-process stream_generate", in_process(model_dir, args.max_tokens, args.runs))
 
     work = Path(tempfile.mkdtemp(prefix="mlxe-bench-"))
-    engine = Engine(f"ipc://{work}/e.sock", work / "engined.log", model=str(model_dir))
+    # No prefix cache: every run repeats the prompt, and in-process has no cache to hit either.
+    engine = Engine(f"ipc://{work}/e.sock", work / "engined.log", model=str(model_dir),
+                    args=["--prompt-cache-size", "0"])
     frontend = Frontend(engine.endpoint, work / "frontend.log", workers=2)
     try:
         engine.wait_ready(timeout=300)
