@@ -117,31 +117,44 @@ def _mask_part(mask: Any, axis: int, part: slice, full: int) -> Any:
     return mask[_index(dim, part)] if mask.shape[dim] == full else _UNCUTTABLE
 
 
-def split_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
-               mask: Any, sinks: mx.array | None = None) -> mx.array:
-    """mlx-lm's attention, split over the batch, or over key/value head groups for one sequence."""
+SdpaPlan = tuple[int, list[slice], list[slice], list[Any]]  # axis, query parts, key/value parts, mask parts
+
+
+def _sdpa_plan(queries: mx.array, keys: Any, cache: Any, mask: Any) -> SdpaPlan | None:
+    """(axis, query parts, key/value parts, mask parts) to split attention along, or None to call through.
+
+    Batches split by sequence; one sequence splits by key/value head groups (a group's query heads go with it).
+    """
     if not _active() or hasattr(cache, "bits") or not isinstance(keys, mx.array):  # quantized KV: tuples
-        return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return None
     batch, heads, length, _ = queries.shape
     kv_heads, key_length = keys.shape[1], keys.shape[2]
     if batch * heads * length * key_length < MIN_ELEMENTS or keys.shape[0] != batch:
-        return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return None
     if batch >= 2:
-        axis, count = 0, min(_parts, batch)
-        parts = _slices(batch, count)
-        query_parts = key_parts = parts
+        axis, full = 0, batch
+        key_parts = query_parts = _slices(batch, min(_parts, batch))
     elif kv_heads >= 2 and heads % kv_heads == 0:
-        axis, count = 1, min(_parts, kv_heads)
-        key_parts = _slices(kv_heads, count)
-        group = heads // kv_heads
+        axis, full, group = 1, heads, heads // kv_heads
+        key_parts = _slices(kv_heads, min(_parts, kv_heads))
         query_parts = [slice(p.start * group, p.stop * group) for p in key_parts]
     else:
-        return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    masks = [_mask_part(mask, axis, part, batch if axis == 0 else heads) for part in query_parts]
+        return None
+    masks = [_mask_part(mask, axis, part, full) for part in query_parts]
     if any(m is _UNCUTTABLE for m in masks):
+        return None
+    return axis, query_parts, key_parts, masks
+
+
+def split_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+               mask: Any, sinks: mx.array | None = None) -> mx.array:
+    """mlx-lm's attention, split over the batch, or over key/value head groups for one sequence."""
+    plan = _sdpa_plan(queries, keys, cache, mask)
+    if plan is None:
         return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    axis, query_parts, key_parts, masks = plan
     results = []
-    for stream, q_part, kv_part, part_mask in zip(_streams(count), query_parts, key_parts, masks):
+    for stream, q_part, kv_part, part_mask in zip(_streams(len(query_parts)), query_parts, key_parts, masks):
         part_sinks = sinks if sinks is None or axis == 0 else sinks[q_part]
         with mx.stream(stream):
             results.append(mx.fast.scaled_dot_product_attention(
