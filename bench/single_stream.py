@@ -98,7 +98,7 @@ def main() -> int:
                         default=Path.home() / ".cache" / "mlx-engined" / "bench-models")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    from engine_daemon.model_builder import build_model
+    from model_builders.text import build_model
 
     model_dir = build_model(args.model_dir / f"{args.size}-qwen2", size=args.size)
     if "LD_PRELOAD" not in os.environ:

@@ -4,7 +4,7 @@ One streaming greedy request at a time (speculation serves lone requests) throug
 full stack, on the random-weight model of Qwen2-0.5B shape. Drafts:
 
 * none: the baseline;
-* the model's first N blocks (engine_daemon/draft_builder.py): a cheap draft of the
+* the model's first N blocks (model_builders/draft.py): a cheap draft of the
   same family with the same tokenizer. With random weights its agreement with the
   full model says little about a trained pair; it is what this machine can measure;
 * the model itself: every draft token is accepted, the mechanism's upper bound on
@@ -85,7 +85,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if "LD_PRELOAD" not in os.environ:
         log.warning("LD_PRELOAD is not set: on Linux CPU this measures the slow reference BLAS")
-    from engine_daemon.draft_builder import build_truncated_draft
+    from model_builders.draft import build_truncated_draft
 
     model = bench_model(args.size)
     draft_args = ["--num-draft-tokens", str(args.num_draft_tokens)]

@@ -19,7 +19,7 @@ DEFAULT_MODELS = Path.home() / ".cache" / "mlx-engined" / "bench-models"
 
 
 def bench_model(size: str = "realistic") -> Path:
-    from engine_daemon.model_builder import build_model
+    from model_builders.text import build_model
 
     return build_model(DEFAULT_MODELS / f"{size}-qwen2", size=size)
 

@@ -1,7 +1,7 @@
 """Time to first token of an image request, first time vs. the same image again (vision feature cache).
 
 Full stack (openai-style HTTP -> gunicorn -> engined -> mlx-vlm) on the `bench` random-weight
-Qwen2-VL of engine_daemon/vlm_builder.py (72M parameters; a 448x448 image is 1024 patches through a
+Qwen2-VL of model_builders/vlm.py (72M parameters; a 448x448 image is 1024 patches through a
 12-block vision tower, 256 image tokens). For each run a new image is sent:
 
 1. first turn: the image and a question -> vision tower + prefill;
@@ -78,7 +78,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--model", type=Path, default=None, help="a VLM directory (default: build the bench one)")
     args = parser.parse_args()
-    from engine_daemon.vlm_builder import build_vlm
+    from model_builders.vlm import build_vlm
 
     model = args.model or build_vlm(DEFAULT_MODELS / "bench-qwen2-vl", size="bench")
     with our_stack(model) as (base, engine):

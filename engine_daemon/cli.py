@@ -216,15 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
-        from engine_daemon.socket_security import keygen_main
+        from engine_daemon.transport.security import keygen_main
         return keygen_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s engined[%(process)d] %(name)s: %(message)s")
     log = logging.getLogger("engined")
     # Refused before mlx loads or a model downloads: a misconfigured socket is an operator error.
-    from engine_daemon.model_store import model_roots
-    from engine_daemon.socket_security import InsecureEndpoint, SocketSecurity, check_endpoint
+    from engine_daemon.models.store import model_roots
+    from engine_daemon.transport.security import InsecureEndpoint, SocketSecurity, check_endpoint
     security = SocketSecurity(args.curve_secret_key, args.curve_authorized_keys, args.allow_insecure_tcp)
     try:
         check_endpoint(args.endpoint, security)
@@ -238,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.trust_remote_code:
         log.warning("--trust-remote-code: models may run the Python code they ship")
-    from engine_daemon.model_aliases import ModelNames, ModelsConfigError
-    from engine_daemon.model_store import set_operator_names
+    from engine_daemon.models.names import ModelNames, ModelsConfigError
+    from engine_daemon.models.store import set_operator_names
     try:
         names = ModelNames.from_options(models_config=args.models_config, model=args.model,
                                         served_model_name=args.served_model_name,
@@ -253,13 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--idle-unload must be a positive number of seconds")
         return 2
     # Imported here so `engined --help` answers without loading mlx.
-    from engine_daemon.blas_check import warn_if_slow_blas
-    from engine_daemon.response_store import ResponseStore
-    from engine_daemon.scheduler import SchedulerConfig
-    from engine_daemon.server import EndpointInUse, EngineServer
+    from engine_daemon.cpu.blas_check import warn_if_slow_blas
+    from engine_daemon.calls.response_store import ResponseStore
+    from engine_daemon.scheduling.base import SchedulerConfig
+    from engine_daemon.transport.server import EndpointInUse, EngineServer
 
     warn_if_slow_blas()
-    from engine_daemon import cpu_parallel
+    from engine_daemon.cpu import parallel_ops as cpu_parallel
     cpu_parallel.configure(args.cpu_parallel_ops)
     defaults = {"temperature": args.temperature if args.temperature is not None else 1.0}
     if args.top_p is not None:
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.model:
         # The operator named it: fetch it now if it is not cached, before serving.
-        from engine_daemon.model_store import ModelNotFound, resolve
+        from engine_daemon.models.store import ModelNotFound, resolve
         try:
             resolve(names.source_of(args.model), allow_download=True)
         except ModelNotFound as exc:
@@ -324,10 +324,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_adapter_and_draft(args: argparse.Namespace, model_source: str | None, log: logging.Logger) -> int:
     """--adapter-path and --draft-model refused at start (exit 2) rather than failing every request later."""
-    from engine_daemon.model_store import ModelNotFound, resolve
+    from engine_daemon.models.store import ModelNotFound, resolve
 
     if args.adapter_path:
-        from engine_daemon.adapters import is_adapter_dir
+        from engine_daemon.lora.adapters import is_adapter_dir
 
         if not args.model:
             log.error("--adapter-path needs --model (the adapter belongs to that model)")
@@ -340,7 +340,7 @@ def _check_adapter_and_draft(args: argparse.Namespace, model_source: str | None,
         log.error("--adapter-cache-size must be at least 1")
         return 2
     if args.draft_model:
-        from engine_daemon.speculative import IncompatibleDraft, check_draft_paths
+        from engine_daemon.generation.speculative import IncompatibleDraft, check_draft_paths
 
         if args.num_draft_tokens < 1:
             log.error("--num-draft-tokens must be at least 1")

@@ -31,13 +31,13 @@ BANNER = "!" * 78
 
 def pick_model(name: str, fallback_dir: Path) -> str:
     """`name` when it is cached or can be downloaded; else a random-weight model, loudly."""
-    from engine_daemon.model_store import ModelNotFound, resolve
+    from engine_daemon.models.store import ModelNotFound, resolve
 
     try:
         return str(resolve(name, allow_download=True).path)
     except ModelNotFound as exc:
         reason = str(exc).splitlines()[0]
-    from engine_daemon.model_builder import build_model
+    from model_builders.text import build_model
 
     path = build_model(fallback_dir, size="tiny")
     log.warning("\n%s\n!! %s is unavailable (%s).\n!! SERVING A RANDOM-WEIGHT MODEL: its output is NONSENSE.\n"

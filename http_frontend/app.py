@@ -12,17 +12,18 @@ from typing import Any
 import falcon.asgi
 from falcon.routing import CompiledRouter
 
-from http_frontend import admin, errors
-from http_frontend.adapters import AdapterByName, Adapters
-from http_frontend.anthropic import CountTokens, Messages
-from http_frontend.auth import security_middleware
-from http_frontend.chat import ChatCompletions
-from http_frontend.completions import Completions, Detokenize, Tokenize
-from http_frontend.disconnect import DisconnectWatch
-from http_frontend.engine_client import EngineClient
-from http_frontend.openapi import OpenAPIResource
-from http_frontend.metrics import FrontendMetrics, MetricsResource, RequestObserver, route_finder
-from http_frontend.responses import ResponseById, Responses
+from http_frontend.service import admin
+from http_frontend import errors
+from http_frontend.service.adapters import AdapterByName, Adapters
+from http_frontend.anthropic.messages import CountTokens, Messages
+from http_frontend.middleware.auth import security_middleware
+from http_frontend.openai.chat import ChatCompletions
+from http_frontend.openai.completions import Completions, Detokenize, Tokenize
+from http_frontend.middleware.disconnect import DisconnectWatch
+from http_frontend.engine.client import EngineClient
+from http_frontend.service.openapi import OpenAPIResource
+from http_frontend.service.metrics import FrontendMetrics, MetricsResource, RequestObserver, route_finder
+from http_frontend.openai.responses import ResponseById, Responses
 from http_frontend.settings import REQUEST_TIMEOUT_ENV, FrontendSettings, configure_logging  # noqa: F401 (re-export)
 from protocol.endpoints import default_endpoint
 

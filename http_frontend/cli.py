@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from http_frontend import curve
+from http_frontend.engine import curve
 from http_frontend.settings import add_flags, flags_to_env
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 

@@ -23,7 +23,7 @@ MAX_MESSAGES_ENV = "MLX_FRONTEND_MAX_MESSAGES"
 MAX_TOKENS_LIMIT_ENV = "MLX_FRONTEND_MAX_TOKENS_LIMIT"
 REQUEST_TIMEOUT_ENV = "MLX_FRONTEND_REQUEST_TIMEOUT"
 LOG_LEVEL_ENV = "MLX_FRONTEND_LOG_LEVEL"
-# Images / audio in chat messages (http_frontend/media.py)
+# Images / audio in chat messages (http_frontend/parsing/media.py)
 ALLOW_PRIVATE_IMAGE_URLS_ENV = "MLX_FRONTEND_ALLOW_PRIVATE_IMAGE_URLS"
 MAX_IMAGE_BYTES_ENV = "MLX_FRONTEND_MAX_IMAGE_BYTES"
 IMAGE_FETCH_TIMEOUT_ENV = "MLX_FRONTEND_IMAGE_FETCH_TIMEOUT"
@@ -178,7 +178,7 @@ def _positive_seconds_arg(text: str) -> float:
 
 
 def add_media_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags for images/audio in chat messages (http_frontend/media.py); each defaults to its variable."""
+    """Flags for images/audio in chat messages (http_frontend/parsing/media.py); each defaults to its variable."""
     env = os.environ.get
     parser.add_argument("--allow-private-image-urls", action="store_true",
                         default=env(ALLOW_PRIVATE_IMAGE_URLS_ENV, "").strip().lower() in ("1", "true", "yes", "on"),

@@ -12,7 +12,7 @@ from tests.helpers import Engine, Frontend
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_daemon.model_builder import build_model
+    from model_builders.text import build_model
 
     return build_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", size="tiny", seed=0)
 

@@ -1,6 +1,6 @@
 """LoRA adapters through the real stack: per-request adapters, the /v1/adapters registry, --adapter-path.
 
-Adapters are random LoRA adapters built locally (engine_daemon/adapter_builder.py, mlx-lm's
+Adapters are random LoRA adapters built locally (model_builders/adapter.py, mlx-lm's
 format). The reference for each is mlx-lm itself: `mlx_lm.load(model, adapter_path=...)`
 + greedy `generate`, which loads the base model again per adapter; the engine must give
 the same tokens while switching adapters on one loaded model (`model_loads` unchanged).
@@ -28,7 +28,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def adapters(tiny_model: Path) -> dict[str, Path]:
     """Two adapters next to the model (inside the shared engine's --model-dir), of different shapes."""
-    from engine_daemon.adapter_builder import build_adapter
+    from model_builders.adapter import build_adapter
 
     root = tiny_model.parent
     return {

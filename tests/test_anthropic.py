@@ -18,10 +18,10 @@ import httpx
 import pytest
 from falcon.asgi import SSEvent
 
-from engine_daemon.model_builder import derive_model, thinking_chat_template
-from http_frontend.anthropic_request import chat_messages, engine_request
-from http_frontend.anthropic_stream import BlockBuilder, anthropic_sse, stop_reason
-from http_frontend.engine_client import Update
+from model_builders.text import derive_model, thinking_chat_template
+from http_frontend.anthropic.request import chat_messages, engine_request
+from http_frontend.anthropic.stream import BlockBuilder, anthropic_sse, stop_reason
+from http_frontend.engine.client import Update
 from http_frontend.errors import APIError, anthropic_error_body, is_anthropic_path
 from http_frontend.settings import FrontendSettings
 from tests.helpers import Frontend

@@ -1,7 +1,7 @@
 """Audio input through the real stack: openai SDK -> gunicorn -> engined -> mlx-vlm's audio tower.
 
 A dedicated engine serves a --model-dir holding a tiny random-weight Gemma 4 with an audio
-conformer (engine_daemon/audio_builder.py, loaded by the real `mlx_vlm.load`). Chat requests
+conformer (model_builders/audio.py, loaded by the real `mlx_vlm.load`). Chat requests
 carry `input_audio` parts (base64 WAV, as mlx_vlm.server takes them); the server's greedy
 output and prompt size are compared with `mlx_vlm.generate` in this process for the same clip
 and prompt.
@@ -58,7 +58,7 @@ def audio_part(data: bytes, fmt: str = "wav") -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_daemon.audio_builder import build_audio_vlm
+    from model_builders.audio import build_audio_vlm
 
     root = tmp_path_factory.mktemp("audio-models")
     build_audio_vlm(root / MODEL, seed=0)

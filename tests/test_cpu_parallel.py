@@ -1,4 +1,4 @@
-"""The CPU op split (engine_daemon/cpu_parallel.py): bitwise the same outputs as mlx-lm's, faster prefill.
+"""The CPU op split (engine_daemon/cpu/parallel_ops.py): bitwise the same outputs as mlx-lm's, faster prefill.
 
 The speed is measured in bench/ (bench/README.md); these tests prove the split
 changes no number: the same logprobs at every step of a real continuous batch, for
@@ -17,8 +17,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
-from engine_daemon import cpu_parallel
-from engine_daemon.model_builder import build_model
+from engine_daemon.cpu import parallel_ops as cpu_parallel
+from model_builders.text import build_model
 from tests.helpers import Frontend
 
 

@@ -1,4 +1,4 @@
-"""Tests for engine_daemon.model_builder: random-weight models that the real mlx_lm.load accepts.
+"""Tests for model_builders.text: random-weight models that the real mlx_lm.load accepts.
 
 Only the ``tiny`` preset is built here; ``realistic`` (~1.5 GB, ~20 s) is too slow for CI.
 """
@@ -20,8 +20,8 @@ mlx_lm = pytest.importorskip("mlx_lm")
 
 from mlx.utils import tree_flatten  # noqa: E402
 
-from engine_daemon import model_builder  # noqa: E402
-from engine_daemon.model_builder import ADDED_TOKENS, PRESETS, build_model, place_in_hf_cache  # noqa: E402
+from model_builders import text as model_builder  # noqa: E402
+from model_builders.text import ADDED_TOKENS, PRESETS, build_model, place_in_hf_cache  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ["qwen2", "llama"]
@@ -176,7 +176,7 @@ def test_build_is_deterministic_across_processes(built, tmp_path):
     out = tmp_path / "subprocess-build"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run(
-        [sys.executable, "-m", "engine_daemon.model_builder", str(out), "--size", "tiny", "--seed", "0"],
+        [sys.executable, "-m", "model_builders.text", str(out), "--size", "tiny", "--seed", "0"],
         check=True,
         env=env,
         capture_output=True,
@@ -342,7 +342,7 @@ def test_tokenizer_files(built):
 
 def test_import_is_light():
     code = (
-        "import sys, engine_daemon.model_builder as m; "
+        "import sys, model_builders.text as m; "
         "heavy = [x for x in ('mlx', 'mlx_lm', 'tokenizers', 'transformers', 'huggingface_hub') if x in sys.modules]; "
         "print(','.join(heavy))"
     )

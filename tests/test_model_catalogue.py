@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from engine_daemon.model_aliases import ModelNames, ModelsConfigError, load_models_config
-from engine_daemon.model_builder import derive_model, place_in_hf_cache, thinking_chat_template
+from engine_daemon.models.names import ModelNames, ModelsConfigError, load_models_config
+from model_builders.text import derive_model, place_in_hf_cache, thinking_chat_template
 from tests.helpers import Frontend, client_for, running_stack
 
 TEXT_REPO, VLM_REPO, NOT_MLX = "mlx-community/tiny-text", "mlx-community/tiny-vlm", "someone/pytorch-only"
@@ -51,7 +51,7 @@ def variant(src: Path, dst: Path, config: dict | None = None, drop_template: boo
 
 @pytest.fixture(scope="module")
 def layout(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from engine_daemon.vlm_builder import build_vlm
+    from model_builders.vlm import build_vlm
 
     base = tmp_path_factory.mktemp("catalogue")
     cache = base / "hub"

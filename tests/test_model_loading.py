@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from engine_daemon.cli import build_parser
-from engine_daemon.model_builder import place_in_hf_cache
+from model_builders.text import place_in_hf_cache
 from tests.helpers import Engine, Frontend
 
 REPO = "mlx-community/tiny-offline"
@@ -189,7 +189,7 @@ def test_download_progress_counts_the_repo_blobs(tmp_path: Path, monkeypatch: py
     """/health's `downloaded_bytes` while a download runs: the repo's blobs so far, partial ones included."""
     from huggingface_hub import constants
 
-    from engine_daemon import model_store
+    from engine_daemon.models import store as model_store
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     assert model_store.downloaded_bytes("org/model") == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_daemon.model_store import InvalidModelName, ModelNotFound, model_roots, resolve
+from engine_daemon.models.store import InvalidModelName, ModelNotFound, model_roots, resolve
 from tests.helpers import Engine, Frontend, running_stack
 
 

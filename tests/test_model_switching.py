@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_daemon.model_builder import derive_model, thinking_chat_template
+from model_builders.text import derive_model, thinking_chat_template
 from tests.helpers import Frontend, running_stack
 
 DELAY = 1.0

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
                                  status_code_conformance)
 
-from http_frontend.openapi import openapi_document
+from http_frontend.service.openapi import openapi_document
 from tests.helpers import Engine, Frontend
 
 SCHEMA = schemathesis.openapi.from_dict(openapi_document())

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 from mlx_lm.tool_parsers import json_tools
 
-from engine_daemon.output_parser import OutputParser, ParsedDelta
+from engine_daemon.output.parser import OutputParser, ParsedDelta
 
 QWEN = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
                        tool_call_end="</tool_call>", tool_parser=json_tools.parse_tool_call)

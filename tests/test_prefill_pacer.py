@@ -1,6 +1,6 @@
 """The pacer sizes prompt chunks from measured costs."""
 
-from engine_daemon.prefill_pacer import PrefillPacer
+from engine_daemon.scheduling.prefill_pacer import PrefillPacer
 
 
 def test_full_speed_when_nothing_decodes() -> None:

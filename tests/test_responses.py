@@ -24,14 +24,14 @@ from hypothesis import strategies as st
 from PIL import Image
 from pydantic import TypeAdapter
 
-from engine_daemon.model_builder import derive_model, thinking_chat_template
-from engine_daemon.response_store import ResponseStore, StoreCallError, handle_call
-from http_frontend.engine_client import Update
+from model_builders.text import derive_model, thinking_chat_template
+from engine_daemon.calls.response_store import ResponseStore, StoreCallError, handle_call
+from http_frontend.engine.client import Update
 from http_frontend.errors import APIError
-from http_frontend.media import MediaCollector
-from http_frontend.responses import parse_request
-from http_frontend.responses_items import parse_input
-from http_frontend.responses_stream import ResponseBuilder
+from http_frontend.parsing.media import MediaCollector
+from http_frontend.openai.responses import parse_request
+from http_frontend.openai.responses_items import parse_input
+from http_frontend.openai.responses_stream import ResponseBuilder
 from http_frontend.settings import FrontendSettings
 from tests.helpers import Engine, Frontend, client_for
 
@@ -473,7 +473,7 @@ def test_reasoning_item_and_events(frontend: Frontend, thinking_model: str) -> N
 
 @pytest.fixture(scope="module")
 def vision_model(tiny_model: Path) -> str:
-    from engine_daemon.vlm_builder import build_vlm
+    from model_builders.vlm import build_vlm
 
     return str(build_vlm(tiny_model.parent / "tiny-vlm-responses", seed=1))
 

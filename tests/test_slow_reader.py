@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from http_frontend.engine_client import RequestStream
+from http_frontend.engine.client import RequestStream
 from tests.helpers import Frontend
 
 

@@ -1,7 +1,7 @@
 """Speculative decoding (--draft-model) through the real stack.
 
 Two engines: one drafting with a 1-layer cut of the tiny model (same tokenizer by
-construction, engine_daemon/draft_builder.py), one drafting with the model itself
+construction, model_builders/draft.py), one drafting with the model itself
 (the mechanism's upper bound: every draft token is accepted). Greedy output must be
 exactly the model's own, compared with mlx-lm and with the shared engine that has no
 draft. Random weights make the acceptance rate of a real small draft meaningless; the
@@ -30,7 +30,7 @@ MAX_TOKENS = 60
 
 @pytest.fixture(scope="module")
 def one_layer_draft(tiny_model: Path) -> Path:
-    from engine_daemon.draft_builder import build_truncated_draft
+    from model_builders.draft import build_truncated_draft
 
     return build_truncated_draft(tiny_model, tiny_model.parent / "tiny-draft-1layer", layers=1)
 

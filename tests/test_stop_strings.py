@@ -1,6 +1,6 @@
 """Stop strings with hold-back: a partial stop string is never released."""
 
-from engine_daemon.stop_strings import StopStringMatcher
+from engine_daemon.output.stop_strings import StopStringMatcher
 
 
 def feed_all(matcher: StopStringMatcher, pieces: list[str]) -> list[str]:

@@ -25,10 +25,10 @@ from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from pydantic import BaseModel, Field
 
-from engine_daemon.grammar_processor import GrammarConstraint
-from engine_daemon.requests import RequestError
-from engine_daemon.sampling import make_request_sampler
-from engine_daemon.structured import constraint_for
+from engine_daemon.sampling.grammar import GrammarConstraint
+from engine_daemon.request.admission import RequestError
+from engine_daemon.sampling.samplers import make_request_sampler
+from engine_daemon.sampling.structured import constraint_for
 from tests.helpers import Frontend, client_for
 
 SCHEMA: dict[str, Any] = {

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from engine_daemon.model_builder import derive_model, thinking_chat_template
+from model_builders.text import derive_model, thinking_chat_template
 from tests.helpers import Frontend, client_for
 
 TOOLS = [{"type": "function", "function": {

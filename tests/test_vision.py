@@ -1,6 +1,6 @@
 """Vision models through the real stack: openai SDK -> gunicorn -> engined -> mlx-vlm.
 
-One engine serves a --model-dir holding a tiny random-weight Qwen2-VL (engine_daemon/vlm_builder.py,
+One engine serves a --model-dir holding a tiny random-weight Qwen2-VL (model_builders/vlm.py,
 loaded by the real `mlx_vlm.load`) and a tiny text model; requests switch between them with
 `model`. Images come as data: URLs and as http URLs of a local HTTP server. Greedy output of
 the server is compared with `mlx_vlm.generate` in this process for the same image and prompt.
@@ -27,7 +27,7 @@ import zmq
 from PIL import Image
 
 from http_frontend.errors import APIError
-from http_frontend.media import MediaCollector, audio_format_of, is_public_address
+from http_frontend.parsing.media import MediaCollector, audio_format_of, is_public_address
 from http_frontend.settings import FrontendSettings
 from protocol import MsgType, decode, encode
 from tests.helpers import Engine, Frontend, call_engine
@@ -108,8 +108,8 @@ def image_server() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine_daemon.model_builder import build_model
-    from engine_daemon.vlm_builder import build_vlm
+    from model_builders.text import build_model
+    from model_builders.vlm import build_vlm
 
     root = tmp_path_factory.mktemp("vision-models")
     build_vlm(root / VLM, seed=1)
@@ -449,7 +449,7 @@ def test_placeholders_and_audio_sniffing() -> None:
 
 # -- engine-side decoding without processes ---------------------------------------------------------
 def test_exif_orientation_and_resize_are_applied() -> None:
-    from engine_daemon import vision
+    from engine_daemon.multimodal import inputs as vision
 
     photo = io.BytesIO()
     exif = Image.Exif()
@@ -465,7 +465,7 @@ def test_exif_orientation_and_resize_are_applied() -> None:
 def test_wav_audio_is_decoded_to_the_processor_rate() -> None:
     import wave
 
-    from engine_daemon import vision
+    from engine_daemon.multimodal import inputs as vision
 
     clip = io.BytesIO()
     with wave.open(clip, "wb") as out:
@@ -484,10 +484,10 @@ def test_chunked_image_prefill_matches_and_reports_progress(model_dir: Path, ref
     """Prompts prefilled in small chunks between steps give the same tokens; progress feeds the pacer."""
     import mlx.core as mx
 
-    from engine_daemon import requests as rq
-    from engine_daemon import vision
-    from engine_daemon.model_store import ModelRef
-    from engine_daemon.vision_scheduler import VisionBatchGenerator
+    from engine_daemon.request import admission as rq
+    from engine_daemon.multimodal import inputs as vision
+    from engine_daemon.models.store import ModelRef
+    from engine_daemon.generation.vision_batch import VisionBatchGenerator
 
     loaded = vision.load_vision_model(ModelRef(VLM, model_dir / VLM))
 

@@ -1,0 +1,161 @@
+"""The one model in memory: load, evict, unload. Runs on the mlx thread only."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm import load as mlx_lm_load
+
+from engine_daemon.cpu import parallel_ops as cpu_parallel
+from engine_daemon.models.names import ModelNames, ModelProfile, apply_profile
+from engine_daemon.models.store import ModelRef, context_window_of_config, model_kind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model with what requests need from it: tokenizer, limits and default sampling."""
+
+    ref: ModelRef
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    context_window: int | None
+    vocab_size: int = 0
+    weights_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    loaded_at: float = field(default_factory=time.time)
+    # "text" (mlx-lm) or "vision" / "audio" (mlx-vlm: `vision` holds its processor and feature cache)
+    kind: str = "text"
+    vision: Any = None  # engine_daemon.multimodal.inputs.VisionSupport for vision/audio models
+    # Its name's settings (--models-config, --chat-template-file, --context-overflow): model_aliases.py
+    profile: ModelProfile = field(default_factory=ModelProfile)
+
+
+# generation_config.json keys -> our sampling parameter names
+_GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+
+
+def _read_generation_defaults(path: Path) -> dict[str, Any]:
+    """Sampling defaults the model ships (used when a request omits a field)."""
+    try:
+        config = json.loads((path / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {ours: config[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if theirs in config}
+
+
+def _kv_bytes_per_token(config: dict[str, Any], itemsize: int) -> int:
+    """Keys + values of one token across all layers: what admission control budgets for."""
+    config = {**config, **config.get("text_config", {})}
+    layers = config.get("num_hidden_layers") or config.get("n_layer") or 0
+    heads = config.get("num_attention_heads") or config.get("n_head") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
+    return 2 * layers * kv_heads * head_dim * itemsize
+
+
+class ModelManager:
+    """Keeps at most one model loaded; a different model evicts the current one."""
+
+    def __init__(self, trust_remote_code: bool = False, names: ModelNames | None = None) -> None:
+        # Off by default: a model directory's *.py would run inside the engine (--trust-remote-code).
+        self.trust_remote_code = trust_remote_code
+        self.names = names or ModelNames()
+        self.current: LoadedModel | None = None
+        self.loads = 0
+        self.last_load_seconds = 0.0
+        # (model id, monotonic start) while a load runs: the io thread reports it in /health and the log.
+        self.loading: tuple[str, float] | None = None
+
+    def ensure(self, ref: ModelRef) -> LoadedModel:
+        """The loaded model for `ref` with its name's settings, loading it (and evicting another) when needed."""
+        if self.current is not None and self.current.ref == ref:
+            return self.current
+        self.loading = (ref.id, time.monotonic())
+        try:
+            _fault_injected_load_delay()
+            loaded = self._load(ref)
+        finally:
+            self.loading = None
+        apply_profile(loaded, self.names.profile_for(ref))
+        return loaded
+
+    def _load(self, ref: ModelRef) -> LoadedModel:
+        """Loads `ref` with mlx-lm (text) or mlx-vlm (vision/audio), evicting the current model."""
+        if self.current is not None and self.current.ref == ref:
+            return self.current
+        self.unload()
+        if model_kind(ref.path) != "text":
+            return self._load_vision(ref)
+        log.info("loading model %s from %s", ref.id, ref.path)
+        started = time.perf_counter()
+        model, tokenizer, config = mlx_lm_load(
+            str(ref.path), return_config=True, trust_remote_code=self.trust_remote_code,
+            tokenizer_config={"trust_remote_code": True} if self.trust_remote_code else None)
+        self.last_load_seconds = time.perf_counter() - started
+        self.loads += 1
+        cpu_parallel.install()  # the model's module is imported now: split its CPU element-wise work
+        parameters = [p for _, p in tree_flatten(model.parameters())]
+        itemsize = max((p.dtype.size for p in parameters if mx.issubdtype(p.dtype, mx.floating)), default=2)
+        self.current = LoadedModel(
+            ref=ref,
+            model=model,
+            tokenizer=tokenizer,
+            context_window=context_window_of_config(config),
+            vocab_size=int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0),
+            weights_bytes=sum(p.nbytes for p in parameters),
+            kv_bytes_per_token=_kv_bytes_per_token(config, itemsize),
+            generation_defaults=_read_generation_defaults(ref.path),
+        )
+        log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
+        return self.current
+
+    def _load_vision(self, ref: ModelRef) -> LoadedModel:
+        """A vision/audio model: mlx-vlm model + processor (engine_daemon/multimodal/inputs.py; mlx-vlm imported here)."""
+        from engine_daemon.multimodal.inputs import load_vision_model
+
+        log.info("loading %s model %s from %s with mlx-vlm", model_kind(ref.path), ref.id, ref.path)
+        started = time.perf_counter()
+        self.current = load_vision_model(ref, trust_remote_code=self.trust_remote_code)
+        self.last_load_seconds = time.perf_counter() - started
+        self.loads += 1
+        log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
+        return self.current
+
+    def unload(self) -> bool:
+        """Frees the current model; False when nothing was loaded."""
+        if self.current is None:
+            return False
+        log.info("unloading model %s", self.current.ref.id)
+        self.current = None
+        gc.collect()
+        mx.clear_cache()
+        return True
+
+
+def _fault_injected_load_delay() -> None:
+    """Tests only (MLX_ENGINE_FAULT_INJECTION=1): a slow load, so /health can be seen reporting it."""
+    seconds = os.environ.get("MLX_ENGINE_DEBUG_LOAD_SECONDS")
+    if seconds and os.environ.get("MLX_ENGINE_FAULT_INJECTION") == "1":
+        log.warning("fault injection: model load delayed %s s", seconds)
+        time.sleep(float(seconds))

@@ -1,0 +1,403 @@
+"""What every scheduler shares: admission, model resolution, request bookkeeping, stats.
+
+The mlx thread drives a scheduler through `submit / abort / step`. Each step
+produces at most one token per running request, so new requests and aborts are
+looked at between every two tokens. `BatchScheduler` (continuous batching) is the
+default; `SerialScheduler` runs one request at a time and serves the
+combinations mlx-lm cannot batch (a quantized KV cache).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from engine_daemon.cpu import parallel_ops as cpu_parallel
+from engine_daemon.request import admission as rq
+from engine_daemon.lora.adapters import AdapterManager
+from engine_daemon.models.names import ModelNames
+from engine_daemon.models.manager import ModelManager
+from engine_daemon.models.store import InvalidModelName, ModelNotFound, ModelRef
+from engine_daemon.request.admission import EngineRequest, RequestError
+from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
+from protocol import MsgType
+
+log = logging.getLogger(__name__)
+
+# (peer identity, message type, body). DELTAS events carry one item; the worker groups them.
+Event = tuple[bytes, MsgType, dict[str, Any]]
+
+
+@dataclass
+class SchedulerConfig:
+    default_model: str | None = None
+    allow_download: bool = False
+    default_max_tokens: int = 4096
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    prefill_step_size: int = 2048
+    # Prompt tokens per step while other requests decode; 0 = paced by measurement (PrefillPacer).
+    interleave_prefill_tokens: int = 0
+    decode_concurrency: int = 32
+    prompt_concurrency: int = 8
+    max_queued: int = 256
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: int | None = None
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
+    memory_budget_bytes: int | None = None
+    # Directories whose model subdirectories requests may name (absolute, resolved: model_store.model_roots).
+    model_dirs: tuple[Path, ...] = ()
+    # Let mlx_lm run Python files shipped with a model (never by default: models come from requests too).
+    trust_remote_code: bool = False
+    # The operator's model names and per-model settings (engine_daemon/models/names.py); None: no names.
+    names: ModelNames | None = None
+    # Seconds without any request after which the mlx thread unloads the model (--idle-unload); None: never.
+    idle_unload: float | None = None
+    # LoRA adapters (engine_daemon/lora/adapters.py): --adapter-path for --model's requests, LRU of loaded adapters.
+    adapter_path: str | None = None
+    adapter_cache_size: int = 8
+    # Speculative decoding of lone requests (engine_daemon/generation/speculative.py): --draft-model, --num-draft-tokens.
+    draft_model: str | None = None
+    num_draft_tokens: int = 3
+    # While a request for another model waits, requests for the loaded one keep joining the batch for up
+    # to this many seconds (then the batch drains and the model switches): fewer loads when clients
+    # alternate models, bounded extra wait for the other model. 0: strict arrival order.
+    model_switch_delay: float = 2.0
+
+
+@dataclass
+class SchedulerStats:
+    requests_added: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    prompt_cache_hits: int = 0
+    prompt_cache_misses: int = 0
+    cached_tokens: int = 0
+    max_batch_size: int = 0
+    rejections: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        values = {k: v for k, v in vars(self).items() if k != "rejections"}
+        return {**values, "requests_rejected": sum(self.rejections.values()),
+                "rejections": dict(self.rejections)}
+
+
+def error_event(request: EngineRequest, error: RequestError) -> Event:
+    return (request.peer, MsgType.ERROR, error.to_body(request.rid))
+
+
+def engine_failure(exc: Exception) -> RequestError:
+    return RequestError(500, "engine_error", f"{type(exc).__name__}: {exc}", error_type="server_error")
+
+
+class BaseScheduler:
+    """Admission and bookkeeping; subclasses decide how admitted requests generate."""
+
+    batching = False
+    batching_note = ""
+
+    def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):
+        self.models = models
+        self.config = config
+        # Set by the mlx thread: MLX streams belong to the thread that creates them.
+        self.stream = stream
+        self.stats = SchedulerStats()
+        # Requests that wait for another model (or, in the serial scheduler, for their turn).
+        self.waiting: deque[tuple[EngineRequest, ModelRef]] = deque()
+        # LoRA adapters: registry, loaded weights, switching on the loaded model (engine_daemon/lora/adapters.py).
+        self.adapters = AdapterManager(config.model_dirs, config.adapter_cache_size, config.adapter_path,
+                                       config.default_model)
+
+    # -- what the worker asks ------------------------------------------------------
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def queued(self) -> int:
+        raise NotImplementedError
+
+    def running(self) -> int:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        return {"scheduler": type(self).__name__, "batching": self.batching, "batching_note": self.batching_note,
+                "decode_concurrency": self.config.decode_concurrency if self.batching else 1,
+                "prompt_concurrency": self.config.prompt_concurrency if self.batching else 1,
+                "cpu_parallel_ops": cpu_parallel.active_parts()}
+
+    # -- admission -----------------------------------------------------------------
+    def resolve_model(self, name: str | None) -> ModelRef:
+        """The model a request names: the loaded one, the default, or one found on disk."""
+        current = self.models.current
+        if not name or name == "default":
+            if current is not None:
+                return current.ref
+            if not self.config.default_model:
+                raise RequestError(400, "model_required", "No model is loaded; name one in 'model'", param="model")
+            name = self.config.default_model
+        if current is not None and name in (current.ref.id, str(current.ref.path)):
+            return current.ref
+        # Aliases and the served name map to their sources; the operator's --model is trusted as typed;
+        # any other name is confined to --model-dir and the HF cache (engine_daemon/models/names.py).
+        try:
+            ref = self.models.names.resolve(name, default_model=self.config.default_model,
+                                            roots=self.config.model_dirs, allow_download=self.config.allow_download)
+        except InvalidModelName as exc:
+            raise RequestError(400, "invalid_model_name", str(exc), param="model") from None
+        except ModelNotFound as exc:
+            raise RequestError(404, "model_not_found", str(exc), param="model") from None
+        # The loaded directory under another spelling (its --model path vs. a name under --model-dir) is the
+        # loaded model, not a reason to load the same weights again. Operator names keep their own
+        # settings (a profile), so only unnamed spellings are folded together.
+        named = self.models.names.entries
+        if (current is not None and ref.path == current.ref.path and ref.id not in named
+                and current.ref.id not in named):
+            return current.ref
+        return ref
+
+    def submit(self, peer: bytes, body: dict[str, Any]) -> list[Event]:
+        """Admits or refuses a request. Refusals are answered at once, never queued."""
+        request = EngineRequest(rid=body["rid"], peer=peer, body=body)
+        self.stats.requests_added += 1
+        try:
+            if any(other.rid == request.rid for other in self.all_requests()):
+                raise RequestError(400, "duplicate_request_id", f"Request id {request.rid!r} is already in flight")
+            ref = self.resolve_model(body.get("model"))
+            current = self.models.current
+            # Behind a pending model switch, later requests wait too (nobody is starved), except during
+            # the switch delay, when requests for the loaded model still join its batch.
+            if current is not None and current.ref == ref and (not self.waiting or self.switch_can_wait()):
+                self.accept(request)  # 400s come first: retrying a request that can never run is no use
+                self._check_queue()
+                return self._admit(request)
+            self._check_queue()
+        except RequestError as exc:
+            return [self.refuse(request, exc)]
+        self.waiting.append((request, ref))
+        return []
+
+    def switch_can_wait(self) -> bool:
+        """True while the oldest waiting request (one for another model) is within the switch delay."""
+        return bool(self.waiting) and time.monotonic() - self.waiting[0][0].arrived < self.config.model_switch_delay
+
+    def _check_queue(self) -> None:
+        if self.queued() >= self.config.max_queued:
+            raise RequestError(429, "queue_full", f"The engine queue is full ({self.config.max_queued} "
+                               "requests waiting); retry later", error_type="rate_limit_error")
+
+    def refuse(self, request: EngineRequest, error: RequestError) -> Event:
+        self.stats.rejections[error.code] += 1
+        log.info("rid=%s refused status=%d code=%s", request.rid, error.status, error.code)
+        return error_event(request, error)
+
+    def accept(self, request: EngineRequest) -> None:
+        """Tokenises and checks the request against the loaded model; raises RequestError to refuse."""
+        loaded = self.models.current
+        rq.prepare(request, loaded, self.config.default_max_tokens, self.config.sampling_defaults)
+        # The adapter (a name, a path under --model-dir, or --adapter-path's) settles into its cache key here.
+        request.body["adapter"] = self.adapters.admit(request.body.get("adapter"), loaded)
+        budget = self.config.memory_budget_bytes
+        if budget is not None:
+            needed = loaded.kv_bytes_per_token * (len(request.prompt_tokens) + request.max_tokens)
+            if loaded.weights_bytes + needed > budget:
+                raise RequestError(400, "memory_budget_exceeded",
+                                   f"This request needs {needed / 2**20:.0f} MiB of KV cache "
+                                   f"({len(request.prompt_tokens)} prompt + {request.max_tokens} new tokens); "
+                                   f"with the model's {loaded.weights_bytes / 2**20:.0f} MiB it exceeds the "
+                                   f"engine's memory budget of {budget / 2**20:.0f} MiB. Lower max_tokens.",
+                                   param="max_tokens")
+        request.accepted = True
+
+    @staticmethod
+    def accepted_event(request: EngineRequest) -> Event:
+        log.info("rid=%s accepted model=%s prompt_tokens=%d cached_tokens=%d max_tokens=%d", request.rid,
+                 request.model_id, len(request.prompt_tokens), request.cached_tokens, request.max_tokens)
+        body = {"rid": request.rid, "prompt_tokens": len(request.prompt_tokens),
+                "cached_tokens": request.cached_tokens, "model": request.model_id}
+        if request.context_overflow:  # older turns dropped or summarised to fit (engine_daemon/request/context_overflow.py)
+            body["context_overflow"] = request.context_overflow
+        return (request.peer, MsgType.ACCEPTED, body)
+
+    def _admit(self, request: EngineRequest) -> list[Event]:
+        """Hands an accepted request for the loaded model to the generator."""
+        raise NotImplementedError
+
+    # -- output ---------------------------------------------------------------------
+    def token_event(self, request: EngineRequest, token: int | None, logprobs: Any = None) -> Event:
+        """DELTAS item for one sampled token (None: the generation ended with no new token)."""
+        delta = rq.consume_token(request, token)
+        item: dict[str, Any] = {"rid": request.rid, "seq": request.seq, "text": delta.text}
+        if delta.reasoning:
+            item["reasoning"] = delta.reasoning
+        if delta.tool_calls:
+            item["tool_calls"] = delta.tool_calls
+        if token is not None and token not in request.eos_token_ids:
+            item["token_ids"] = [token]
+            self.stats.tokens_generated += 1
+            if request.params.get("logprobs") and logprobs is not None:
+                item["logprobs"] = rq.logprob_entries(self.models.current.tokenizer, logprobs, token,
+                                                      request.params.get("top_logprobs") or 0)
+        request.seq += 1
+        if request.finish_reason is not None:
+            item["finish_reason"] = request.finish_reason
+            item["usage"] = rq.usage(request, request.cached_tokens)
+            item["stop_sequence"] = request.stop.matched  # which stop string ended it (None: none did)
+            self.stats.requests_finished += 1
+            log.info("rid=%s finished reason=%s completion_tokens=%d", request.rid, request.finish_reason,
+                     request.generated)
+        return (request.peer, MsgType.DELTAS, item)
+
+    def fail_all(self, status: int, code: str, message: str) -> list[Event]:
+        """Ends every request with an error and drops all generation state (unload, internal error)."""
+        error = RequestError(status, code, message, error_type="server_error")
+        requests = self.all_requests()
+        self.stats.requests_aborted += len(requests)
+        self.reset()
+        return [error_event(request, error) for request in requests]
+
+    def reset(self) -> None:
+        """Forgets every request and whatever holds on to the model."""
+        self.waiting.clear()
+        self.on_unload()
+
+    def abort_peer(self, peer: bytes) -> int:
+        rids = {request.rid for request in self.all_requests() if request.peer == peer}
+        return self.abort(rids) if rids else 0
+
+    def all_requests(self) -> list[EngineRequest]:
+        raise NotImplementedError
+
+    def on_unload(self) -> None:
+        """The model is about to be freed: drop whatever holds on to it."""
+
+    def abort(self, rids: set[str]) -> int:
+        raise NotImplementedError
+
+    def step(self) -> list[Event]:
+        raise NotImplementedError
+
+
+class SerialScheduler(BaseScheduler):
+    """FIFO queue in front of one running generation, on mlx-lm's generate_step.
+
+    Used where batching is impossible: mlx-lm's BatchGenerator has no quantized KV cache.
+    """
+
+    batching_note = "serial: one request at a time"
+
+    def accept(self, request: EngineRequest) -> None:
+        """Text only: mlx-vlm's path batches and has no quantized KV cache, so it never runs here."""
+        if getattr(self.models.current, "kind", "text") != "text":
+            raise RequestError(400, "unsupported_model",
+                               f"Model '{self.models.current.ref.id}' is a {self.models.current.kind} model; the "
+                               "engine runs with --kv-bits (the serial text-only scheduler): restart it without "
+                               "--kv-bits to serve vision models", param="model")
+        if request.body.get("media"):
+            raise RequestError(400, "unsupported_content",
+                               f"Model '{self.models.current.ref.id}' takes text only; images and audio need a "
+                               "vision model", param="messages")
+        super().accept(request)
+
+    def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):
+        super().__init__(models, config, stream)
+        self.current: EngineRequest | None = None
+        self._tokens: Iterator[tuple[Any, Any]] | None = None
+        if config.kv_bits:
+            self.batching_note = f"--kv-bits {config.kv_bits}: mlx-lm cannot batch a quantized KV cache"
+
+    def has_work(self) -> bool:
+        return self.current is not None or bool(self.waiting)
+
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    def running(self) -> int:
+        return 1 if self.current is not None else 0
+
+    def all_requests(self) -> list[EngineRequest]:
+        return [r for r, _ in self.waiting] + ([self.current] if self.current else [])
+
+    def _admit(self, request: EngineRequest) -> list[Event]:
+        self.waiting.append((request, self.models.current.ref))
+        return [self.accepted_event(request)]
+
+    def abort(self, rids: set[str]) -> int:
+        found = 0
+        if self.current is not None and self.current.rid in rids:
+            self._finish_current()
+            found += 1
+        before = len(self.waiting)
+        self.waiting = deque(item for item in self.waiting if item[0].rid not in rids)
+        found += before - len(self.waiting)
+        self.stats.requests_aborted += found
+        return found
+
+    def step(self) -> list[Event]:
+        events: list[Event] = []
+        while self.current is None and self.waiting:
+            request, ref = self.waiting.popleft()
+            try:
+                if not request.accepted:
+                    self.models.ensure(ref)
+                    self.accept(request)
+                    events.append(self.accepted_event(request))
+                self._start(request)
+            except RequestError as exc:
+                events.append(self.refuse(request, exc))
+            except Exception as exc:  # a failed load or prefill must not kill the engine
+                log.exception("request %s failed to start", request.rid)
+                events.append(error_event(request, engine_failure(exc)))
+        if self.current is not None:
+            events += self._advance()
+        return events
+
+    def _start(self, request: EngineRequest) -> None:
+        config = self.config
+        self._tokens = generate_step(
+            mx.array(request.prompt_tokens), self.adapters.bind(self.models.current, request.body.get("adapter")),
+            self.stream,
+            max_tokens=request.max_tokens, sampler=make_request_sampler(request.sampling),
+            logits_processors=make_request_processors(request.sampling) + request.processors,
+            prefill_step_size=config.prefill_step_size, max_kv_size=config.max_kv_size,
+            kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
+            quantized_kv_start=config.quantized_kv_start,
+        )
+        self.current = request
+        self.stats.prompt_tokens += len(request.prompt_tokens)
+        self.stats.max_batch_size = max(self.stats.max_batch_size, 1)
+
+    def _advance(self) -> list[Event]:
+        request = self.current
+        try:
+            token, logprobs = next(self._tokens)
+            event = self.token_event(request, int(token), logprobs)
+        except StopIteration:
+            event = self.token_event(request, None)
+        except Exception as exc:
+            log.exception("generation failed for %s", request.rid)
+            self._finish_current()
+            return [error_event(request, engine_failure(exc))]
+        if request.finish_reason is not None:
+            self._finish_current()
+        return [event]
+
+    def reset(self) -> None:
+        super().reset()
+        self._finish_current()
+
+    def _finish_current(self) -> None:
+        if self._tokens is not None:
+            self._tokens.close()
+        self._tokens = None
+        self.current = None

@@ -1,0 +1,296 @@
+"""Continuous batching on mlx-lm's BatchGenerator, with a prefix cache in front of it.
+
+Requests join the running batch between steps and leave it the step they finish
+or are aborted. Each request brings its own sampler and logits processors, so
+different sampling settings share a batch. While others decode, prompts are
+prefilled in small chunks (`interleave_prefill_tokens`) so a long prompt never
+stalls running streams for its whole prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
+
+from engine_daemon.multimodal import inputs as vision
+from engine_daemon.generation import vision_batch as vision_scheduler
+from engine_daemon.generation.grouped import GroupedGenerator
+from engine_daemon.generation.speculative import SpeculativeDecoder, eligible as speculative_eligible
+from engine_daemon.models.manager import ModelManager
+from engine_daemon.scheduling.prefill_pacer import PrefillPacer
+from engine_daemon.models.store import ModelRef
+from engine_daemon.request.admission import EngineRequest, RequestError
+from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
+from engine_daemon.scheduling.base import BaseScheduler, Event, SchedulerConfig, engine_failure, error_event
+
+log = logging.getLogger(__name__)
+
+
+class BatchScheduler(BaseScheduler):
+    batching = True
+    batching_note = "continuous batching"
+
+    def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):
+        super().__init__(models, config, stream)
+        self.generator: BatchGenerator | None = None
+        self.generator_ref: ModelRef | None = None
+        self.by_uid: dict[int, EngineRequest] = {}
+        self.uid_of: dict[str, int] = {}
+        self.prompt_cache = LRUPromptCache(max_size=config.prompt_cache_size,
+                                           max_bytes=config.prompt_cache_bytes or 1 << 62)
+        # Accepted for the loaded model, waiting for a free slot (at most decode_concurrency run).
+        self.pending: deque[EngineRequest] = deque()
+        self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size)
+        self._prefill_progress: dict[int, int] = {}
+        # --draft-model: lone requests decode speculatively (engine_daemon/generation/speculative.py)
+        self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
+                            if config.draft_model else None)
+
+    # -- counts ---------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.by_uid) or bool(self.waiting) or bool(self.pending)
+
+    def decoding(self) -> int:
+        return sum(1 for request in self.by_uid.values() if request.seq > 0)
+
+    def queued(self) -> int:
+        return len(self.waiting) + len(self.pending) + len(self.by_uid) - self.decoding()
+
+    def running(self) -> int:
+        return self.decoding()
+
+    def all_requests(self) -> list[EngineRequest]:
+        return [r for r, _ in self.waiting] + list(self.pending) + list(self.by_uid.values())
+
+    def prompt_cache_stats(self) -> dict[str, int]:
+        return {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_bytes": self.prompt_cache.nbytes,
+                **vision.cache_stats(self.models.current)}
+
+    # -- admission ------------------------------------------------------------------
+    def accept(self, request: EngineRequest) -> None:
+        """Images/audio are checked against the model and built into inputs by engine_daemon/multimodal/inputs.py."""
+        has_media = bool(request.body.get("media"))
+        if has_media:
+            vision.check_media_allowed(request.body, self.models.current)
+            vision.prepare(request, self.models.current)  # the body becomes a token prompt
+        try:
+            super().accept(request)
+        except RequestError as exc:
+            if has_media and exc.param == "prompt":
+                exc.param = "messages"  # the client sent a chat, not a raw prompt
+            raise
+
+    def _admit(self, request: EngineRequest) -> list[Event]:
+        """Queues an accepted request; it enters the batch (and is ACCEPTED) when a slot frees."""
+        self.pending.append(request)
+        return self._fill_slots()
+
+    def _fill_slots(self) -> list[Event]:
+        events: list[Event] = []
+        while self.pending and len(self.by_uid) < self.config.decode_concurrency:
+            request = self.pending.popleft()
+            try:
+                self._ensure_generator()
+                self._insert(request)
+            except Exception as exc:  # one bad request must never take the engine down
+                log.exception("rid=%s could not join the batch", request.rid)
+                events.append(error_event(request, engine_failure(exc)))
+                continue
+            events.append(self.accepted_event(request))
+        return events
+
+    def _cache_key(self, adapter: str | None = None) -> tuple[str, str | None]:
+        return (self.models.current.ref.id, adapter)  # (model, adapter key: engine_daemon/lora/adapters.py)
+
+    def _insert(self, request: EngineRequest) -> None:
+        """Reuses the longest cached prefix of the prompt, then queues the rest for prefill."""
+        prompt = request.prompt_tokens
+        if self.models.current.kind != "text":  # vision models: engine_daemon/generation/vision_batch.py
+            uid = self.generator.insert_request(request)
+            self.by_uid[uid] = request
+            self.uid_of[request.rid] = uid
+            self.stats.prompt_tokens += len(prompt)
+            return
+        adapter = request.body.get("adapter")  # the adapter key admission settled (BaseScheduler.accept)
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(adapter), prompt)
+        if cache is not None and not rest:
+            # An exact hit: the generator still needs one token to compute the first logits.
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = prompt[-1:]
+            else:
+                cache, rest = None, prompt
+        if cache is None:
+            rest = prompt
+        cached = len(prompt) - len(rest)
+        request.cached_tokens = cached
+        if cached:
+            self.stats.prompt_cache_hits += 1
+            self.stats.cached_tokens += cached
+        else:
+            self.stats.prompt_cache_misses += 1
+        eos = StopSequences([[token] for token in request.eos_token_ids])
+        processors = make_request_processors(request.sampling) + request.processors
+        (uid,) = self.generator.insert(
+            [rest], max_tokens=[request.max_tokens], caches=[cache], all_tokens=[prompt[:cached]],
+            samplers=[make_request_sampler(request.sampling)], logits_processors=[processors],
+            stop_sequences=[eos], adapters=[adapter],
+            speculative=[speculative_eligible(request.sampling, request.processors)])
+        self.by_uid[uid] = request
+        self.uid_of[request.rid] = uid
+        self.stats.prompt_tokens += len(prompt)
+
+    def _ensure_generator(self) -> None:
+        current = self.models.current
+        if self.generator is not None and self.generator_ref == current.ref:
+            return
+        self._close_generator()
+        if current.kind != "text":  # vision models batch on mlx-vlm (engine_daemon/generation/vision_batch.py)
+            self.generator = vision_scheduler.make_generator(current, self.config, self.stream)
+            self.generator_ref = current.ref
+            return
+        # One mlx-lm BatchGenerator per adapter in use, and the speculative lane (grouped_generator.py).
+        self.generator = GroupedGenerator(current, self.config, self.stream, self.adapters, self.speculative)
+        self.generator_ref = current.ref
+
+    def _close_generator(self) -> None:
+        if self.generator is not None:
+            self.generator.close()
+        self.generator, self.generator_ref = None, None
+
+    def reset(self) -> None:
+        super().reset()
+        self.pending.clear()
+        self.by_uid.clear()
+        self.uid_of.clear()
+        self._prefill_progress.clear()
+
+    def on_unload(self) -> None:
+        self._close_generator()
+        self.prompt_cache = LRUPromptCache(max_size=self.config.prompt_cache_size,
+                                           max_bytes=self.config.prompt_cache_bytes or 1 << 62)
+
+    def _start_waiting(self) -> list[Event]:
+        """Admits queued requests, switching models once the batch of the old one drained."""
+        events: list[Event] = []
+        while self.waiting:
+            request, ref = self.waiting[0]
+            current = self.models.current
+            if current is None or current.ref != ref:
+                if current is not None and (self.by_uid or self.pending) and self.switch_can_wait():
+                    # Within the switch delay the loaded model's own waiters still join its batch.
+                    events += self._admit_waiting_for(current.ref)
+                    break
+                if self.by_uid or self.pending:
+                    break  # the running batch finishes on the current model first
+                self.on_unload()
+                try:
+                    self.models.ensure(ref)
+                except Exception as exc:
+                    log.exception("could not load %s", ref.id)
+                    self.waiting.popleft()
+                    events.append(error_event(request, engine_failure(exc)))
+                    continue
+            self.waiting.popleft()
+            events += self._accept_and_admit(request)
+        return events
+
+    def _accept_and_admit(self, request: EngineRequest) -> list[Event]:
+        try:
+            self.accept(request)
+            return self._admit(request)
+        except RequestError as exc:
+            return [self.refuse(request, exc)]
+
+    def _admit_waiting_for(self, ref: ModelRef) -> list[Event]:
+        """Admits the waiting requests for `ref` (the loaded model) from anywhere in the queue, in order."""
+        mine = [item for item in self.waiting if item[1] == ref]
+        self.waiting = deque(item for item in self.waiting if item[1] != ref)
+        return [event for request, _ in mine for event in self._accept_and_admit(request)]
+
+    # -- stepping -------------------------------------------------------------------
+    def abort(self, rids: set[str]) -> int:
+        found = 0
+        before = len(self.waiting)
+        self.waiting = deque(item for item in self.waiting if item[0].rid not in rids)
+        found += before - len(self.waiting)
+        before = len(self.pending)
+        self.pending = deque(request for request in self.pending if request.rid not in rids)
+        found += before - len(self.pending)
+        uids = [self.uid_of.pop(rid) for rid in rids if rid in self.uid_of]
+        for uid in uids:
+            del self.by_uid[uid]
+            self._prefill_progress.pop(uid, None)
+        if uids:
+            self.generator.remove(uids)
+        found += len(uids)
+        self.stats.requests_aborted += found
+        return found
+
+    def step(self) -> list[Event]:
+        events = self._start_waiting() + self._fill_slots()
+        if not self.by_uid:
+            return events
+        generator = self.generator
+        # While others decode, prefill only a paced chunk per step so their tokens keep flowing.
+        decoding = self.decoding()
+        generator.prefill_step_size = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
+        started = time.perf_counter()
+        try:
+            progress, responses = generator.next()
+        except Exception as exc:
+            log.exception("batch step failed: failing %d request(s)", len(self.by_uid))
+            error = engine_failure(exc)
+            events += [error_event(request, error) for request in self.by_uid.values()]
+            self.stats.requests_aborted += len(self.by_uid)
+            self.by_uid.clear()
+            self.uid_of.clear()
+            self._prefill_progress.clear()
+            self._close_generator()
+            return events
+        self.pacer.observe(time.perf_counter() - started, decoding > 0, self._prompt_tokens_done(progress))
+        self.stats.max_batch_size = max(self.stats.max_batch_size, len(responses))
+        stopped_early: dict[int, str | None] = {}  # uid -> adapter key
+        for response in responses:
+            request = self.by_uid.get(response.uid)
+            if request is None:
+                continue
+            events.append(self.token_event(request, int(response.token), response.logprobs))
+            if request.finish_reason is None and response.finish_reason is not None:
+                request.finish_reason = response.finish_reason  # the generator's own limit
+            if request.finish_reason is None:
+                continue
+            del self.by_uid[response.uid]
+            del self.uid_of[request.rid]
+            if response.finish_reason is not None:
+                self._remember(response.all_tokens, response.prompt_cache, request.body.get("adapter"))
+            else:
+                stopped_early[response.uid] = request.body.get("adapter")  # a stop string: still in the generator
+        if stopped_early:
+            for uid, tokens_cache in generator.remove(list(stopped_early), return_prompt_caches=True).items():
+                cache, tokens = tokens_cache
+                self._remember(tokens, cache, stopped_early[uid])
+        return events
+
+    def _prompt_tokens_done(self, progress: list[Any]) -> int:
+        """Prompt tokens the last step processed, from the generator's cumulative progress."""
+        done = 0
+        for response in progress:
+            processed = response.progress[0]
+            done += processed - self._prefill_progress.get(response.uid, 0)
+            if response.end_of_prompt:
+                self._prefill_progress.pop(response.uid, None)
+            else:
+                self._prefill_progress[response.uid] = processed
+        return done
+
+    def _remember(self, tokens: list[int], cache: list[Any], adapter: str | None = None) -> None:
+        """Keeps a finished request's KV for the next turn of its conversation (with the same adapter)."""
+        if not tokens or not cache:
+            return
+        self.prompt_cache.insert_cache(self._cache_key(adapter), list(tokens), cache)

@@ -1,0 +1,340 @@
+"""The io thread: owns the ROUTER socket, knows the peers, answers pings, dispatches.
+
+Pings are answered here, never on the mlx thread, so a long prefill or a model
+load is not mistaken for a dead engine. Frames are validated by `protocol`
+before anything reaches the mlx thread; a malformed frame is answered with an
+ERROR when it names a request or call, and otherwise dropped and logged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import zmq
+
+from engine_daemon.models import store as model_store
+from engine_daemon.models.store import list_cached_models, list_root_models
+from engine_daemon.calls.response_store import ResponseStore, StoreCallError, handle_call
+from engine_daemon.scheduling.base import SchedulerConfig
+from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
+from engine_daemon.generation.speculative import speculative_stats
+from engine_daemon.scheduling.worker import MlxWorker
+from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+OUTBOX_ADDRESS = "inproc://mlx-outbox"
+SEND_HWM = 100_000
+
+
+class EndpointInUse(RuntimeError):
+    """Another engine holds the ipc endpoint's lock."""
+
+
+@dataclass
+class Peer:
+    frontend_id: str
+    last_seen: float
+    pid: int | None = None
+    host: str | None = None
+
+
+def lock_ipc_endpoint(endpoint: str) -> BinaryIO | None:
+    """Takes `<socket>.lock` so a second engine cannot silently steal the ipc path.
+
+    The socket directory is created private (0700): only this user can connect.
+    """
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = Path(endpoint[len("ipc://"):])
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = open(f"{path}.lock", "wb")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise EndpointInUse(f"another engine is bound to {endpoint}") from None
+    if path.exists():
+        path.unlink()  # a stale socket of a dead engine: we hold the lock, so it is ours
+    return lock
+
+
+class EngineServer:
+    """Binds the endpoint, runs the mlx worker, routes frames both ways until stopped."""
+
+    def __init__(self, endpoint: str, config: SchedulerConfig, preload: str | None = None,
+                 peer_timeout: float = 10.0, stall_timeout: float = 60.0,
+                 security: SocketSecurity | None = None, responses: ResponseStore | None = None):
+        self.endpoint = endpoint
+        self.peer_timeout = peer_timeout
+        self.stall_timeout = stall_timeout
+        self.epoch = time.time_ns() // 1000
+        self.started_at = time.time()
+        self.peers: dict[bytes, Peer] = {}
+        self.context = zmq.Context()
+        self.worker = MlxWorker(self.context, OUTBOX_ADDRESS, config, preload)
+        self._stop = threading.Event()
+        self._lock: BinaryIO | None = None
+        self.security = security or SocketSecurity()
+        self._auth: ThreadAuthenticator | None = None
+        # Responses API records (previous_response_id, GET, DELETE): touched on the io thread only.
+        self.responses = responses if responses is not None else ResponseStore()
+        self._load_reported = 0  # seconds of the current model load already logged (_report_loading)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve(self) -> None:
+        self._lock = lock_ipc_endpoint(self.endpoint)
+        router = self.context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, SEND_HWM)
+        router.setsockopt(zmq.LINGER, 0)
+        self._auth = secure_router(self.context, router, self.endpoint, self.security)  # CURVE + ZAP allow-list
+        router.bind(self.endpoint)
+        outbox = self.context.socket(zmq.PULL)
+        outbox.bind(OUTBOX_ADDRESS)
+        self.worker.start()
+        log.info("engine epoch %d listening on %s (pid %d)", self.epoch, self.endpoint, os.getpid())
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(outbox, zmq.POLLIN)
+        next_sweep = time.monotonic() + 1.0
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(200))
+                if outbox in ready:
+                    for _ in range(1000):  # bounded, so inbound frames are not starved
+                        try:
+                            peer, frame = outbox.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._send(router, peer, frame)
+                if router in ready:
+                    for _ in range(1000):
+                        try:
+                            parts = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._receive(router, parts)
+                if time.monotonic() >= next_sweep:
+                    self._sweep_peers()
+                    self._report_loading()
+                    next_sweep = time.monotonic() + 1.0
+        finally:
+            self.worker.stop()
+            self.worker.join(timeout=5)
+            router.close()
+            outbox.close()
+            if self._auth is not None:
+                self._auth.stop()  # its sockets would keep context.term() waiting
+            self.context.term()
+            if self._lock is not None:
+                self._lock.close()
+            log.info("engine stopped")
+
+    # -- sending ---------------------------------------------------------------
+    def _send(self, router: zmq.Socket, peer: bytes, frame: bytes) -> None:
+        try:
+            router.send_multipart([peer, frame], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.
+            log.warning("dropping front-end %r: %s", peer, exc)
+            self._peer_gone(peer)
+
+    def _reply(self, router: zmq.Socket, peer: bytes, msg_type: MsgType, body: dict[str, Any]) -> None:
+        self._send(router, peer, encode(msg_type, body))
+
+    # -- receiving ---------------------------------------------------------------
+    def _receive(self, router: zmq.Socket, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            log.warning("dropping a message of %d frames (expected identity + 1)", len(parts))
+            return
+        peer, frame = parts
+        try:
+            msg_type, body = decode(frame)
+        except ProtocolError as exc:
+            log.warning("bad frame from %r: %s", peer, exc)
+            if exc.rid or exc.cid:
+                self._reply(router, peer, MsgType.ERROR, {
+                    "rid": exc.rid, "cid": exc.cid, "status": 400, "code": "bad_frame",
+                    "message": str(exc), "type": "invalid_request_error"})
+            return
+        known = self.peers.get(peer)
+        if known is not None:
+            known.last_seen = time.monotonic()
+        handler = getattr(self, f"_on_{msg_type.name.lower()}", None)
+        if handler is None:
+            log.warning("dropping %s from %r: not a front-end message", msg_type.name, peer)
+            return
+        handler(router, peer, body)
+
+    def _on_hello(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        if body["version"] != PROTOCOL_VERSION:
+            self._reply(router, peer, MsgType.ERROR, {
+                "status": 400, "code": "protocol_version_mismatch", "type": "invalid_request_error",
+                "message": f"engine speaks protocol {PROTOCOL_VERSION}, front-end {body['version']}"})
+            return
+        self.peers[peer] = Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host"))
+        log.info("front-end %s connected (pid %s on %s)", body["frontend_id"], body.get("pid"), body.get("host"))
+        status = self.worker.status
+        self._reply(router, peer, MsgType.WELCOME, {
+            "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": status.state,
+            "model": status.model, "adapter": self.worker.scheduler.adapters.registry.default,
+            "started_at": self.started_at, "pid": os.getpid()})
+
+    def state(self) -> str:
+        """The worker's state, or 'stalled' when one piece of its work runs past --stall-timeout.
+
+        Told apart from dead: the io thread still answers, so front-ends keep their
+        streams and /health says what is wrong. A model load is never a stall.
+        """
+        status = self.worker.status
+        if model_store.downloading is not None:
+            return "loading"  # a Hub download blocks the mlx thread: slow, but not wedged
+        busy_since = status.busy_since
+        if (status.state != "loading" and busy_since
+                and time.monotonic() - busy_since > self.stall_timeout):
+            return "stalled"
+        return status.state
+
+    def _on_ping(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        if peer not in self.peers:
+            self.peers[peer] = Peer("", time.monotonic())
+        status = self.worker.status
+        self._reply(router, peer, MsgType.PONG, {
+            "epoch": self.epoch, "state": self.state(), "queued": status.queued,
+            "running": status.running, "t": body.get("t", 0)})
+
+    def _on_add(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        epoch = body.get("epoch")
+        if epoch is not None and epoch != self.epoch:
+            self._reply(router, peer, MsgType.ERROR, {
+                "rid": body["rid"], "status": 503, "code": "engine_restarted", "type": "server_error",
+                "message": "The engine restarted; retry the request"})
+            return
+        self.peers.setdefault(peer, Peer("", time.monotonic()))
+        self.worker.commands.put(("add", peer, body))
+
+    def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        self.worker.commands.put(("abort", body["rids"], body.get("reason", "client")))
+
+    def _on_bye(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        self._peer_gone(peer)
+
+    def _on_call(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        method, args = body["method"], body.get("args") or {}
+        if method in ("unload", "debug_sleep", "tokenize", "detokenize",
+                      "adapters.add", "adapters.remove"):  # need the mlx thread
+            self.worker.commands.put(("call", peer, body["cid"], method, args))
+            return
+        if method == "status":
+            result: Any = self.status()
+        elif method == "list_models":
+            result = self.list_models()
+        elif method == "stats":
+            result = self.stats()
+        elif method == "adapters.list":  # a snapshot the mlx thread replaces on every change
+            result = {"data": self.worker.scheduler.adapters.registry.snapshot}
+        elif method.startswith("responses."):
+            try:
+                result = handle_call(self.responses, method, args)
+            except StoreCallError as exc:
+                self._reply(router, peer, MsgType.ERROR, {
+                    "cid": body["cid"], "status": exc.status, "code": exc.code,
+                    "type": "invalid_request_error", "message": str(exc)})
+                return
+        else:
+            self._reply(router, peer, MsgType.ERROR, {
+                "cid": body["cid"], "status": 400, "code": "unknown_method",
+                "type": "invalid_request_error", "message": f"unknown CALL method '{method}'"})
+            return
+        self._reply(router, peer, MsgType.RESULT, {"cid": body["cid"], "result": result})
+
+    # -- peers -------------------------------------------------------------------
+    def _peer_gone(self, peer: bytes) -> None:
+        self.peers.pop(peer, None)
+        self.worker.commands.put(("peer_gone", peer))
+
+    def _sweep_peers(self) -> None:
+        deadline = time.monotonic() - self.peer_timeout
+        for peer in [p for p, info in self.peers.items() if info.last_seen < deadline]:
+            log.info("front-end %s silent for %.0f s: aborting its requests",
+                     self.peers[peer].frontend_id or repr(peer), self.peer_timeout)
+            self._peer_gone(peer)
+
+    # -- read-only calls -----------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        status = self.worker.status
+        busy = time.monotonic() - status.busy_since if status.busy_since else 0.0
+        return {"epoch": self.epoch, "state": self.state(), "busy_seconds": busy, "model": status.model,
+                "model_kind": status.model_kind,
+                "adapter": self.worker.scheduler.adapters.registry.default,  # --adapter-path's name
+                "queued": status.queued, "running": status.running, "pid": os.getpid(),
+                "host": socket.gethostname(), "started_at": self.started_at,
+                "uptime": time.time() - self.started_at, "model_loads": self.worker.models.loads,
+                **self.loading()}
+
+    def loading(self) -> dict[str, Any]:
+        """Which model the mlx thread is loading and for how long (None, None when it is not)."""
+        download = model_store.downloading  # one read each: the mlx thread replaces these tuples
+        if download is not None:
+            return {"loading_model": download[0], "loading_seconds": round(time.monotonic() - download[1], 1),
+                    "downloaded_bytes": model_store.downloaded_bytes(download[0])}
+        loading = self.worker.models.loading
+        if loading is None:
+            return {"loading_model": None, "loading_seconds": None}
+        return {"loading_model": loading[0], "loading_seconds": round(time.monotonic() - loading[1], 1)}
+
+    def _report_loading(self) -> None:
+        """A log line every 10 s of a model load, so a slow load is not mistaken for a hang."""
+        loading = self.loading()
+        if loading["loading_model"] is None:
+            self._load_reported = 0
+            return
+        if loading["loading_seconds"] >= self._load_reported + 10:
+            self._load_reported = int(loading["loading_seconds"]) // 10 * 10
+            if "downloaded_bytes" in loading:
+                log.info("still downloading model %s (%.0f s, %.0f MiB so far)", loading["loading_model"],
+                         loading["loading_seconds"], loading["downloaded_bytes"] / 2**20)
+            else:
+                log.info("still loading model %s (%.0f s)", loading["loading_model"], loading["loading_seconds"])
+
+    def list_models(self) -> list[dict[str, Any]]:
+        """The catalogue: the operator's names, models under --model-dir, the HF cache, and the loaded model.
+
+        In that order, as names resolve. `loaded` marks every id a request could name
+        without a load: the loaded name, and ids whose directory is served under it.
+        """
+        names = self.worker.models.names
+        models = names.catalogue()
+        for found in (list_root_models(self.worker.scheduler.config.model_dirs), list_cached_models()):
+            seen = {m["id"] for m in models}
+            models += [m for m in found if m["id"] not in seen]
+        current = self.worker.models.current  # one read: the mlx thread may swap it meanwhile
+        loaded = current.ref.id if current else None
+        if current is not None and loaded not in {m["id"] for m in models}:
+            models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
+        for entry in models:
+            path = entry.pop("path", None)
+            served_as = entry["id"] if entry["id"] in names.entries else names.name_of_path(path) or entry["id"]
+            entry["loaded"] = served_as == loaded
+            if entry["loaded"]:
+                entry["context_window"] = current.context_window  # as loaded: a profile may override it
+        return models
+
+    def stats(self) -> dict[str, Any]:
+        scheduler = self.worker.scheduler
+        cache = scheduler.prompt_cache_stats() if hasattr(scheduler, "prompt_cache_stats") else {}
+        return {**self.status(), "frontends": len(self.peers), "steps": self.worker.status.steps,
+                "batch_size": self.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
+                **cache, **self.responses.stats(), **scheduler.adapters.stats(),
+                **speculative_stats(scheduler, self.worker.status.model)}

@@ -1,0 +1,319 @@
+"""Anthropic Messages requests -> the engine's ADD body (the chat route's shapes).
+
+The engine speaks one chat format (OpenAI chat messages, function tools, tool_choice
+strings), so an Anthropic request is rewritten into it and then checked by the same
+helpers the chat route uses: one set of rules for messages, tools and tool_choice,
+whichever API a client speaks. Anthropic-only rules (roles, block types, `max_tokens`
+required, `thinking`) are checked here first, so errors name Anthropic's fields.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from http_frontend.openai.chat import MAX_STOP_STRINGS, check_max_tokens, check_message_count, parse_messages
+from http_frontend.errors import bad_request
+from http_frontend.parsing.generation_fields import parse_response_format, parse_tool_choice, parse_tools
+from http_frontend.parsing.media import MediaCollector
+from http_frontend.settings import FrontendSettings
+from http_frontend.parsing.body import get_field
+
+# Block types a client may send back unchanged but that carry nothing a local model can use.
+IGNORED_BLOCKS = {"redacted_thinking"}
+# Request fields of Anthropic's hosted features: refused rather than silently dropped.
+UNSUPPORTED_FIELDS = {
+    "mcp_servers": "MCP connectors are not supported by this server",
+    "container": "Code-execution containers are not supported by this server",
+}
+TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
+    """A message's content as typed blocks: a string is one text block."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{param}: expected a string or an array of content blocks", param=param,
+                          code="invalid_type")
+    for index, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise bad_request(f"{param}.{index}: expected a content block object with a 'type'",
+                              param=f"{param}.{index}", code="invalid_type")
+    return content
+
+
+def _text(block: dict[str, Any], param: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise bad_request(f"{param}.text: expected a string", param=f"{param}.text", code="invalid_type")
+    return block["text"]
+
+
+def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
+    """An image block as an OpenAI image_url part (base64 sources become data: URLs)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise bad_request(f"{param}.source: expected a base64 source (media_type, data) or a url source",
+                          param=f"{param}.source", code="invalid_value")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _tool_result_text(block: dict[str, Any], param: str) -> str:
+    """A tool_result's content (a string or text blocks) as the text of a `tool` message."""
+    content = block.get("content")
+    if content is None:
+        return ""
+    texts = []
+    for index, part in enumerate(_blocks(content, f"{param}.content")):
+        if part["type"] != "text":
+            raise bad_request(f"{param}.content.{index}: '{part['type']}' blocks in a tool_result are not "
+                              "supported; send text", param=f"{param}.content.{index}", code="unsupported_content")
+        texts.append(_text(part, f"{param}.content.{index}"))
+    return "\n".join(texts)
+
+
+def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text-only content as one string; with images, OpenAI content parts in the original order."""
+    if all(part["type"] == "text" for part in parts):
+        return "\n".join(part["text"] for part in parts)
+    return parts
+
+
+def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    """One Anthropic user turn -> `tool` messages for its tool results and `user` messages for the rest."""
+    messages: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if parts:
+            messages.append({"role": "user", "content": _user_content(list(parts))})
+            parts.clear()
+
+    for index, block in enumerate(blocks):
+        where, kind = f"{param}.{index}", block["type"]
+        if kind == "text":
+            parts.append({"type": "text", "text": _text(block, where)})
+        elif kind == "image":
+            parts.append(_image_part(block, where))
+        elif kind == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
+                raise bad_request(f"{where}.tool_use_id: expected a string", param=f"{where}.tool_use_id",
+                                  code="invalid_type")
+            flush()
+            messages.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                             "content": _tool_result_text(block, where)})
+        elif kind not in IGNORED_BLOCKS:
+            raise bad_request(f"{where}: content blocks of type '{kind}' are not supported in a user turn",
+                              param=where, code="unsupported_content")
+    flush()
+    return messages
+
+
+def _assistant_turn(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
+    """One Anthropic assistant turn -> one assistant message with text, reasoning and tool_calls."""
+    texts, thinking, calls = [], [], []
+    for index, block in enumerate(blocks):
+        where, kind = f"{param}.{index}", block["type"]
+        if kind == "text":
+            texts.append(_text(block, where))
+        elif kind == "thinking":
+            if isinstance(block.get("thinking"), str):
+                thinking.append(block["thinking"])
+        elif kind == "tool_use":
+            name, tool_input = block.get("name"), block.get("input", {})
+            if not isinstance(name, str) or not isinstance(tool_input, dict):
+                raise bad_request(f"{where}: a tool_use block needs a string 'name' and an object 'input'",
+                                  param=where, code="invalid_type")
+            calls.append({"id": str(block.get("id") or ""), "type": "function",
+                          "function": {"name": name, "arguments": json.dumps(tool_input)}})
+        elif kind not in IGNORED_BLOCKS:
+            raise bad_request(f"{where}: content blocks of type '{kind}' are not supported in an assistant turn",
+                              param=where, code="unsupported_content")
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def parse_system(body: dict[str, Any]) -> str | None:
+    """`system`: a string or an array of text blocks (joined by newlines)."""
+    system = get_field(body, "system", (str, list))
+    if system is None or isinstance(system, str):
+        return system or None
+    texts = []
+    for index, block in enumerate(_blocks(system, "system")):
+        if block["type"] != "text":
+            raise bad_request(f"system.{index}: only text blocks are allowed in 'system'", param=f"system.{index}",
+                              code="invalid_value")
+        texts.append(_text(block, f"system.{index}"))
+    return "\n".join(texts) or None
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`system` + `messages` as OpenAI chat messages (before the chat route's own checks)."""
+    messages = get_field(body, "messages", (list,), required=True)
+    if not messages:
+        raise bad_request("messages: at least one message is required", param="messages")
+    converted: list[dict[str, Any]] = []
+    system = parse_system(body)
+    if system is not None:
+        converted.append({"role": "system", "content": system})
+    for index, message in enumerate(messages):
+        param = f"messages.{index}"
+        if not isinstance(message, dict):
+            raise bad_request(f"{param}: expected an object", param=param, code="invalid_type")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise bad_request(f"{param}.role: expected 'user' or 'assistant', got {role!r} (a system prompt goes in "
+                              "the top-level 'system' field)", param=f"{param}.role")
+        blocks = _blocks(message.get("content"), f"{param}.content")
+        if role == "user":
+            converted.extend(_user_turn(blocks, f"{param}.content"))
+        else:
+            converted.append(_assistant_turn(blocks, f"{param}.content"))
+    if messages[-1].get("role") == "assistant":
+        # A final assistant turn asks the model to continue it; the engine always opens a new turn.
+        raise bad_request("Prefilling the assistant's response (a final 'assistant' message) is not supported; "
+                          "end with a 'user' message", param=f"messages.{len(messages) - 1}",
+                          code="unsupported_parameter")
+    return converted
+
+
+def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Custom tools `{name, description, input_schema}` as chat function tools."""
+    tools = get_field(body, "tools", (list,))
+    if not tools:
+        return None
+    converted = []
+    for index, tool in enumerate(tools):
+        param = f"tools.{index}"
+        if not isinstance(tool, dict):
+            raise bad_request(f"{param}: expected an object", param=param, code="invalid_type")
+        if tool.get("type", "custom") != "custom":
+            raise bad_request(f"{param}: tools of type {tool.get('type')!r} (Anthropic-hosted tools) are not "
+                              "supported; define a custom tool with 'name' and 'input_schema'", param=param,
+                              code="unsupported_parameter")
+        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+            raise bad_request(f"{param}: a tool needs a string 'name' and an 'input_schema' object", param=param,
+                              code="invalid_type")
+        function = {"name": tool["name"], "parameters": tool["input_schema"]}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        converted.append({"type": "function", "function": function})
+    return parse_tools({"tools": converted})
+
+
+def parse_anthropic_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None
+                                ) -> tuple[str | dict[str, Any] | None, bool | None]:
+    """`tool_choice` {type: auto|any|tool|none} -> (chat tool_choice, parallel_tool_calls)."""
+    choice = get_field(body, "tool_choice", (dict,))
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    if kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice.name: a string is required when type is 'tool'", param="tool_choice.name",
+                              code="invalid_type")
+        mapped: str | dict[str, Any] = {"type": "function", "function": {"name": choice["name"]}}
+    elif kind in TOOL_CHOICES:
+        mapped = TOOL_CHOICES[kind]
+    else:
+        raise bad_request(f"tool_choice.type: expected 'auto', 'any', 'tool' or 'none', got {kind!r}",
+                          param="tool_choice.type")
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):
+        raise bad_request("tool_choice.disable_parallel_tool_use: expected a boolean",
+                          param="tool_choice.disable_parallel_tool_use", code="invalid_type")
+    return parse_tool_choice({"tool_choice": mapped}, tools), (None if disable is None else not disable)
+
+
+def parse_thinking(body: dict[str, Any], max_tokens: int | None) -> tuple[dict[str, Any] | None, int | None]:
+    """`thinking` -> (chat_template_kwargs, thinking budget).
+
+    Anthropic's 1,024-token minimum budget is not enforced: small local models
+    are often run with much smaller budgets.
+    """
+    thinking = get_field(body, "thinking", (dict,))
+    if thinking is None:
+        return None, None
+    kind = thinking.get("type")
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise bad_request("thinking.budget_tokens: a positive integer is required", param="thinking.budget_tokens",
+                              code="invalid_value")
+        if max_tokens is not None and budget >= max_tokens:
+            raise bad_request("thinking.budget_tokens must be less than max_tokens", param="thinking.budget_tokens")
+        return {"enable_thinking": True}, budget
+    if kind == "adaptive":
+        return {"enable_thinking": True}, None
+    if kind == "disabled":
+        return {"enable_thinking": False}, None
+    raise bad_request(f"thinking.type: expected 'enabled', 'adaptive' or 'disabled', got {kind!r}",
+                      param="thinking.type")
+
+
+def parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """Structured outputs (`output_config.format` or the older `output_format`) as a json_schema response_format."""
+    config = get_field(body, "output_config", (dict,))
+    spec = (config or {}).get("format") or get_field(body, "output_format", (dict,))
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
+        raise bad_request("output_config.format: expected {\"type\": \"json_schema\", \"schema\": {...}}",
+                          param="output_config.format")
+    return parse_response_format({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "output", "schema": spec["schema"], "strict": True}}})
+
+
+def parse_stop_sequences(body: dict[str, Any]) -> list[str] | None:
+    stops = get_field(body, "stop_sequences", (list,))
+    if stops is None:
+        return None
+    if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"stop_sequences: expected at most {MAX_STOP_STRINGS} strings", param="stop_sequences")
+    return [s for s in stops if s] or None
+
+
+def parse_params(body: dict[str, Any], limit: int | None) -> dict[str, Any]:
+    """`max_tokens` (required, as Anthropic requires it), sampling fields and stop sequences."""
+    params = {
+        "max_tokens": get_field(body, "max_tokens", (int,), required=True, minimum=1),
+        "temperature": get_field(body, "temperature", (float,), minimum=0, maximum=1),
+        "top_p": get_field(body, "top_p", (float,), minimum=0, maximum=1),
+        "top_k": get_field(body, "top_k", (int,), minimum=0),
+        "stop": parse_stop_sequences(body),
+    }
+    check_max_tokens(body, params, limit)
+    return {key: value for key, value in params.items() if value is not None}
+
+
+def engine_request(body: dict[str, Any], settings: FrontendSettings, *, generation: bool = True,
+                   media: MediaCollector | None = None) -> dict[str, Any]:
+    """The ADD body (without rid/epoch) for an Anthropic request; `generation=False` for count_tokens.
+
+    Image blocks are registered with `media` (the caller resolves it into the ADD's `media`).
+    """
+    for name, message in UNSUPPORTED_FIELDS.items():
+        if body.get(name):
+            raise bad_request(message, param=name, code="unsupported_parameter")
+    check_message_count(body, settings.max_messages)
+    params = parse_params(body, settings.max_tokens_limit) if generation else {}
+    template_kwargs, budget = parse_thinking(body, params.get("max_tokens"))
+    if budget is not None:
+        params["thinking_budget"] = budget
+    tools = parse_anthropic_tools(body)
+    tool_choice, parallel = parse_anthropic_tool_choice(body, tools)
+    request = {"model": get_field(body, "model", (str,)), "messages": parse_messages({"messages": chat_messages(body)}, media),
+               "chat_template_kwargs": template_kwargs, "tools": tools, "tool_choice": tool_choice,
+               "parallel_tool_calls": parallel, "response_format": parse_output_format(body)}
+    if generation:
+        request["params"] = params
+    return {key: value for key, value in request.items() if value is not None}

@@ -1,0 +1,311 @@
+"""The front-end's one connection to `engined`: a DEALER socket, a reader task, heartbeats.
+
+Each worker process owns one EngineClient, created in the ASGI lifespan (never
+before gunicorn forks). The reader routes every incoming frame to the collector
+of its request; a collector merges pending deltas into one slot, so a slow HTTP
+client costs memory bounded by its own output, never a growing queue of frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode, new_request_id
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot be reached (dead, restarting, or never started)."""
+
+
+class EngineError(Exception):
+    """The engine answered a request with an ERROR frame."""
+
+    def __init__(self, body: dict[str, Any]):
+        super().__init__(body.get("message", "engine error"))
+        self.body = body
+
+
+@dataclass
+class Update:
+    """Everything a request produced since the consumer last looked, merged."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the request, if one did
+
+
+class RequestStream:
+    """Collector for one request: ACCEPTED, merged deltas, or an error."""
+
+    def __init__(self, rid: str):
+        self.rid = rid
+        self.accepted: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.finished = False
+        self._pending = Update()
+        self._has_news = asyncio.Event()
+
+    # -- fed by the reader -------------------------------------------------------
+    def on_accepted(self, body: dict[str, Any]) -> None:
+        self.accepted = body
+        self._has_news.set()
+
+    def on_deltas(self, item: dict[str, Any]) -> None:
+        pending = self._pending
+        pending.text += item.get("text") or ""
+        pending.reasoning += item.get("reasoning") or ""
+        pending.tool_calls.extend(item.get("tool_calls") or ())
+        pending.token_ids.extend(item.get("token_ids") or ())
+        pending.logprobs.extend(item.get("logprobs") or ())
+        if item.get("finish_reason"):
+            pending.finish_reason = item["finish_reason"]
+            pending.usage = item.get("usage")
+            pending.stop_sequence = item.get("stop_sequence")
+            self.finished = True
+        self._has_news.set()
+
+    def on_error(self, body: dict[str, Any]) -> None:
+        self.error = body
+        self.finished = True
+        self._has_news.set()
+
+    # -- read by the HTTP handler -----------------------------------------------------
+    async def wait_accepted(self, timeout: float) -> dict[str, Any]:
+        """The ACCEPTED body; raises EngineError if the engine refused the request."""
+        deadline = time.monotonic() + timeout
+        while self.accepted is None and self.error is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            self._has_news.clear()
+            if self.accepted is None and self.error is None:
+                await asyncio.wait_for(self._has_news.wait(), remaining)
+        if self.error is not None and self.accepted is None:
+            raise EngineError(self.error)
+        return self.accepted
+
+    async def next_update(self, timeout: float) -> Update | None:
+        """What arrived since the last call; None when `timeout` passed with nothing new."""
+        if not self._has_output():
+            self._has_news.clear()
+            if not self._has_output():
+                try:
+                    await asyncio.wait_for(self._has_news.wait(), timeout)
+                except asyncio.TimeoutError:
+                    return None
+        if self.error is not None:
+            raise EngineError(self.error)
+        update, self._pending = self._pending, Update()
+        return update
+
+    def _has_output(self) -> bool:
+        p = self._pending
+        return bool(p.text or p.reasoning or p.tool_calls or p.token_ids or p.finish_reason or self.error is not None)
+
+
+class EngineClient:
+    """DEALER connection with HELLO/WELCOME, pings, request routing and generic CALLs."""
+
+    # A dead engine is noticed within dead_after + ping_interval: every open stream ends in < 3 s.
+    def __init__(self, endpoint: str, ping_interval: float = 0.5, dead_after: float = 2.0):
+        self.endpoint = endpoint
+        self.ping_interval = ping_interval
+        self.dead_after = dead_after
+        self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.epoch: int | None = None
+        self.engine_state = "unknown"
+        self.last_heard = 0.0
+        self.streams: dict[str, RequestStream] = {}
+        self._calls: dict[str, asyncio.Future] = {}
+        self._ready = asyncio.Event()
+        self._context: zmq.asyncio.Context | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def alive(self) -> bool:
+        return self._ready.is_set() and time.monotonic() - self.last_heard < self.dead_after
+
+    async def start(self) -> None:
+        self._context = zmq.asyncio.Context()
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue frames for an engine that is not there
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        from http_frontend.engine.curve import apply_client_curve
+
+        apply_client_curve(sock)  # CURVE client when MLX_FRONTEND_CURVE_* are set (across hosts)
+        sock.connect(self.endpoint)
+        self._socket = sock
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
+        log.info("front-end %s connecting to engine at %s", self.frontend_id, self.endpoint)
+
+    async def close(self) -> None:
+        self._send(MsgType.BYE, {})
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._socket is not None:
+            self._socket.close(0)
+        if self._context is not None:
+            self._context.term()
+
+    # -- sending ---------------------------------------------------------------------
+    def _send(self, msg_type: MsgType, body: dict[str, Any]) -> bool:
+        """Non-blocking send; False when no engine is connected to take it."""
+        if self._socket is None:
+            return False
+        # With NOBLOCK the asyncio socket finishes the send at once and returns a done Future:
+        # read its outcome here (an unread exception would only be logged as "never retrieved").
+        # Sending through a sync shadow socket instead would skip pyzmq's edge-triggered event
+        # bookkeeping and can leave the reader asleep with frames waiting.
+        sent = self._socket.send(encode(msg_type, body), zmq.NOBLOCK)
+        if sent.done() and sent.exception() is not None:
+            if not isinstance(sent.exception(), zmq.Again):
+                log.warning("send to the engine failed: %s", sent.exception())
+            return False
+        return True
+
+    async def wait_ready(self, timeout: float) -> bool:
+        if self.alive:
+            return True
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return self.alive
+
+    async def submit(self, request: dict[str, Any]) -> RequestStream:
+        """Sends ADD; the returned stream gets ACCEPTED, deltas or an error."""
+        if not await self.wait_ready(2.0):
+            raise EngineUnavailable("The engine is not reachable")
+        rid = new_request_id(self.frontend_id)
+        stream = RequestStream(rid)
+        self.streams[rid] = stream
+        if not self._send(MsgType.ADD, {**request, "rid": rid, "epoch": self.epoch}):
+            del self.streams[rid]
+            raise EngineUnavailable("The engine is not reachable")
+        return stream
+
+    def release(self, stream: RequestStream, reason: str) -> None:
+        """Forget a request; ABORT it unless it already finished. Idempotent."""
+        self.streams.pop(stream.rid, None)
+        if not stream.finished:
+            stream.finished = True
+            self._send(MsgType.ABORT, {"rids": [stream.rid], "reason": reason})
+
+    async def call(self, method: str, args: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
+        """Generic request/reply to the engine (status, list_models, unload, ...)."""
+        if not await self.wait_ready(min(timeout, 2.0)):
+            raise EngineUnavailable("The engine is not reachable")
+        cid = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._calls[cid] = future
+        try:
+            if not self._send(MsgType.CALL, {"cid": cid, "method": method, "args": args or {}}):
+                raise EngineUnavailable("The engine is not reachable")
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailable(f"The engine did not answer '{method}' within {timeout:.0f} s") from None
+        finally:
+            self._calls.pop(cid, None)
+
+    # -- receiving -------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        while True:
+            frame = await self._socket.recv()
+            self.last_heard = time.monotonic()  # any frame is a sign of life, not only PONG
+            try:
+                msg_type, body = decode(frame)
+            except ProtocolError as exc:
+                log.warning("dropping a bad frame from the engine: %s", exc)
+                continue
+            try:
+                self._dispatch(msg_type, body)
+            except Exception:
+                log.exception("failed to route %s", msg_type.name)
+
+    def _dispatch(self, msg_type: MsgType, body: dict[str, Any]) -> None:
+        if msg_type == MsgType.DELTAS:
+            for item in body["items"]:
+                stream = self.streams.get(item["rid"])
+                if stream is not None:
+                    stream.on_deltas(item)
+                    if stream.finished:
+                        self.streams.pop(stream.rid, None)
+        elif msg_type == MsgType.ACCEPTED:
+            stream = self.streams.get(body["rid"])
+            if stream is not None:
+                stream.on_accepted(body)
+        elif msg_type == MsgType.ERROR:
+            self._on_error(body)
+        elif msg_type == MsgType.RESULT:
+            future = self._calls.get(body["cid"])
+            if future is not None and not future.done():
+                future.set_result(body.get("result"))
+        elif msg_type in (MsgType.PONG, MsgType.WELCOME):
+            self._on_engine_state(body)
+
+    def _on_error(self, body: dict[str, Any]) -> None:
+        rid, cid = body.get("rid"), body.get("cid")
+        if rid and rid in self.streams:
+            self.streams.pop(rid).on_error(body)
+        elif cid and cid in self._calls:
+            future = self._calls[cid]
+            if not future.done():
+                future.set_exception(EngineError(body))
+        else:
+            log.warning("engine error: %s (%s)", body.get("message"), body.get("code"))
+
+    def _on_engine_state(self, body: dict[str, Any]) -> None:
+        epoch = body["epoch"]
+        if self.epoch is not None and epoch != self.epoch:
+            log.warning("engine restarted (epoch %s -> %s): failing %d open request(s)",
+                        self.epoch, epoch, len(self.streams))
+            self._fail_all(503, "engine_restarted", "The engine restarted while this request ran")
+        if epoch != self.epoch:
+            self._send(MsgType.HELLO, self._hello())
+        self.epoch = epoch
+        self.engine_state = body["state"]
+        self.last_heard = time.monotonic()
+        self._ready.set()
+
+    def _hello(self) -> dict[str, Any]:
+        return {"version": PROTOCOL_VERSION, "frontend_id": self.frontend_id, "pid": os.getpid(),
+                "host": socket.gethostname()}
+
+    def _fail_all(self, status: int, code: str, message: str) -> None:
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.on_error({"rid": stream.rid, "status": status, "code": code, "message": message,
+                             "type": "server_error"})
+
+    async def _heartbeat_loop(self) -> None:
+        self._send(MsgType.HELLO, self._hello())
+        while True:
+            self._send(MsgType.PING, {"t": time.time()})
+            await asyncio.sleep(self.ping_interval)
+            if self._ready.is_set() and not self.alive and not self._socket.get(zmq.EVENTS) & zmq.POLLIN:
+                # Frames still waiting to be read mean this worker is behind, not the engine dead.
+                log.warning("engine silent for %.1f s: marking it down", self.dead_after)
+                self._ready.clear()
+                self.engine_state = "unreachable"
+                self._fail_all(503, "engine_unavailable", "The engine stopped responding")

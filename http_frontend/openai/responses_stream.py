@@ -1,0 +1,196 @@
+"""Engine updates -> Responses output items and the streaming events OpenAI sends for them.
+
+One builder serves both answers: the streaming route sends the events it returns,
+the JSON route ignores them and takes `response()`, so both agree item for item.
+Items come in the order the model produced them: a reasoning item (thinking
+text), a message (answer text), then one function_call item per tool call.
+Event order and shapes follow `openai.types.responses` (SDK 3.52): every event has
+a `sequence_number` counting from 0; the stream ends with `response.completed`
+(or `response.incomplete` when `max_output_tokens` cut it, as OpenAI does) and no
+`[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from http_frontend.engine.client import Update
+from http_frontend.errors import APIError
+
+Event = dict[str, Any]
+TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
+    """The engine's usage in the Responses shape."""
+    if usage is None:
+        return None
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0), "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)},
+            "total_tokens": usage["total_tokens"]}
+
+
+class ResponseBuilder:
+    """Feeds on merged engine updates; returns the events each one causes."""
+
+    def __init__(self, base: dict[str, Any]):
+        # `base`: the response object's fixed fields (id, model, echoed request settings).
+        self.base = base
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the reasoning or message item receiving text
+        self.text = ""
+        self.reasoning = ""
+        self.calls: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self.usage: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.completed_at: float | None = None
+
+    # -- events -------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> Event:
+        event = {"type": kind, **fields, "sequence_number": self.sequence}
+        self.sequence += 1
+        return event
+
+    def start(self) -> list[Event]:
+        """`response.created` and `response.in_progress`, sent before any output."""
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def feed(self, update: Update) -> list[Event]:
+        events: list[Event] = []
+        if update.reasoning:
+            events += self._append("reasoning", update.reasoning)
+        if update.text:
+            events += self._append("message", update.text)
+        for call in update.tool_calls:
+            events += self._close()
+            events += self._call(call)
+        if update.finish_reason:
+            events += self._finish(update.finish_reason, update.usage)
+        return events
+
+    def fail(self, error: APIError) -> list[Event]:
+        """An engine error mid-stream: OpenAI's `error` event, then `response.failed`."""
+        self.status = "failed"
+        self.error = {"code": error.code or "server_error", "message": error.message}
+        return [self._event("error", code=error.code, message=error.message, param=error.param),
+                self._event("response.failed", response=self.response())]
+
+    # -- items ----------------------------------------------------------------------
+    def _append(self, kind: str, text: str) -> list[Event]:
+        events: list[Event] = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close()
+            events += self._open_item(kind)
+        item, index = self._open, len(self.output) - 1
+        if kind == "reasoning":
+            self.reasoning += text
+            item["_text"] += text
+            events.append(self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                                      content_index=0, delta=text))
+        else:
+            self.text += text
+            item["_text"] += text
+            events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                      content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def _open_item(self, kind: str) -> list[Event]:
+        if kind == "reasoning":
+            item = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "content": [],
+                    "role": "assistant"}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.output.append(item)
+        index = len(self.output) - 1
+        events = [self._event("response.output_item.added", output_index=index, item=dict(item)),
+                  self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                              content_index=0, part=part)]
+        item["_text"] = ""
+        self._open = item
+        return events
+
+    def _close(self, status: str = "completed") -> list[Event]:
+        """Finishes the open reasoning/message item with its `.done` events."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.output.index(item)
+        text = item.pop("_text")
+        if item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": text}
+            done = self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                               content_index=0, text=text)
+        else:
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            done = self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                               content_index=0, text=text, logprobs=[])
+        item["content"] = [part]
+        item["status"] = status
+        return [done,
+                self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                            content_index=0, part=part),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _call(self, call: dict[str, Any]) -> list[Event]:
+        """A complete tool call from the engine: its item, arguments in one delta, and its `.done`s."""
+        arguments = call.get("arguments") or ""
+        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
+                "call_id": call.get("id") or new_id("call"), "name": call.get("name", "")}
+        self.output.append(item)
+        self.calls.append(item)
+        index = len(self.output) - 1
+        events = [self._event("response.output_item.added", output_index=index, item=dict(item)),
+                  self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                              delta=arguments),
+                  self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              arguments=arguments)]
+        item["arguments"] = arguments
+        item["status"] = "completed"
+        events.append(self._event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _finish(self, finish_reason: str, usage: dict[str, int] | None) -> list[Event]:
+        cut = finish_reason == "length"
+        events = self._close("incomplete" if cut else "completed")
+        if not self.output:
+            # Nothing was generated: still one (empty) assistant message, as OpenAI answers.
+            events += self._open_item("message")
+            events += self._close("incomplete" if cut else "completed")
+        self.status = "incomplete" if cut else "completed"
+        self.usage = response_usage(usage)
+        self.completed_at = time.time()
+        events.append(self._event(f"response.{self.status}", response=self.response()))
+        return events
+
+    # -- the response object -----------------------------------------------------------
+    def response(self) -> dict[str, Any]:
+        finished = self.status in ("completed", "incomplete", "failed")
+        items = [{k: v for k, v in item.items() if not k.startswith("_")} for item in self.output] if finished \
+            else []
+        return {**self.base, "status": self.status, "output": items, "usage": self.usage, "error": self.error,
+                "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
+                "completed_at": self.completed_at if self.status == "completed" else None}
+
+    def assistant_message(self) -> dict[str, Any]:
+        """This response's output as the chat message a later turn resumes from."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.calls:
+            message["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for c in self.calls]
+        return message

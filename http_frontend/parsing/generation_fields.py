@@ -1,0 +1,147 @@
+"""Validation of the chat fields that steer what the model produces, not how it samples.
+
+Tools, tool_choice, response_format and the reasoning switches are checked here
+and forwarded in the ADD as plain values: the engine applies them (chat template,
+constrained decoding, output parsing). Each error names the offending `param`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from http_frontend.errors import bad_request
+from http_frontend.parsing.body import get_field
+
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def check_tool_count(tools: list[Any]) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools",
+                          code="array_above_max_length")
+
+
+def function_tool(spec: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """One function tool in chat's shape from its fields (`name`, `description`, `parameters`, `strict`).
+
+    Shared by the chat route (fields under `function`) and Responses (fields at the top level);
+    errors name `<prefix>.<field>`.
+    """
+    name = spec.get("name")
+    if not isinstance(name, str):
+        raise bad_request(f"Invalid type for '{prefix}.name': expected a string", param=f"{prefix}.name",
+                          code="invalid_type")
+    if not TOOL_NAME.match(name):
+        raise bad_request(f"Invalid '{prefix}.name': {name!r} must match {TOOL_NAME.pattern}",
+                          param=f"{prefix}.name", code="invalid_value")
+    entry: dict[str, Any] = {"name": name, "parameters": {"type": "object", "properties": {}}}
+    for key, kind, expected in (("description", str, "a string"), ("parameters", dict, "a JSON schema object"),
+                                ("strict", bool, "a boolean")):
+        if spec.get(key) is not None:
+            if not isinstance(spec[key], kind):
+                raise bad_request(f"Invalid type for '{prefix}.{key}': expected {expected}",
+                                  param=f"{prefix}.{key}", code="invalid_type")
+            entry[key] = spec[key]
+    return {"type": "function", "function": entry}
+
+
+def unique_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The tools (None when empty), refused when two share a name."""
+    names = [tool["function"]["name"] for tool in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("Tool names in 'tools' must be unique", param="tools", code="invalid_value")
+    return tools or None
+
+
+def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """OpenAI chat function tools, normalised to {"type": "function", "function": {name, description, parameters}}."""
+    tools = get_field(body, "tools", (list,))
+    if not tools:
+        return None
+    check_tool_count(tools)
+    checked = []
+    for index, tool in enumerate(tools):
+        param = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise bad_request(f"Invalid '{param}': only tools of type 'function' are supported", param=param,
+                              code="unsupported_parameter")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"Invalid '{param}.function': an object with a string 'name' is required",
+                              param=f"{param}.function", code="invalid_type")
+        checked.append(function_tool(function, f"{param}.function"))
+    return unique_tools(checked)
+
+
+def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:
+    """"none" | "auto" | "required" | {"type": "function", "function": {"name"}} (a tool that exists)."""
+    choice = get_field(body, "tool_choice", (str, dict))
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad_request(f"Invalid value for 'tool_choice': {choice!r}; expected 'none', 'auto', 'required' "
+                              "or a named function", param="tool_choice", code="invalid_value")
+        if choice == "required" and not tools:
+            raise bad_request("'tool_choice' is 'required' but no 'tools' were given", param="tool_choice",
+                              code="invalid_value")
+        return choice
+    function = choice.get("function") if choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise bad_request("Invalid 'tool_choice': expected {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                          param="tool_choice", code="invalid_type")
+    if name not in [tool["function"]["name"] for tool in tools or ()]:
+        raise bad_request(f"Invalid 'tool_choice': function {name!r} is not in 'tools'", param="tool_choice",
+                          code="invalid_value")
+    return {"type": "function", "function": {"name": name}}
+
+
+def parse_response_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """text (None) | json_object | json_schema with a schema object; anything else is a 400, never ignored."""
+    response_format = get_field(body, "response_format", (dict,))
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad_request("Invalid 'response_format.json_schema': expected an object with a 'schema' object",
+                              param="response_format.json_schema", code="invalid_type")
+        if not isinstance(spec.get("name", ""), str):
+            raise bad_request("Invalid 'response_format.json_schema.name': expected a string",
+                              param="response_format.json_schema.name", code="invalid_type")
+        return {"type": "json_schema", "json_schema": {"name": spec.get("name", "response"),
+                                                       "schema": spec.get("schema", {}),
+                                                       "strict": bool(spec.get("strict", False))}}
+    raise bad_request(f"Invalid value for 'response_format.type': {kind!r}; expected 'text', 'json_object' or "
+                      "'json_schema'", param="response_format.type", code="invalid_value")
+
+
+def parse_reasoning(body: dict[str, Any], template_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any] | None,
+                                                                                            int | None]:
+    """`enable_thinking`, `reasoning_effort` and `thinking_budget` → (chat_template_kwargs, thinking budget).
+
+    `enable_thinking` (top level, as vLLM and mlx-openai-server take it) wins over the
+    same key in `chat_template_kwargs`; `reasoning_effort: "none"` turns thinking off.
+    """
+    kwargs = dict(template_kwargs or {})
+    effort = get_field(body, "reasoning_effort", (str,))
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(f"Invalid value for 'reasoning_effort': {effort!r}; expected one of "
+                              f"{list(REASONING_EFFORTS)}", param="reasoning_effort", code="invalid_value")
+        kwargs.setdefault("enable_thinking", effort != "none")
+        kwargs.setdefault("reasoning_effort", effort)
+    enable = get_field(body, "enable_thinking", (bool,))
+    if enable is not None:
+        kwargs["enable_thinking"] = enable
+    budget = get_field(body, "thinking_budget", (int,), minimum=0)
+    return (kwargs or None), budget

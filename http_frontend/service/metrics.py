@@ -1,0 +1,333 @@
+"""Prometheus metrics and access lines for one front-end worker.
+
+Each gunicorn worker is its own process with its own counters, so every
+front-end family carries a `pid` label: sum over it for the whole front-end.
+The engine's figures are fetched over the protocol (`CALL stats`) at scrape time;
+when the engine does not answer, /metrics still answers with `mlx_engine_up 0`.
+
+The text exposition format (0.0.4) is written by hand: it is a few lines, and the
+front-end stays free of dependencies it would only use here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import falcon
+import falcon.asgi
+
+from http_frontend.middleware.asgi import HttpWrapper, Receive, Send
+from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("http_frontend.access")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+START_KEY = "mlx_engined.started"  # scope key: perf_counter() when the request arrived
+RID_KEY = "mlx_engined.rid"  # scope key: the engine request id, once submitted
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+Labels = tuple[tuple[str, str], ...]
+KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+# -- exposition -------------------------------------------------------------------------
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+def _sample(name: str, labels: Labels, value: float) -> str:
+    if not labels:
+        return f"{name} {_number(value)}"
+    rendered = ",".join(f'{key}="{_escape_label(str(val))}"' for key, val in labels)
+    return f"{name}{{{rendered}}} {_number(value)}"
+
+
+def family(name: str, kind: str, help_text: str, samples: Iterable[tuple[str, Labels, float]]) -> list[str]:
+    """HELP, TYPE and the samples of one metric family; `samples` are (suffix, labels, value)."""
+    help_text = help_text.replace("\\", "\\\\").replace("\n", "\\n")
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    lines.extend(_sample(name + suffix, labels, value) for suffix, labels, value in samples)
+    return lines
+
+
+class Counter:
+    """A counter keyed by label values."""
+
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()):
+        self.name, self.help_text, self.labelnames = name, help_text, labelnames
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, *labelvalues: str, amount: float = 1) -> None:
+        self.values[labelvalues] = self.values.get(labelvalues, 0) + amount
+
+    def render(self, const: Labels) -> list[str]:
+        return family(self.name, "counter", self.help_text,
+                      (("", const + tuple(zip(self.labelnames, key)), value)
+                       for key, value in sorted(self.values.items())))
+
+
+class Histogram:
+    """A histogram with fixed upper bounds (seconds), keyed by label values."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...], labelnames: tuple[str, ...] = ()):
+        self.name, self.help_text, self.labelnames = name, help_text, labelnames
+        self.bounds = tuple(sorted(buckets))
+        # per label key: [per-bucket counts (non-cumulative, last = +Inf)], sum, count
+        self.values: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+
+    def observe(self, value: float, *labelvalues: str, count: int = 1) -> None:
+        """Records `count` observations of `value` (merged deltas carry several tokens)."""
+        if count < 1:
+            return
+        buckets, totals = self.values.setdefault(labelvalues, ([0] * (len(self.bounds) + 1), [0.0, 0]))
+        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
+        buckets[index] += count
+        totals[0] += value * count
+        totals[1] += count
+
+    def render(self, const: Labels) -> list[str]:
+        samples: list[tuple[str, Labels, float]] = []
+        keys = sorted(self.values) or ([()] if not self.labelnames else [])
+        for key in keys:
+            buckets, totals = self.values.get(key, ([0] * (len(self.bounds) + 1), [0.0, 0]))
+            labels = const + tuple(zip(self.labelnames, key))
+            running = 0
+            for bound, hits in zip((*self.bounds, math.inf), buckets):
+                running += hits
+                samples.append(("_bucket", labels + (("le", _number(float(bound))),), running))
+            samples.append(("_sum", labels, totals[0]))
+            samples.append(("_count", labels, int(totals[1])))
+        return family(self.name, "histogram", self.help_text, samples)
+
+
+# -- the worker's figures ----------------------------------------------------------------
+class FrontendMetrics:
+    """Everything one worker counts, plus the scrape that renders it with the engine's figures."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.requests = Counter("mlx_frontend_requests_total",
+                                "HTTP requests answered by this worker, by route, method and status.",
+                                ("route", "method", "status"))
+        self.duration = Histogram("mlx_frontend_request_duration_seconds",
+                                  "Seconds from request arrival to the last byte of the response (whole stream).",
+                                  DURATION_BUCKETS, ("route",))
+        self.ttft = Histogram("mlx_frontend_time_to_first_token_seconds",
+                              "Seconds from request arrival to the first generated content reaching this worker.",
+                              TTFT_BUCKETS)
+        self.itl = Histogram("mlx_frontend_inter_token_latency_seconds",
+                             "Seconds between generated tokens, per token (gaps of merged deltas are split evenly).",
+                             ITL_BUCKETS)
+        self.open_streams = 0
+
+    # -- recording ------------------------------------------------------------------------
+    def token_timer(self, scope: dict[str, Any]) -> "TokenTimer":
+        return TokenTimer(self, scope.get(START_KEY) or time.perf_counter())
+
+    def stream_opened(self) -> None:
+        self.open_streams += 1
+
+    def stream_closed(self) -> None:
+        self.open_streams -= 1
+
+    def record_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        self.requests.inc(route, method, str(status))
+        self.duration.observe(seconds, route)
+
+    # -- rendering ------------------------------------------------------------------------
+    def render_frontend(self) -> list[str]:
+        const: Labels = (("pid", str(os.getpid())),)
+        lines = []
+        for metric in (self.requests, self.duration, self.ttft, self.itl):
+            lines += metric.render(const)
+        lines += family("mlx_frontend_open_streams", "gauge", "Server-sent-event responses this worker is streaming.",
+                        [("", const, self.open_streams)])
+        lines += family("mlx_frontend_inflight_requests", "gauge",
+                        "Requests of this worker the engine has not finished yet (streamed or not).",
+                        [("", const, len(self.client.streams))])
+        return lines
+
+    async def render(self) -> str:
+        try:
+            stats = await self.client.call("stats", timeout=1.0)
+        except (EngineUnavailable, EngineError) as exc:
+            log.debug("engine stats unavailable for /metrics: %s", exc)
+            stats = None
+        return "\n".join(self.render_frontend() + engine_lines(stats)) + "\n"
+
+
+def engine_lines(stats: dict[str, Any] | None) -> list[str]:
+    """The engine's `stats` CALL as metric families; only `mlx_engine_up 0` when it is down."""
+    lines = family("mlx_engine_up", "gauge", "1 when the engine answered this scrape's stats call, else 0.",
+                   [("", (), 1 if stats else 0)])
+    if not stats:
+        return lines
+
+    def one(name: str, kind: str, help_text: str, key: str) -> None:
+        value = stats.get(key)
+        if isinstance(value, (int, float)):
+            lines.extend(family(name, kind, help_text, [("", (), value)]))
+
+    lines += family("mlx_engine_info", "gauge", "Engine state, loaded model and scheduler (value is always 1).",
+                    [("", (("state", str(stats.get("state") or "")), ("model", str(stats.get("model") or "")),
+                            ("scheduler", str(stats.get("scheduler") or ""))), 1)])
+    one("mlx_engine_epoch", "gauge", "Engine epoch: changes when the engine restarts.", "epoch")
+    one("mlx_engine_uptime_seconds", "gauge", "Seconds since the engine started.", "uptime")
+    one("mlx_engine_frontends", "gauge", "Front-end connections the engine knows.", "frontends")
+    one("mlx_engine_queued_requests", "gauge", "Requests waiting to start (queue depth).", "queued")
+    one("mlx_engine_running_requests", "gauge", "Requests prefilling or decoding.", "running")
+    one("mlx_engine_batch_size", "gauge", "Requests in the current decode batch.", "batch_size")
+    one("mlx_engine_max_batch_size", "gauge", "Largest decode batch since the engine started.", "max_batch_size")
+    one("mlx_engine_decode_concurrency", "gauge", "Most requests decoding in one batch.", "decode_concurrency")
+    one("mlx_engine_tokens_generated_total", "counter", "Tokens generated since the engine started.",
+        "tokens_generated")
+    one("mlx_engine_prompt_tokens_total", "counter", "Prompt tokens admitted since the engine started.",
+        "prompt_tokens")
+    one("mlx_engine_prompt_cache_hits_total", "counter", "Requests that reused a cached prompt prefix.",
+        "prompt_cache_hits")
+    one("mlx_engine_prompt_cache_misses_total", "counter", "Requests that found no cached prompt prefix.",
+        "prompt_cache_misses")
+    hits, misses = stats.get("prompt_cache_hits"), stats.get("prompt_cache_misses")
+    if isinstance(hits, int) and isinstance(misses, int):
+        rate = hits / (hits + misses) if hits + misses else 0.0
+        lines += family("mlx_engine_prompt_cache_hit_rate", "gauge",
+                        "Prompt-cache hits / (hits + misses) since the engine started.", [("", (), rate)])
+    one("mlx_engine_cached_tokens_total", "counter", "Prompt tokens served from the prompt cache.", "cached_tokens")
+    one("mlx_engine_prompt_cache_entries", "gauge", "Entries in the prompt cache.", "prompt_cache_entries")
+    one("mlx_engine_prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", "prompt_cache_bytes")
+    one("mlx_engine_model_loads_total", "counter", "Model loads since the engine started.", "model_loads")
+    outcomes = [(("outcome", outcome.removeprefix("requests_")), stats[outcome])
+                for outcome in ("requests_added", "requests_finished", "requests_aborted", "requests_rejected")
+                if isinstance(stats.get(outcome), int)]
+    if outcomes:
+        lines += family("mlx_engine_requests_total", "counter", "Engine requests by outcome.",
+                        [("", (label,), value) for label, value in outcomes])
+    rejections = stats.get("rejections")
+    if isinstance(rejections, dict) and rejections:
+        lines += family("mlx_engine_rejections_total", "counter", "Requests refused at admission, by error code.",
+                        [("", (("code", str(code)),), count) for code, count in sorted(rejections.items())])
+    return lines
+
+
+class TokenTimer:
+    """TTFT and inter-token latency of one request, fed with the engine's merged updates."""
+
+    def __init__(self, metrics: FrontendMetrics, started: float):
+        self.metrics = metrics
+        self.started = started
+        self.last: float | None = None
+
+    def on_update(self, update: Any) -> None:
+        tokens = len(update.token_ids) or (1 if update.text else 0)
+        if not tokens:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.started)
+            tokens -= 1  # tokens merged with the first one have no gap of their own to measure
+        elif tokens:
+            self.metrics.itl.observe((now - self.last) / tokens, count=tokens)
+        self.last = now
+
+
+class MetricsResource:
+    """GET /metrics in the Prometheus text format (covered by the API key like every route)."""
+
+    def __init__(self, metrics: FrontendMetrics):
+        self.metrics = metrics
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.content_type = CONTENT_TYPE
+        resp.text = await self.metrics.render()
+
+
+# -- the ASGI wrapper that sees every request from arrival to last byte -------------------
+
+
+class RequestObserver(HttpWrapper):
+    """Counts every request and writes its access line once the last byte is handed over.
+
+    An ASGI wrapper rather than falcon middleware: falcon's response hooks run before
+    a stream's body, and a stream's duration is what matters. `route_of(path)` maps a
+    path to its route template (bounded label values); unknown paths count as "other".
+    """
+
+    def __init__(self, app: Callable[..., Awaitable[None]], metrics: FrontendMetrics,
+                 route_of: Callable[[str], str | None]):
+        super().__init__(app)
+        self.metrics = metrics
+        self.route_of = route_of
+
+    async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        scope[START_KEY] = started
+        status = 0
+        recorded = False
+
+        def record(outcome: str) -> None:
+            nonlocal recorded
+            if recorded:
+                return
+            recorded = True
+            seconds = time.perf_counter() - started
+            route = self.route_of(scope.get("path", "")) or "other"
+            method = scope.get("method", "")
+            if method not in KNOWN_METHODS:
+                method = "other"  # label values stay a bounded set
+            self.metrics.record_request(route, method, status or 500, seconds)
+            client = scope.get("client") or ("-", 0)
+            access_log.info("rid=%s method=%s route=%s path=%s status=%d duration_ms=%.1f client=%s outcome=%s",
+                            scope.get(RID_KEY) or "-", _printable(method), route,
+                            _printable(scope.get("path", "")), status or 500, seconds * 1000, client[0], outcome)
+
+        async def observed_send(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                record("complete")  # before the last byte leaves: a client's next scrape sees it
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        finally:
+            record("disconnected" if status else "failed")
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """A client-chosen string made safe for one log line (a %0A in a path cannot forge a line)."""
+    text = text[:limit]
+    return text if text.isprintable() and " " not in text else text.encode("unicode_escape").decode(
+        "ascii").replace(" ", "\\x20")
+
+
+def route_finder(router: Any) -> Callable[[str], str | None]:
+    """Route template of a path through falcon's router (public `find`), None when unknown."""
+    def route_of(path: str) -> str | None:
+        try:
+            found = router.find(path)
+        except falcon.HTTPError:
+            return None
+        return found[3] if found else None
+    return route_of
