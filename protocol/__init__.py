@@ -7,6 +7,7 @@ A frame is ``[type: 1 byte][msgpack body]``; the ROUTER adds the identity frame.
 from protocol.codec import ProtocolError, decode, encode
 from protocol.messages import (
     PROTOCOL_VERSION,
+    CallMethod,
     MsgType,
     new_request_id,
     request_id_owner,
@@ -14,6 +15,7 @@ from protocol.messages import (
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "CallMethod",
     "MsgType",
     "ProtocolError",
     "decode",

@@ -37,6 +37,28 @@ class MsgType(enum.IntEnum):
     RESULT = 21
 
 
+class CallMethod(str, enum.Enum):
+    """The `method` of a CALL: every request/reply operation a front-end may ask of the engine.
+
+    A `str` enum so the wire carries the plain name (`CallMethod.STATS == "stats"`); the
+    engine answers a name outside this list with 400 `unknown_method`.
+    """
+
+    STATUS = "status"
+    LIST_MODELS = "list_models"
+    STATS = "stats"
+    UNLOAD = "unload"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    ADAPTERS_LIST = "adapters.list"
+    ADAPTERS_ADD = "adapters.add"
+    ADAPTERS_REMOVE = "adapters.remove"
+    RESPONSES_PUT = "responses.put"
+    RESPONSES_GET = "responses.get"
+    RESPONSES_DELETE = "responses.delete"
+    DEBUG_SLEEP = "debug_sleep"  # fault injection (tests only): wedges the mlx thread
+
+
 FRONTEND_TO_ENGINE = frozenset(
     {MsgType.HELLO, MsgType.PING, MsgType.ADD, MsgType.ABORT, MsgType.CALL, MsgType.BYE}
 )
