@@ -9,6 +9,11 @@ import signal
 import sys
 from pathlib import Path
 
+from engine_daemon.calls.response_store import ResponseStore
+from engine_daemon.config import SchedulerConfig
+from engine_daemon.models.names import ModelNames, ModelsConfigError
+from engine_daemon.models.store import ModelNotFound, model_roots, resolve, set_operator_names
+from engine_daemon.transport.security import InsecureEndpoint, SocketSecurity, check_endpoint, keygen_main
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
 
@@ -216,15 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
-        from engine_daemon.transport.security import keygen_main
         return keygen_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s engined[%(process)d] %(name)s: %(message)s")
     log = logging.getLogger("engined")
     # Refused before mlx loads or a model downloads: a misconfigured socket is an operator error.
-    from engine_daemon.models.store import model_roots
-    from engine_daemon.transport.security import InsecureEndpoint, SocketSecurity, check_endpoint
     security = SocketSecurity(args.curve_secret_key, args.curve_authorized_keys, args.allow_insecure_tcp)
     try:
         check_endpoint(args.endpoint, security)
@@ -238,8 +240,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.trust_remote_code:
         log.warning("--trust-remote-code: models may run the Python code they ship")
-    from engine_daemon.models.names import ModelNames, ModelsConfigError
-    from engine_daemon.models.store import set_operator_names
     try:
         names = ModelNames.from_options(models_config=args.models_config, model=args.model,
                                         served_model_name=args.served_model_name,
@@ -252,10 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.idle_unload is not None and args.idle_unload <= 0:
         log.error("--idle-unload must be a positive number of seconds")
         return 2
-    # Imported here so `engined --help` answers without loading mlx.
+    # Lazy on purpose: these load MLX, which `engined --help`, `engined keygen` and a refused
+    # configuration never need (the only imports of our own modules inside a function).
     from engine_daemon.cpu.blas_check import warn_if_slow_blas
-    from engine_daemon.calls.response_store import ResponseStore
-    from engine_daemon.scheduling.base import SchedulerConfig
     from engine_daemon.transport.server import EndpointInUse, EngineServer
 
     warn_if_slow_blas()
@@ -300,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.model:
         # The operator named it: fetch it now if it is not cached, before serving.
-        from engine_daemon.models.store import ModelNotFound, resolve
         try:
             resolve(names.source_of(args.model), allow_download=True)
         except ModelNotFound as exc:
@@ -324,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_adapter_and_draft(args: argparse.Namespace, model_source: str | None, log: logging.Logger) -> int:
     """--adapter-path and --draft-model refused at start (exit 2) rather than failing every request later."""
-    from engine_daemon.models.store import ModelNotFound, resolve
 
     if args.adapter_path:
         from engine_daemon.lora.adapters import is_adapter_dir

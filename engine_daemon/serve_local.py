@@ -17,6 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from engine_daemon.models.store import ModelNotFound, resolve
+from model_builders.text import build_model
+from protocol import MsgType, decode, encode
 from protocol.endpoints import default_endpoint
 
 log = logging.getLogger("mlx-engined-serve")
@@ -31,13 +34,10 @@ BANNER = "!" * 78
 
 def pick_model(name: str, fallback_dir: Path) -> str:
     """`name` when it is cached or can be downloaded; else a random-weight model, loudly."""
-    from engine_daemon.models.store import ModelNotFound, resolve
-
     try:
         return str(resolve(name, allow_download=True).path)
     except ModelNotFound as exc:
         reason = str(exc).splitlines()[0]
-    from model_builders.text import build_model
 
     path = build_model(fallback_dir, size="tiny")
     log.warning("\n%s\n!! %s is unavailable (%s).\n!! SERVING A RANDOM-WEIGHT MODEL: its output is NONSENSE.\n"
@@ -61,8 +61,6 @@ def engine_environment() -> dict[str, str]:
 
 def wait_for_engine(endpoint: str, engine: subprocess.Popen, timeout: float) -> None:
     import zmq
-
-    from protocol import MsgType, decode, encode
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

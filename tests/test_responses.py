@@ -25,7 +25,9 @@ from PIL import Image
 from pydantic import TypeAdapter
 
 from model_builders.text import derive_model, thinking_chat_template
-from engine_daemon.calls.response_store import ResponseStore, StoreCallError, handle_call
+from engine_daemon.calls import response_store as store_calls
+from engine_daemon.calls.response_store import ResponseStore
+from engine_daemon.errors import RequestError
 from http_frontend.engine.client import Update
 from http_frontend.errors import APIError
 from http_frontend.parsing.media import MediaCollector
@@ -94,14 +96,15 @@ def test_store_evicts_the_oldest_past_its_byte_cap() -> None:
 
 def test_store_calls_check_their_arguments() -> None:
     store = ResponseStore()
-    assert handle_call(store, "responses.put", {"id": "resp_1", "record": {"response": {}}}) == {"stored": True}
-    assert handle_call(store, "responses.get", {"id": "resp_1"}) == {"response": {}}
-    assert handle_call(store, "responses.get", {"id": "resp_2"}) is None
-    assert handle_call(store, "responses.delete", {"id": "resp_1"}) == {"deleted": True}
-    for method, args in [("responses.get", {}), ("responses.get", {"id": 7}), ("responses.get", {"id": "x" * 300}),
-                         ("responses.put", {"id": "resp_1", "record": [1]}), ("responses.nope", {"id": "a"})]:
-        with pytest.raises(StoreCallError):
-            handle_call(store, method, args)
+    assert store_calls.put(store, {"id": "resp_1", "record": {"response": {}}}) == {"stored": True}
+    assert store_calls.get(store, {"id": "resp_1"}) == {"response": {}}
+    assert store_calls.get(store, {"id": "resp_2"}) is None
+    assert store_calls.delete(store, {"id": "resp_1"}) == {"deleted": True}
+    for call, args in [(store_calls.get, {}), (store_calls.get, {"id": 7}), (store_calls.get, {"id": "x" * 300}),
+                       (store_calls.put, {"id": "resp_1", "record": [1]})]:
+        with pytest.raises(RequestError) as caught:
+            call(store, args)
+        assert caught.value.status == 400 and caught.value.code == "invalid_value"
 
 
 # -- request and event mapping, without processes -----------------------------------------------

@@ -484,19 +484,21 @@ def test_chunked_image_prefill_matches_and_reports_progress(model_dir: Path, ref
     """Prompts prefilled in small chunks between steps give the same tokens; progress feeds the pacer."""
     import mlx.core as mx
 
-    from engine_daemon.request import admission as rq
-    from engine_daemon.multimodal import inputs as vision
     from engine_daemon.models.store import ModelRef
+    from engine_daemon.models.vlm_loader import load_vision_model
+    from engine_daemon.multimodal import inputs as vision
+    from engine_daemon.request.admission import prepare
+    from engine_daemon.request.state import EngineRequest
     from engine_daemon.generation.vision_batch import VisionBatchGenerator
 
-    loaded = vision.load_vision_model(ModelRef(VLM, model_dir / VLM))
+    loaded = load_vision_model(ModelRef(VLM, model_dir / VLM))
 
-    def request(rid: str, image: bytes) -> rq.EngineRequest:
+    def request(rid: str, image: bytes) -> EngineRequest:
         body = image_add(rid, image)
-        engine_request = rq.EngineRequest(rid=rid, peer=b"test", body=body)
+        engine_request = EngineRequest(rid=rid, peer=b"test", body=body)
         vision.check_media_allowed(body, loaded)
         vision.prepare(engine_request, loaded)
-        rq.prepare(engine_request, loaded, 64, {})
+        prepare(engine_request, loaded, 64, {})
         return engine_request
 
     outputs = {}

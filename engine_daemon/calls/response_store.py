@@ -21,6 +21,8 @@ from typing import Any
 
 import msgpack
 
+from engine_daemon.errors import RequestError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TTL_SECONDS = 3600.0
@@ -33,15 +35,6 @@ class _Entry:
     record: dict[str, Any]
     size: int
     expires_at: float
-
-
-class StoreCallError(Exception):
-    """A malformed store CALL, answered as an ERROR frame with this status and code."""
-
-    def __init__(self, status: int, code: str, message: str):
-        super().__init__(message)
-        self.status = status
-        self.code = code
 
 
 class ResponseStore:
@@ -115,24 +108,24 @@ class ResponseStore:
 def _response_id(args: dict[str, Any]) -> str:
     response_id = args.get("id")
     if not isinstance(response_id, str) or not 0 < len(response_id) <= MAX_ID_LENGTH:
-        raise StoreCallError(400, "invalid_value", f"'id' must be a string of 1 to {MAX_ID_LENGTH} characters")
+        raise RequestError(400, "invalid_value", f"'id' must be a string of 1 to {MAX_ID_LENGTH} characters")
     return response_id
 
 
-def handle_call(store: ResponseStore, method: str, args: dict[str, Any]) -> Any:
-    """The `responses.*` CALL methods; StoreCallError for malformed arguments.
-
-    responses.put {id, record} -> {"stored": bool}; responses.get {id} -> record or None;
-    responses.delete {id} -> {"deleted": bool}.
-    """
+def put(store: ResponseStore, args: dict[str, Any]) -> dict[str, bool]:
+    """responses.put {id, record} -> {"stored": bool}."""
     response_id = _response_id(args)
-    if method == "responses.put":
-        record = args.get("record")
-        if not isinstance(record, dict):
-            raise StoreCallError(400, "invalid_value", "'record' must be a map")
-        return {"stored": store.put(response_id, record)}
-    if method == "responses.get":
-        return store.get(response_id)
-    if method == "responses.delete":
-        return {"deleted": store.delete(response_id)}
-    raise StoreCallError(400, "unknown_method", f"unknown CALL method '{method}'")
+    record = args.get("record")
+    if not isinstance(record, dict):
+        raise RequestError(400, "invalid_value", "'record' must be a map")
+    return {"stored": store.put(response_id, record)}
+
+
+def get(store: ResponseStore, args: dict[str, Any]) -> dict[str, Any] | None:
+    """responses.get {id} -> the record, or None."""
+    return store.get(_response_id(args))
+
+
+def delete(store: ResponseStore, args: dict[str, Any]) -> dict[str, bool]:
+    """responses.delete {id} -> {"deleted": bool}."""
+    return {"deleted": store.delete(_response_id(args))}

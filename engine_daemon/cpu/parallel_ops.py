@@ -9,7 +9,7 @@ separate streams puts the idle cores to work: a prefill of 8 x 125 tokens on the
 Qwen2-0.5B-shaped bench model drops from ~6.5 s to ~5.4 s on 2 cores.
 
 Every element is still computed by the same kernel on the same inputs, so the
-outputs are bitwise identical to mlx-lm's (tests/test_cpu_parallel.py checks it).
+outputs are bitwise identical to mlx-lm's (the cpu-parallel tests check it).
 Model files bind `swiglu` and `scaled_dot_product_attention` by name when they
 are imported, so `install()` rebinds those names in every imported
 `mlx_lm.models.*` module after each load. Nothing changes on a GPU, where the

@@ -1,6 +1,6 @@
 """BatchGenerator's interface over one batch per LoRA adapter, plus the speculative lane.
 
-Why groups: a forward pass computes with one adapter (engine_daemon/lora/adapters.py
+Why groups: a forward pass computes with one adapter (`AdapterManager`
 switches them between passes), so requests with different adapters cannot share a
 batch row set. Each adapter in use gets its own mlx-lm `BatchGenerator`, bound to
 its adapter, and every engine step advances every group by one token.
@@ -14,7 +14,7 @@ none) that is exactly the plain batch. Prompt caches are keyed by adapter
 (BatchScheduler._cache_key), so a prefix computed with one adapter never serves
 another.
 
-The speculative lane (engine_daemon/generation/speculative.py) serves a request that would
+The speculative lane (`SpeculativeLane`) serves a request that would
 run alone; when a second request arrives, the lane's request moves into its
 adapter's group with its KV cache before the step runs.
 

@@ -38,6 +38,7 @@ from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, StopSequence
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
+from engine_daemon.models.store import resolve
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +112,6 @@ class SpeculativeDecoder:
     def _load_draft(self) -> None:
         from mlx_lm import load as mlx_lm_load
 
-        from engine_daemon.models.store import resolve
-
         ref = resolve(self.draft_model, allow_download=True)
         log.info("loading draft model %s from %s", self.draft_model, ref.path)
         self.draft, self._draft_tokenizer, config = mlx_lm_load(
@@ -158,9 +157,8 @@ class SpeculativeDecoder:
                 "tokens_per_round": s.tokens / s.rounds if s.rounds else None, "migrated_to_batch": s.migrated}
 
 
-def speculative_stats(scheduler: Any, model_id: str | None) -> dict[str, Any]:
+def speculative_stats(decoder: SpeculativeDecoder | None, model_id: str | None) -> dict[str, Any]:
     """The `speculative` block of /stats (None when no --draft-model is set)."""
-    decoder = getattr(scheduler, "speculative", None)
     return {"speculative": decoder.describe(model_id) if decoder is not None else None}
 
 

@@ -10,7 +10,7 @@ admission, stop strings, output parsing and aborts stay the scheduler's, as for 
 
 mlx-vlm batches prompts as input embeddings: each request's embeddings are computed when
 it joins (vision tower + projector, through the per-image feature cache of
-engine_daemon/multimodal/inputs.py), then mlx-vlm prefills them in chunks.
+`engine_daemon.multimodal.inputs.prepare`), then mlx-vlm prefills them in chunks.
 
 Two things mlx-vlm's generator does generator-wide, the engine does per request:
 * sampling: the generator samples greedily; a request with its own sampling settings
@@ -30,9 +30,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine_daemon.models.vision_support import VisionSupport
 from engine_daemon.multimodal import inputs as vision
-from engine_daemon.models.manager import LoadedModel
-from engine_daemon.request.admission import EngineRequest
+from engine_daemon.multimodal.features import image_features
+from engine_daemon.models.loaded import LoadedModel
+from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 
 log = logging.getLogger(__name__)
@@ -110,7 +112,7 @@ class VisionBatchGenerator:
 
         self.loaded = loaded
         self.model = loaded.model
-        self.support: vision.VisionSupport = loaded.vision
+        self.support: VisionSupport = loaded.vision
         self.completion_batch_size = completion_batch_size
         self.prompt_concurrency = max(1, prefill_batch_size)
         self._gen = BatchGenerator(
@@ -140,7 +142,7 @@ class VisionBatchGenerator:
         """Embeds the request's prompt (images through the feature cache) and queues it for prefill."""
         inputs = vision.take_inputs(request)
         kwargs = dict(inputs.extra)
-        features = vision.image_features(self.model, self.support, inputs)
+        features = image_features(self.model, self.support, inputs)
         if features is not None:
             kwargs["cached_image_features"] = features
         elif inputs.image_keys:

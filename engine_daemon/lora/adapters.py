@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engine_daemon.request.admission import RequestError
+from engine_daemon.errors import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def is_adapter_dir(path: Path) -> bool:
 
 
 def resolve_adapter_dir(spec: str, roots: Sequence[Path], param: str = "adapter_path") -> Path:
-    """An adapter directory a client named, confined to the model roots (as model_store confines models).
+    """An adapter directory a client named, confined to the model roots (as `engine_daemon.models.store.resolve` confines models).
 
     Refused before the filesystem is touched: `..` components and absolute paths not
     lexically under a root. A path under a root must still resolve (links followed) inside one.

@@ -17,61 +17,12 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
-from engine_daemon.models.names import ModelNames, ModelProfile, apply_profile
+from engine_daemon.models.loaded import LoadedModel, kv_bytes_per_token, read_generation_defaults
+from engine_daemon.models.names import ModelNames, apply_profile
 from engine_daemon.models.store import ModelRef, context_window_of_config, model_kind
+from engine_daemon.models.vlm_loader import load_vision_model
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadedModel:
-    """A model with what requests need from it: tokenizer, limits and default sampling."""
-
-    ref: ModelRef
-    model: nn.Module
-    tokenizer: Any  # mlx_lm TokenizerWrapper
-    context_window: int | None
-    vocab_size: int = 0
-    weights_bytes: int = 0
-    kv_bytes_per_token: int = 0
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    loaded_at: float = field(default_factory=time.time)
-    # "text" (mlx-lm) or "vision" / "audio" (mlx-vlm: `vision` holds its processor and feature cache)
-    kind: str = "text"
-    vision: Any = None  # engine_daemon.multimodal.inputs.VisionSupport for vision/audio models
-    # Its name's settings (--models-config, --chat-template-file, --context-overflow): model_aliases.py
-    profile: ModelProfile = field(default_factory=ModelProfile)
-
-
-# generation_config.json keys -> our sampling parameter names
-_GENERATION_CONFIG_KEYS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-}
-
-
-def _read_generation_defaults(path: Path) -> dict[str, Any]:
-    """Sampling defaults the model ships (used when a request omits a field)."""
-    try:
-        config = json.loads((path / "generation_config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    if config.get("do_sample") is False:
-        return {"temperature": 0.0}
-    return {ours: config[theirs] for theirs, ours in _GENERATION_CONFIG_KEYS.items() if theirs in config}
-
-
-def _kv_bytes_per_token(config: dict[str, Any], itemsize: int) -> int:
-    """Keys + values of one token across all layers: what admission control budgets for."""
-    config = {**config, **config.get("text_config", {})}
-    layers = config.get("num_hidden_layers") or config.get("n_layer") or 0
-    heads = config.get("num_attention_heads") or config.get("n_head") or 1
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads)
-    return 2 * layers * kv_heads * head_dim * itemsize
 
 
 class ModelManager:
@@ -124,16 +75,14 @@ class ModelManager:
             context_window=context_window_of_config(config),
             vocab_size=int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0),
             weights_bytes=sum(p.nbytes for p in parameters),
-            kv_bytes_per_token=_kv_bytes_per_token(config, itemsize),
-            generation_defaults=_read_generation_defaults(ref.path),
+            kv_bytes_per_token=kv_bytes_per_token(config, itemsize),
+            generation_defaults=read_generation_defaults(ref.path),
         )
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
         return self.current
 
     def _load_vision(self, ref: ModelRef) -> LoadedModel:
-        """A vision/audio model: mlx-vlm model + processor (engine_daemon/multimodal/inputs.py; mlx-vlm imported here)."""
-        from engine_daemon.multimodal.inputs import load_vision_model
-
+        """A vision/audio model: mlx-vlm model + processor (load_vision_model imports mlx-vlm)."""
         log.info("loading %s model %s from %s with mlx-vlm", model_kind(ref.path), ref.id, ref.path)
         started = time.perf_counter()
         self.current = load_vision_model(ref, trust_remote_code=self.trust_remote_code)

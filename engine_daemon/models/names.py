@@ -6,7 +6,7 @@ the models-config file, or the `--served-model-name` of the `--model` loaded at 
 Each name carries a `ModelProfile` (sampling defaults, max_tokens, context length,
 chat template, tool/reasoning parser, context-overflow mode) that is applied to the
 model when it loads, so one set of weights can be served under names with different
-settings. Why here and not in model_store: model_store finds directories; this module
+settings. Why here and not in `engine_daemon.models.store`: the store finds directories; this module
 decides what the operator's names mean. Nothing here imports mlx (the io thread lists
 the catalogue while the mlx thread is busy); `apply_profile` runs on the mlx thread.
 
@@ -311,7 +311,7 @@ class ModelNames:
 
 # -- applying a profile to a loaded model (mlx thread) ---------------------------------------------
 def apply_profile(loaded: Any, profile: ModelProfile) -> None:
-    """Makes a freshly loaded model follow its name's settings (engine_daemon/models/manager.py calls it).
+    """Makes a freshly loaded model follow its name's settings (`ModelManager` calls it).
 
     The tokenizer changes go through mlx-lm TokenizerWrapper's own fields (the chat
     template of the wrapped HF tokenizer, the tool-call and think markers it inferred

@@ -52,11 +52,11 @@ def is_mlx_model_dir(path: Path) -> bool:
     if not isinstance(model_type, str):
         return False
     # mlx-vlm also ships text-only, embedding and image-generation architectures: only its vision/audio
-    # models count here (engine_daemon/multimodal/inputs.py serves them).
+    # models count here (`load_vision_model` loads them).
     return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None or kind_of_config(config) != "text"
 
 
-# -- model kinds: which loader a model needs (engine_daemon/multimodal/inputs.py for vision/audio) ---------
+# -- model kinds: which loader a model needs (`load_vision_model` for vision/audio) ---------
 def _mlx_vlm_supports(model_type: str) -> bool:
     """mlx-vlm ships an architecture for `model_type` (found on disk: importing mlx_vlm is heavy)."""
     spec = importlib.util.find_spec("mlx_vlm")
@@ -120,7 +120,7 @@ _operator_names: tuple[str, ...] = ()
 
 
 def set_operator_names(names: Sequence[str]) -> None:
-    """Registers the operator's model names (engine_daemon/models/names.py) for `available_note`."""
+    """Registers the operator's model names (`ModelNames`) for `available_note`."""
     global _operator_names
     _operator_names = tuple(names)
 
@@ -150,7 +150,7 @@ def resolve(name: str, allow_download: bool = False, roots: Sequence[Path] | Non
 
 
 # The Hub download in progress (repo id, monotonic start): the mlx thread blocks in it, and the
-# io thread reports it in /health and the log (engine_daemon/transport/server.py `loading`).
+# io thread reports it in /health and the log (`EngineServer.loading`).
 downloading: tuple[str, float] | None = None
 
 

@@ -1,16 +1,11 @@
-"""Vision (and audio) models through mlx-vlm: loading, and chat requests with images as model inputs.
+"""Chat requests with images and audio as model inputs for a vision model (mlx-vlm).
 
-A model whose config.json has a vision (or audio) tower is loaded with `mlx_vlm.load`
-together with its processor; text models keep the mlx-lm path. Media arrive in the ADD's
-`media` list as bytes (the front-end fetched and checked them: the engine never does
-network I/O), each with a `placeholder` string that marks its place in a message's content.
-Here the placeholders become the model's own image markers (mlx-vlm's
-`apply_chat_template`), the bytes become decoded, EXIF-rotated RGB images, and mlx-vlm's
-processor turns both into token ids and pixel arrays. Every problem with the input is a
-400 before the request is admitted, never an error on the model thread later.
-
-The projected image features are cached by content hash (`FeatureCache`): the same image
-in the next turn of a conversation is not run through the vision tower again.
+Media arrive in the ADD's `media` list as bytes (the front-end fetched and checked them:
+the engine never does network I/O), each with a `placeholder` string that marks its place
+in a message's content. Here the placeholders become the model's own image markers
+(mlx-vlm's `apply_chat_template`), the bytes become decoded, EXIF-rotated RGB images, and
+mlx-vlm's processor turns both into token ids and pixel arrays. Every problem with the
+input is a 400 before the request is admitted, never an error on the model thread later.
 
 Everything here runs on the mlx thread.
 """
@@ -30,9 +25,10 @@ from typing import Any, Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from engine_daemon.models.manager import LoadedModel, _kv_bytes_per_token, _read_generation_defaults
-from engine_daemon.models.store import ModelRef, context_window_of_config, model_kind
-from engine_daemon.request.admission import EngineRequest, RequestError
+from engine_daemon.errors import RequestError
+from engine_daemon.models.loaded import LoadedModel
+from engine_daemon.models.vision_support import VisionSupport
+from engine_daemon.request.state import EngineRequest
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +39,6 @@ AUDIO_FORMATS = frozenset({"wav", "mp3"})
 MAX_IMAGE_PIXELS = 50_000_000
 # Largest `resize_shape` side (mlx-vlm accepts any int; a huge one would only waste memory).
 MAX_RESIZE_SIDE = 8192
-# Images whose projected features stay cached (per loaded model; freed with it).
-FEATURE_CACHE_SIZE = 64
 # Where a prepared request keeps its model inputs until it joins the batch.
 _INPUTS_ATTR = "vision_inputs"
 
@@ -62,116 +56,7 @@ class VisionInputs:
     image_keys: list[str] = field(default_factory=list)
 
 
-class FeatureCache:
-    """LRU of projected image features keyed by content hash (+ resize), for one loaded model."""
-
-    def __init__(self, size: int = FEATURE_CACHE_SIZE):
-        self.size = size
-        self._entries: OrderedDict[str, mx.array] = OrderedDict()
-        self.hits = 0
-        self.encoded = 0
-
-    def get(self, key: str) -> mx.array | None:
-        value = self._entries.get(key)
-        if value is not None:
-            self._entries.move_to_end(key)
-            self.hits += 1
-        return value
-
-    def put(self, key: str, value: mx.array) -> None:
-        self._entries[key] = value
-        self._entries.move_to_end(key)
-        self.encoded += 1
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-
-# Per-image vision encoders, by model_type: (model, pixel rows of one image, its grid) -> features.
-# An architecture listed here gets per-image feature caching (mlx-vlm's `cached_image_features`
-# input); any other still works, its images are simply encoded on every request.
-def _qwen_vl_encoder(model: Any, pixel_values: mx.array, grid_thw: mx.array) -> mx.array:
-    dtype = model.vision_tower.patch_embed.proj.weight.dtype
-    return model.vision_tower(pixel_values.astype(dtype), grid_thw, output_hidden_states=False)
-
-
-FEATURE_ENCODERS: dict[str, Callable[[Any, mx.array, mx.array], mx.array]] = {
-    "qwen2_vl": _qwen_vl_encoder,
-    "qwen2_5_vl": _qwen_vl_encoder,
-}
-
-
-@dataclass
-class VisionSupport:
-    """What a vision model needs beyond a text model: its processor, capabilities, feature cache."""
-
-    processor: Any
-    config: Any  # the mlx-vlm model config object
-    model_type: str
-    accepts_images: bool
-    accepts_audio: bool
-    features: FeatureCache = field(default_factory=FeatureCache)
-
-    def stats(self) -> dict[str, int]:
-        return {"vision_images_encoded": self.features.encoded, "vision_feature_cache_hits": self.features.hits,
-                "vision_feature_cache_entries": len(self.features)}
-
-
 # -- loading ---------------------------------------------------------------------------------
-class _ProcessorKwargsNoise(logging.Filter):
-    """Drops transformers' per-request warning about the template kwargs mlx-vlm passes (harmless)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "have to be in `processor_kwargs`" not in record.getMessage()
-
-
-_NOISE_FILTER = _ProcessorKwargsNoise()
-
-
-def _accepts_audio(config: dict[str, Any], model: Any) -> bool:
-    return bool(config.get("audio_config")) or any(
-        getattr(model, name, None) is not None for name in ("audio_tower", "audio_model", "audio_encoder"))
-
-
-def load_vision_model(ref: ModelRef, trust_remote_code: bool = False) -> LoadedModel:
-    """Loads `ref` with `mlx_vlm.load` (model + processor) as a LoadedModel of kind vision/audio.
-
-    `LoadedModel.tokenizer` is mlx-lm's TokenizerWrapper over the same tokenizer files, so
-    everything the text path does with a tokenizer (stop/EOS handling, streaming
-    detokenizer, output parsing, /tokenize) works unchanged for vision models.
-    """
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from mlx_vlm import load as mlx_vlm_load
-
-    config = json.loads((ref.path / "config.json").read_text())
-    kind = model_kind(ref.path)
-    logging.getLogger("transformers.processing_utils").addFilter(_NOISE_FILTER)  # idempotent
-    model, processor = mlx_vlm_load(str(ref.path), trust_remote_code=trust_remote_code)
-    tokenizer = load_tokenizer(Path(ref.path), eos_token_ids=config.get("eos_token_id"))
-    # Text exactly as mlx-vlm writes it (mlx_vlm.generate / mlx_vlm.server): its streaming
-    # detokenizer keeps the first token's leading space, which mlx-lm's trims.
-    detokenizer = getattr(processor, "detokenizer", None)
-    if detokenizer is not None and hasattr(tokenizer, "_detokenizer"):
-        tokenizer._detokenizer = detokenizer
-    parameters = [p for _, p in tree_flatten(model.parameters())]
-    itemsize = max((p.dtype.size for p in parameters if mx.issubdtype(p.dtype, mx.floating)), default=2)
-    text_config = {**config, **(config.get("text_config") or {})}
-    support = VisionSupport(processor=processor, config=model.config, model_type=config.get("model_type", ""),
-                            accepts_images=bool(config.get("vision_config")),
-                            accepts_audio=_accepts_audio(config, model))
-    if support.model_type not in FEATURE_ENCODERS:
-        log.info("model type %s: no per-image feature cache (images are encoded on every request)",
-                 support.model_type)
-    return LoadedModel(
-        ref=ref, model=model, tokenizer=tokenizer, context_window=context_window_of_config(config),
-        vocab_size=int(text_config.get("vocab_size") or 0),
-        weights_bytes=sum(p.nbytes for p in parameters),
-        kv_bytes_per_token=_kv_bytes_per_token(config, itemsize),
-        generation_defaults=_read_generation_defaults(ref.path), kind=kind, vision=support)
-
-
 # -- admission -------------------------------------------------------------------------------
 def _media_error(message: str, code: str = "invalid_media", param: str | None = "messages") -> RequestError:
     return RequestError(400, code, message, param=param)
@@ -357,25 +242,3 @@ def take_inputs(request: EngineRequest) -> VisionInputs:
     return inputs
 
 
-def image_features(model: Any, support: VisionSupport, inputs: VisionInputs) -> mx.array | None:
-    """Projected features of the request's images, reusing cached ones; None when not cacheable."""
-    encoder = FEATURE_ENCODERS.get(support.model_type)
-    grid = inputs.extra.get("image_grid_thw")
-    if encoder is None or inputs.pixel_values is None or grid is None or grid.shape[0] != len(inputs.image_keys):
-        return None
-    rows = [int(t) * int(h) * int(w) for t, h, w in grid.tolist()]
-    features, start = [], 0
-    for index, key in enumerate(inputs.image_keys):
-        cached = support.features.get(key)
-        if cached is None:
-            cached = encoder(model, inputs.pixel_values[start:start + rows[index]], grid[index:index + 1])
-            mx.eval(cached)
-            support.features.put(key, cached)
-        features.append(cached)
-        start += rows[index]
-    return features[0] if len(features) == 1 else mx.concatenate(features, axis=0)
-
-
-def cache_stats(loaded: LoadedModel | None) -> dict[str, int]:
-    support = loaded.vision if loaded is not None else None
-    return support.stats() if support is not None else {}

@@ -28,12 +28,15 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 log = logging.getLogger(__name__)
 
-_BIT_SHIFTS = mx.arange(32, dtype=mx.int32)
+# Shifts that unpack one int32 word into its 32 bits. Plain numpy at import: an mx array made
+# here would belong to the importing thread's stream, and this module is imported before the
+# mlx thread starts.
+_BIT_SHIFTS = np.arange(32, dtype=np.int32)
 
 
 def unpack_bitmask(words: np.ndarray, width: int) -> mx.array:
     """llguidance's int32 bitmask (1, ceil(V/32)) as a (1, width) bool array; ids past V are False."""
-    bits = (mx.array(words)[:, :, None] >> _BIT_SHIFTS) & 1
+    bits = (mx.array(words)[:, :, None] >> mx.array(_BIT_SHIFTS)) & 1
     bits = bits.reshape(words.shape[0], -1)
     have = bits.shape[-1]
     if have >= width:

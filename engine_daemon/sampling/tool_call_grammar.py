@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine_daemon.request.admission import RequestError
+from engine_daemon.errors import RequestError
 
 # Compact JSON (", " and ": ", no free whitespace). Why: with free whitespace a weak or
 # random-weight model can pad JSON with whitespace tokens until max_tokens; compact JSON is

@@ -21,12 +21,16 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
-from engine_daemon.request import admission as rq
+from engine_daemon.output.tokens import consume_token, logprob_entries, usage
+from engine_daemon.request.admission import prepare
+from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.lora.adapters import AdapterManager
 from engine_daemon.models.names import ModelNames
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.models.store import InvalidModelName, ModelNotFound, ModelRef
-from engine_daemon.request.admission import EngineRequest, RequestError
+from engine_daemon.request.state import EngineRequest
+from engine_daemon.config import SchedulerConfig
+from engine_daemon.errors import RequestError
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from protocol import MsgType
 
@@ -34,45 +38,6 @@ log = logging.getLogger(__name__)
 
 # (peer identity, message type, body). DELTAS events carry one item; the worker groups them.
 Event = tuple[bytes, MsgType, dict[str, Any]]
-
-
-@dataclass
-class SchedulerConfig:
-    default_model: str | None = None
-    allow_download: bool = False
-    default_max_tokens: int = 4096
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    prefill_step_size: int = 2048
-    # Prompt tokens per step while other requests decode; 0 = paced by measurement (PrefillPacer).
-    interleave_prefill_tokens: int = 0
-    decode_concurrency: int = 32
-    prompt_concurrency: int = 8
-    max_queued: int = 256
-    prompt_cache_size: int = 10
-    prompt_cache_bytes: int | None = None
-    max_kv_size: int | None = None
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    quantized_kv_start: int = 5000
-    memory_budget_bytes: int | None = None
-    # Directories whose model subdirectories requests may name (absolute, resolved: model_store.model_roots).
-    model_dirs: tuple[Path, ...] = ()
-    # Let mlx_lm run Python files shipped with a model (never by default: models come from requests too).
-    trust_remote_code: bool = False
-    # The operator's model names and per-model settings (engine_daemon/models/names.py); None: no names.
-    names: ModelNames | None = None
-    # Seconds without any request after which the mlx thread unloads the model (--idle-unload); None: never.
-    idle_unload: float | None = None
-    # LoRA adapters (engine_daemon/lora/adapters.py): --adapter-path for --model's requests, LRU of loaded adapters.
-    adapter_path: str | None = None
-    adapter_cache_size: int = 8
-    # Speculative decoding of lone requests (engine_daemon/generation/speculative.py): --draft-model, --num-draft-tokens.
-    draft_model: str | None = None
-    num_draft_tokens: int = 3
-    # While a request for another model waits, requests for the loaded one keep joining the batch for up
-    # to this many seconds (then the batch drains and the model switches): fewer loads when clients
-    # alternate models, bounded extra wait for the other model. 0: strict arrival order.
-    model_switch_delay: float = 2.0
 
 
 @dataclass
@@ -98,10 +63,6 @@ def error_event(request: EngineRequest, error: RequestError) -> Event:
     return (request.peer, MsgType.ERROR, error.to_body(request.rid))
 
 
-def engine_failure(exc: Exception) -> RequestError:
-    return RequestError(500, "engine_error", f"{type(exc).__name__}: {exc}", error_type="server_error")
-
-
 class BaseScheduler:
     """Admission and bookkeeping; subclasses decide how admitted requests generate."""
 
@@ -116,9 +77,11 @@ class BaseScheduler:
         self.stats = SchedulerStats()
         # Requests that wait for another model (or, in the serial scheduler, for their turn).
         self.waiting: deque[tuple[EngineRequest, ModelRef]] = deque()
-        # LoRA adapters: registry, loaded weights, switching on the loaded model (engine_daemon/lora/adapters.py).
+        # LoRA adapters: registry, loaded weights, switching on the loaded model (AdapterManager).
         self.adapters = AdapterManager(config.model_dirs, config.adapter_cache_size, config.adapter_path,
                                        config.default_model)
+        # --draft-model's decoder, where the scheduler decodes lone requests speculatively.
+        self.speculative: SpeculativeDecoder | None = None
 
     # -- what the worker asks ------------------------------------------------------
     def has_work(self) -> bool:
@@ -129,6 +92,10 @@ class BaseScheduler:
 
     def running(self) -> int:
         raise NotImplementedError
+
+    def prompt_cache_stats(self) -> dict[str, int]:
+        """The prefix cache's counters for /stats; empty where the scheduler keeps none."""
+        return {}
 
     def describe(self) -> dict[str, Any]:
         return {"scheduler": type(self).__name__, "batching": self.batching, "batching_note": self.batching_note,
@@ -149,7 +116,7 @@ class BaseScheduler:
         if current is not None and name in (current.ref.id, str(current.ref.path)):
             return current.ref
         # Aliases and the served name map to their sources; the operator's --model is trusted as typed;
-        # any other name is confined to --model-dir and the HF cache (engine_daemon/models/names.py).
+        # any other name is confined to --model-dir and the HF cache (`ModelNames`).
         try:
             ref = self.models.names.resolve(name, default_model=self.config.default_model,
                                             roots=self.config.model_dirs, allow_download=self.config.allow_download)
@@ -204,7 +171,7 @@ class BaseScheduler:
     def accept(self, request: EngineRequest) -> None:
         """Tokenises and checks the request against the loaded model; raises RequestError to refuse."""
         loaded = self.models.current
-        rq.prepare(request, loaded, self.config.default_max_tokens, self.config.sampling_defaults)
+        prepare(request, loaded, self.config.default_max_tokens, self.config.sampling_defaults)
         # The adapter (a name, a path under --model-dir, or --adapter-path's) settles into its cache key here.
         request.body["adapter"] = self.adapters.admit(request.body.get("adapter"), loaded)
         budget = self.config.memory_budget_bytes
@@ -225,7 +192,7 @@ class BaseScheduler:
                  request.model_id, len(request.prompt_tokens), request.cached_tokens, request.max_tokens)
         body = {"rid": request.rid, "prompt_tokens": len(request.prompt_tokens),
                 "cached_tokens": request.cached_tokens, "model": request.model_id}
-        if request.context_overflow:  # older turns dropped or summarised to fit (engine_daemon/request/context_overflow.py)
+        if request.context_overflow:  # older turns dropped or summarised to fit (`fit_context`)
             body["context_overflow"] = request.context_overflow
         return (request.peer, MsgType.ACCEPTED, body)
 
@@ -236,7 +203,7 @@ class BaseScheduler:
     # -- output ---------------------------------------------------------------------
     def token_event(self, request: EngineRequest, token: int | None, logprobs: Any = None) -> Event:
         """DELTAS item for one sampled token (None: the generation ended with no new token)."""
-        delta = rq.consume_token(request, token)
+        delta = consume_token(request, token)
         item: dict[str, Any] = {"rid": request.rid, "seq": request.seq, "text": delta.text}
         if delta.reasoning:
             item["reasoning"] = delta.reasoning
@@ -246,12 +213,12 @@ class BaseScheduler:
             item["token_ids"] = [token]
             self.stats.tokens_generated += 1
             if request.params.get("logprobs") and logprobs is not None:
-                item["logprobs"] = rq.logprob_entries(self.models.current.tokenizer, logprobs, token,
+                item["logprobs"] = logprob_entries(self.models.current.tokenizer, logprobs, token,
                                                       request.params.get("top_logprobs") or 0)
         request.seq += 1
         if request.finish_reason is not None:
             item["finish_reason"] = request.finish_reason
-            item["usage"] = rq.usage(request, request.cached_tokens)
+            item["usage"] = usage(request, request.cached_tokens)
             item["stop_sequence"] = request.stop.matched  # which stop string ended it (None: none did)
             self.stats.requests_finished += 1
             log.info("rid=%s finished reason=%s completion_tokens=%d", request.rid, request.finish_reason,
@@ -286,118 +253,3 @@ class BaseScheduler:
 
     def step(self) -> list[Event]:
         raise NotImplementedError
-
-
-class SerialScheduler(BaseScheduler):
-    """FIFO queue in front of one running generation, on mlx-lm's generate_step.
-
-    Used where batching is impossible: mlx-lm's BatchGenerator has no quantized KV cache.
-    """
-
-    batching_note = "serial: one request at a time"
-
-    def accept(self, request: EngineRequest) -> None:
-        """Text only: mlx-vlm's path batches and has no quantized KV cache, so it never runs here."""
-        if getattr(self.models.current, "kind", "text") != "text":
-            raise RequestError(400, "unsupported_model",
-                               f"Model '{self.models.current.ref.id}' is a {self.models.current.kind} model; the "
-                               "engine runs with --kv-bits (the serial text-only scheduler): restart it without "
-                               "--kv-bits to serve vision models", param="model")
-        if request.body.get("media"):
-            raise RequestError(400, "unsupported_content",
-                               f"Model '{self.models.current.ref.id}' takes text only; images and audio need a "
-                               "vision model", param="messages")
-        super().accept(request)
-
-    def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):
-        super().__init__(models, config, stream)
-        self.current: EngineRequest | None = None
-        self._tokens: Iterator[tuple[Any, Any]] | None = None
-        if config.kv_bits:
-            self.batching_note = f"--kv-bits {config.kv_bits}: mlx-lm cannot batch a quantized KV cache"
-
-    def has_work(self) -> bool:
-        return self.current is not None or bool(self.waiting)
-
-    def queued(self) -> int:
-        return len(self.waiting)
-
-    def running(self) -> int:
-        return 1 if self.current is not None else 0
-
-    def all_requests(self) -> list[EngineRequest]:
-        return [r for r, _ in self.waiting] + ([self.current] if self.current else [])
-
-    def _admit(self, request: EngineRequest) -> list[Event]:
-        self.waiting.append((request, self.models.current.ref))
-        return [self.accepted_event(request)]
-
-    def abort(self, rids: set[str]) -> int:
-        found = 0
-        if self.current is not None and self.current.rid in rids:
-            self._finish_current()
-            found += 1
-        before = len(self.waiting)
-        self.waiting = deque(item for item in self.waiting if item[0].rid not in rids)
-        found += before - len(self.waiting)
-        self.stats.requests_aborted += found
-        return found
-
-    def step(self) -> list[Event]:
-        events: list[Event] = []
-        while self.current is None and self.waiting:
-            request, ref = self.waiting.popleft()
-            try:
-                if not request.accepted:
-                    self.models.ensure(ref)
-                    self.accept(request)
-                    events.append(self.accepted_event(request))
-                self._start(request)
-            except RequestError as exc:
-                events.append(self.refuse(request, exc))
-            except Exception as exc:  # a failed load or prefill must not kill the engine
-                log.exception("request %s failed to start", request.rid)
-                events.append(error_event(request, engine_failure(exc)))
-        if self.current is not None:
-            events += self._advance()
-        return events
-
-    def _start(self, request: EngineRequest) -> None:
-        config = self.config
-        self._tokens = generate_step(
-            mx.array(request.prompt_tokens), self.adapters.bind(self.models.current, request.body.get("adapter")),
-            self.stream,
-            max_tokens=request.max_tokens, sampler=make_request_sampler(request.sampling),
-            logits_processors=make_request_processors(request.sampling) + request.processors,
-            prefill_step_size=config.prefill_step_size, max_kv_size=config.max_kv_size,
-            kv_bits=config.kv_bits, kv_group_size=config.kv_group_size,
-            quantized_kv_start=config.quantized_kv_start,
-        )
-        self.current = request
-        self.stats.prompt_tokens += len(request.prompt_tokens)
-        self.stats.max_batch_size = max(self.stats.max_batch_size, 1)
-
-    def _advance(self) -> list[Event]:
-        request = self.current
-        try:
-            token, logprobs = next(self._tokens)
-            event = self.token_event(request, int(token), logprobs)
-        except StopIteration:
-            event = self.token_event(request, None)
-        except Exception as exc:
-            log.exception("generation failed for %s", request.rid)
-            self._finish_current()
-            return [error_event(request, engine_failure(exc))]
-        if request.finish_reason is not None:
-            self._finish_current()
-        return [event]
-
-    def reset(self) -> None:
-        super().reset()
-        self._finish_current()
-
-    def _finish_current(self) -> None:
-        if self._tokens is not None:
-            self._tokens.close()
-        self._tokens = None
-        self.current = None

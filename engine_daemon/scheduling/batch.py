@@ -17,16 +17,20 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
+from engine_daemon.models.vision_support import cache_stats as vision_cache_stats
 from engine_daemon.multimodal import inputs as vision
-from engine_daemon.generation import vision_batch as vision_scheduler
+from engine_daemon.generation import vision_batch
 from engine_daemon.generation.grouped import GroupedGenerator
 from engine_daemon.generation.speculative import SpeculativeDecoder, eligible as speculative_eligible
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.scheduling.prefill_pacer import PrefillPacer
 from engine_daemon.models.store import ModelRef
-from engine_daemon.request.admission import EngineRequest, RequestError
+from engine_daemon.request.state import EngineRequest
+from engine_daemon.errors import RequestError
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
-from engine_daemon.scheduling.base import BaseScheduler, Event, SchedulerConfig, engine_failure, error_event
+from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
+from engine_daemon.config import SchedulerConfig
+from engine_daemon.errors import engine_failure
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +51,7 @@ class BatchScheduler(BaseScheduler):
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size)
         self._prefill_progress: dict[int, int] = {}
-        # --draft-model: lone requests decode speculatively (engine_daemon/generation/speculative.py)
+        # --draft-model: lone requests decode speculatively (SpeculativeDecoder)
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)
 
@@ -69,11 +73,11 @@ class BatchScheduler(BaseScheduler):
 
     def prompt_cache_stats(self) -> dict[str, int]:
         return {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_bytes": self.prompt_cache.nbytes,
-                **vision.cache_stats(self.models.current)}
+                **vision_cache_stats(self.models.current)}
 
     # -- admission ------------------------------------------------------------------
     def accept(self, request: EngineRequest) -> None:
-        """Images/audio are checked against the model and built into inputs by engine_daemon/multimodal/inputs.py."""
+        """Images/audio are checked against the model and built into inputs by `engine_daemon.multimodal.inputs`."""
         has_media = bool(request.body.get("media"))
         if has_media:
             vision.check_media_allowed(request.body, self.models.current)
@@ -105,12 +109,12 @@ class BatchScheduler(BaseScheduler):
         return events
 
     def _cache_key(self, adapter: str | None = None) -> tuple[str, str | None]:
-        return (self.models.current.ref.id, adapter)  # (model, adapter key: engine_daemon/lora/adapters.py)
+        return (self.models.current.ref.id, adapter)  # (model, adapter key: `AdapterManager`)
 
     def _insert(self, request: EngineRequest) -> None:
         """Reuses the longest cached prefix of the prompt, then queues the rest for prefill."""
         prompt = request.prompt_tokens
-        if self.models.current.kind != "text":  # vision models: engine_daemon/generation/vision_batch.py
+        if self.models.current.kind != "text":  # vision models: `VisionBatchGenerator`
             uid = self.generator.insert_request(request)
             self.by_uid[uid] = request
             self.uid_of[request.rid] = uid
@@ -150,11 +154,11 @@ class BatchScheduler(BaseScheduler):
         if self.generator is not None and self.generator_ref == current.ref:
             return
         self._close_generator()
-        if current.kind != "text":  # vision models batch on mlx-vlm (engine_daemon/generation/vision_batch.py)
-            self.generator = vision_scheduler.make_generator(current, self.config, self.stream)
+        if current.kind != "text":  # vision models batch on mlx-vlm (`VisionBatchGenerator`)
+            self.generator = vision_batch.make_generator(current, self.config, self.stream)
             self.generator_ref = current.ref
             return
-        # One mlx-lm BatchGenerator per adapter in use, and the speculative lane (grouped_generator.py).
+        # One mlx-lm BatchGenerator per adapter in use, and the speculative lane (GroupedGenerator).
         self.generator = GroupedGenerator(current, self.config, self.stream, self.adapters, self.speculative)
         self.generator_ref = current.ref
 

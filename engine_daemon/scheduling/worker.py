@@ -21,16 +21,15 @@ import mlx.core as mx
 
 from engine_daemon.scheduling.batch import BatchScheduler
 from engine_daemon.models.manager import ModelManager
-from engine_daemon.request.admission import RequestError
-from engine_daemon.scheduling.base import BaseScheduler, Event, SchedulerConfig, SerialScheduler
-from engine_daemon.calls.tokenize import detokenize, tokenize
+from engine_daemon.errors import RequestError
+from engine_daemon.scheduling.base import BaseScheduler, Event
+from engine_daemon.config import SchedulerConfig
+from engine_daemon.scheduling.commands import (AbortCommand, AddCommand, CallCommand, Command, PeerGoneCommand,
+                                                StopCommand)
+from engine_daemon.scheduling.serial import SerialScheduler
 from protocol import MsgType, encode
 
 log = logging.getLogger(__name__)
-
-# Set to 1 (tests only) to enable CALLs that deliberately wedge the engine.
-FAULT_INJECTION_ENV = "MLX_ENGINE_FAULT_INJECTION"
-
 
 @dataclass
 class EngineStatus:
@@ -38,7 +37,7 @@ class EngineStatus:
 
     state: str = "idle"  # idle | loading | ready | draining
     model: str | None = None
-    model_kind: str | None = None  # "text" | "vision" | "audio" (engine_daemon/model_store.kind_of_config)
+    model_kind: str | None = None  # "text" | "vision" | "audio" (`engine_daemon.models.store.model_kind`)
     queued: int = 0
     running: int = 0
     steps: int = 0
@@ -62,7 +61,7 @@ class MlxWorker(threading.Thread):
     def __init__(self, context: zmq.Context, outbox_address: str, config: SchedulerConfig,
                  preload: str | None = None):
         super().__init__(name="mlx", daemon=True)
-        self.commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.commands: queue.Queue[Command] = queue.Queue()
         self.status = EngineStatus()
         self.models = ModelManager(trust_remote_code=config.trust_remote_code, names=config.names)
         self.scheduler = make_scheduler(self.models, config)
@@ -75,7 +74,7 @@ class MlxWorker(threading.Thread):
 
     def stop(self) -> None:
         self._stopping.set()
-        self.commands.put(("stop",))
+        self.commands.put(StopCommand())
 
     def run(self) -> None:
         outbox = self._context.socket(zmq.PUSH)
@@ -116,7 +115,7 @@ class MlxWorker(threading.Thread):
         try:
             self.models.ensure(self.scheduler.resolve_model(name))
             self.scheduler.adapters.warm(self.models.current)  # --adapter-path: checked against the model now
-            if getattr(self.scheduler, "speculative", None) is not None:  # --draft-model: loaded and checked now
+            if self.scheduler.speculative is not None:  # --draft-model: loaded and checked now
                 self.scheduler.speculative.draft_for(self.models.current)
         except Exception:
             log.exception("could not preload model %s", name)
@@ -170,7 +169,7 @@ class MlxWorker(threading.Thread):
             try:
                 events += self._handle(command)
             except Exception:
-                log.exception("command %s failed", command[0])
+                log.exception("command %s failed", type(command).__name__)
                 events += self._refuse_failed(command)
             try:
                 command = self.commands.get_nowait()
@@ -178,64 +177,39 @@ class MlxWorker(threading.Thread):
                 return events
 
     @staticmethod
-    def _refuse_failed(command: tuple[Any, ...]) -> list[Event]:
+    def _refuse_failed(command: Command) -> list[Event]:
         """Answers the sender of a command that raised, so no client waits forever."""
-        kind = command[0]
-        if kind == "add":
-            _, peer, body = command
-            return [(peer, MsgType.ERROR, {"rid": body["rid"], "status": 500, "code": "engine_error",
-                                           "message": "The engine could not take this request",
-                                           "type": "server_error"})]
-        if kind == "call":
-            _, peer, cid, method, _ = command
-            return [(peer, MsgType.ERROR, {"cid": cid, "status": 500, "code": "engine_error",
-                                           "message": f"CALL {method} failed", "type": "server_error"})]
+        if isinstance(command, AddCommand):
+            return [(command.peer, MsgType.ERROR, {"rid": command.body["rid"], "status": 500, "code": "engine_error",
+                                                   "message": "The engine could not take this request",
+                                                   "type": "server_error"})]
+        if isinstance(command, CallCommand):
+            return [(command.peer, MsgType.ERROR, {"cid": command.cid, "status": 500, "code": "engine_error",
+                                                   "message": f"CALL {command.method} failed",
+                                                   "type": "server_error"})]
         return []
 
-    def _handle(self, command: tuple[Any, ...]) -> list[Event]:
-        kind = command[0]
-        if kind == "add":
-            _, peer, body = command
-            return self.scheduler.submit(peer, body)
-        if kind == "abort":
-            _, rids, reason = command
-            found = self.scheduler.abort(set(rids))
+    def _handle(self, command: Command) -> list[Event]:
+        if isinstance(command, AddCommand):
+            return self.scheduler.submit(command.peer, command.body)
+        if isinstance(command, AbortCommand):
+            found = self.scheduler.abort(set(command.rids))
             if found:
-                log.info("aborted %d request(s) (%s): rid=%s", found, reason, ",".join(rids))
+                log.info("aborted %d request(s) (%s): rid=%s", found, command.reason, ",".join(command.rids))
             return []
-        if kind == "peer_gone":
-            found = self.scheduler.abort_peer(command[1])
+        if isinstance(command, PeerGoneCommand):
+            found = self.scheduler.abort_peer(command.peer)
             if found:
                 log.info("aborted %d request(s) of a vanished front-end", found)
             return []
-        if kind == "call":
-            _, peer, cid, method, args = command
+        if isinstance(command, CallCommand):
+            # A handler of `engine_daemon.calls.mlx_thread`: it changes model state or uses the tokenizer.
             try:
-                events, result = self._call(method, args)
+                events, result = command.handler(self, command.args)
             except RequestError as exc:  # a refusal the client should see (400 and the like), not a crash
-                return [(peer, MsgType.ERROR, {**exc.to_body(None), "cid": cid})]
-            return events + [(peer, MsgType.RESULT, {"cid": cid, "result": result})]
-        return []
-
-    def _call(self, method: str, args: dict[str, Any]) -> tuple[list[Event], Any]:
-        """CALLs that change model state or use the tokenizer (MLX objects belong to this thread)."""
-        if method == "unload":
-            events = self.scheduler.fail_all(503, "model_unloaded", "The model was unloaded")
-            return events, {"status": "success" if self.models.unload() else "no_model_loaded"}
-        if method == "adapters.add":  # the adapter registry (engine_daemon/lora/adapters.py); adapters.list: io thread
-            return [], self.scheduler.adapters.add(args, self.models.current)
-        if method == "adapters.remove":
-            return [], self.scheduler.adapters.remove(args)
-        if method == "tokenize":
-            return [], tokenize(self.models.current, args)
-        if method == "detokenize":
-            return [], detokenize(self.models.current, args)
-        if method == "debug_sleep" and os.environ.get(FAULT_INJECTION_ENV) == "1":
-            # Fault injection for tests: wedge the mlx thread as a runaway kernel would.
-            log.warning("fault injection: mlx thread sleeps %.1f s", args.get("seconds", 1.0))
-            time.sleep(float(args.get("seconds", 1.0)))
-            return [], {"slept": args.get("seconds", 1.0)}
-        return [], {"error": f"unknown method {method}"}
+                return [(command.peer, MsgType.ERROR, {**exc.to_body(None), "cid": command.cid})]
+            return events + [(command.peer, MsgType.RESULT, {"cid": command.cid, "result": result})]
+        return []  # StopCommand: the loop sees _stopping
 
     def _publish(self, outbox: zmq.Socket, events: list[Event]) -> None:
         """One DELTAS frame per peer per step; every other event is its own frame."""

@@ -20,13 +20,14 @@ from typing import Any, BinaryIO
 
 import zmq
 
+from engine_daemon.calls.response_store import ResponseStore
+from engine_daemon.calls.table import Thread, lookup
+from engine_daemon.config import SchedulerConfig
+from engine_daemon.errors import RequestError
 from engine_daemon.models import store as model_store
-from engine_daemon.models.store import list_cached_models, list_root_models
-from engine_daemon.calls.response_store import ResponseStore, StoreCallError, handle_call
-from engine_daemon.scheduling.base import SchedulerConfig
-from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
-from engine_daemon.generation.speculative import speculative_stats
+from engine_daemon.scheduling.commands import AbortCommand, AddCommand, CallCommand, PeerGoneCommand
 from engine_daemon.scheduling.worker import MlxWorker
+from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -222,47 +223,36 @@ class EngineServer:
                 "message": "The engine restarted; retry the request"})
             return
         self.peers.setdefault(peer, Peer("", time.monotonic()))
-        self.worker.commands.put(("add", peer, body))
+        self.worker.commands.put(AddCommand(peer, body))
 
     def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
-        self.worker.commands.put(("abort", body["rids"], body.get("reason", "client")))
+        self.worker.commands.put(AbortCommand(body["rids"], body.get("reason", "client")))
 
     def _on_bye(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         self._peer_gone(peer)
 
     def _on_call(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
-        method, args = body["method"], body.get("args") or {}
-        if method in ("unload", "debug_sleep", "tokenize", "detokenize",
-                      "adapters.add", "adapters.remove"):  # need the mlx thread
-            self.worker.commands.put(("call", peer, body["cid"], method, args))
-            return
-        if method == "status":
-            result: Any = self.status()
-        elif method == "list_models":
-            result = self.list_models()
-        elif method == "stats":
-            result = self.stats()
-        elif method == "adapters.list":  # a snapshot the mlx thread replaces on every change
-            result = {"data": self.worker.scheduler.adapters.registry.snapshot}
-        elif method.startswith("responses."):
-            try:
-                result = handle_call(self.responses, method, args)
-            except StoreCallError as exc:
-                self._reply(router, peer, MsgType.ERROR, {
-                    "cid": body["cid"], "status": exc.status, "code": exc.code,
-                    "type": "invalid_request_error", "message": str(exc)})
-                return
-        else:
+        method, cid, args = body["method"], body["cid"], body.get("args") or {}
+        spec = lookup(method)
+        if spec is None:
             self._reply(router, peer, MsgType.ERROR, {
-                "cid": body["cid"], "status": 400, "code": "unknown_method",
+                "cid": cid, "status": 400, "code": "unknown_method",
                 "type": "invalid_request_error", "message": f"unknown CALL method '{method}'"})
             return
-        self._reply(router, peer, MsgType.RESULT, {"cid": body["cid"], "result": result})
+        if spec.thread is Thread.MLX:
+            self.worker.commands.put(CallCommand(peer, cid, method, spec.handler, args))
+            return
+        try:
+            result = spec.handler(self, args)
+        except RequestError as exc:
+            self._reply(router, peer, MsgType.ERROR, {**exc.to_body(None), "cid": cid})
+            return
+        self._reply(router, peer, MsgType.RESULT, {"cid": cid, "result": result})
 
     # -- peers -------------------------------------------------------------------
     def _peer_gone(self, peer: bytes) -> None:
         self.peers.pop(peer, None)
-        self.worker.commands.put(("peer_gone", peer))
+        self.worker.commands.put(PeerGoneCommand(peer))
 
     def _sweep_peers(self) -> None:
         deadline = time.monotonic() - self.peer_timeout
@@ -271,18 +261,7 @@ class EngineServer:
                      self.peers[peer].frontend_id or repr(peer), self.peer_timeout)
             self._peer_gone(peer)
 
-    # -- read-only calls -----------------------------------------------------------
-    def status(self) -> dict[str, Any]:
-        status = self.worker.status
-        busy = time.monotonic() - status.busy_since if status.busy_since else 0.0
-        return {"epoch": self.epoch, "state": self.state(), "busy_seconds": busy, "model": status.model,
-                "model_kind": status.model_kind,
-                "adapter": self.worker.scheduler.adapters.registry.default,  # --adapter-path's name
-                "queued": status.queued, "running": status.running, "pid": os.getpid(),
-                "host": socket.gethostname(), "started_at": self.started_at,
-                "uptime": time.time() - self.started_at, "model_loads": self.worker.models.loads,
-                **self.loading()}
-
+    # -- what the io thread knows of the mlx thread -------------------------------------
     def loading(self) -> dict[str, Any]:
         """Which model the mlx thread is loading and for how long (None, None when it is not)."""
         download = model_store.downloading  # one read each: the mlx thread replaces these tuples
@@ -307,34 +286,3 @@ class EngineServer:
                          loading["loading_seconds"], loading["downloaded_bytes"] / 2**20)
             else:
                 log.info("still loading model %s (%.0f s)", loading["loading_model"], loading["loading_seconds"])
-
-    def list_models(self) -> list[dict[str, Any]]:
-        """The catalogue: the operator's names, models under --model-dir, the HF cache, and the loaded model.
-
-        In that order, as names resolve. `loaded` marks every id a request could name
-        without a load: the loaded name, and ids whose directory is served under it.
-        """
-        names = self.worker.models.names
-        models = names.catalogue()
-        for found in (list_root_models(self.worker.scheduler.config.model_dirs), list_cached_models()):
-            seen = {m["id"] for m in models}
-            models += [m for m in found if m["id"] not in seen]
-        current = self.worker.models.current  # one read: the mlx thread may swap it meanwhile
-        loaded = current.ref.id if current else None
-        if current is not None and loaded not in {m["id"] for m in models}:
-            models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
-        for entry in models:
-            path = entry.pop("path", None)
-            served_as = entry["id"] if entry["id"] in names.entries else names.name_of_path(path) or entry["id"]
-            entry["loaded"] = served_as == loaded
-            if entry["loaded"]:
-                entry["context_window"] = current.context_window  # as loaded: a profile may override it
-        return models
-
-    def stats(self) -> dict[str, Any]:
-        scheduler = self.worker.scheduler
-        cache = scheduler.prompt_cache_stats() if hasattr(scheduler, "prompt_cache_stats") else {}
-        return {**self.status(), "frontends": len(self.peers), "steps": self.worker.status.steps,
-                "batch_size": self.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
-                **cache, **self.responses.stats(), **scheduler.adapters.stats(),
-                **speculative_stats(scheduler, self.worker.status.model)}

@@ -1,0 +1,93 @@
+"""CALLs the io thread answers at once, from values the mlx thread publishes (never waiting on it).
+
+Status, the model catalogue, stats, the adapter list and the Responses store are read
+here so that /health, /v1/models and /stats answer during a long prefill or a model load.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Protocol
+
+from engine_daemon.calls import response_store
+from engine_daemon.calls.response_store import ResponseStore
+from engine_daemon.generation.speculative import speculative_stats
+from engine_daemon.models.store import list_cached_models, list_root_models
+from engine_daemon.scheduling.worker import MlxWorker
+
+
+class IoContext(Protocol):
+    """What io-thread CALLs read: the engine server (`EngineServer`), seen through this interface."""
+
+    epoch: int
+    started_at: float
+    peers: dict[bytes, Any]
+    worker: MlxWorker
+    responses: ResponseStore
+
+    def state(self) -> str: ...
+
+    def loading(self) -> dict[str, Any]: ...
+
+
+def status(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
+    worker_status = ctx.worker.status
+    busy = time.monotonic() - worker_status.busy_since if worker_status.busy_since else 0.0
+    return {"epoch": ctx.epoch, "state": ctx.state(), "busy_seconds": busy, "model": worker_status.model,
+            "model_kind": worker_status.model_kind,
+            "adapter": ctx.worker.scheduler.adapters.registry.default,  # --adapter-path's name
+            "queued": worker_status.queued, "running": worker_status.running, "pid": os.getpid(),
+            "host": socket.gethostname(), "started_at": ctx.started_at,
+            "uptime": time.time() - ctx.started_at, "model_loads": ctx.worker.models.loads,
+            **ctx.loading()}
+
+
+def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """The catalogue: the operator's names, models under --model-dir, the HF cache, and the loaded model.
+
+    In that order, as names resolve. `loaded` marks every id a request could name
+    without a load: the loaded name, and ids whose directory is served under it.
+    """
+    names = ctx.worker.models.names
+    models = names.catalogue()
+    for found in (list_root_models(ctx.worker.scheduler.config.model_dirs), list_cached_models()):
+        seen = {m["id"] for m in models}
+        models += [m for m in found if m["id"] not in seen]
+    current = ctx.worker.models.current  # one read: the mlx thread may swap it meanwhile
+    loaded = current.ref.id if current else None
+    if current is not None and loaded not in {m["id"] for m in models}:
+        models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
+    for entry in models:
+        path = entry.pop("path", None)
+        served_as = entry["id"] if entry["id"] in names.entries else names.name_of_path(path) or entry["id"]
+        entry["loaded"] = served_as == loaded
+        if entry["loaded"]:
+            entry["context_window"] = current.context_window  # as loaded: a profile may override it
+    return models
+
+
+def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
+    scheduler = ctx.worker.scheduler
+    return {**status(ctx, args), "frontends": len(ctx.peers), "steps": ctx.worker.status.steps,
+            "batch_size": ctx.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
+            **scheduler.prompt_cache_stats(), **ctx.responses.stats(), **scheduler.adapters.stats(),
+            **speculative_stats(scheduler.speculative, ctx.worker.status.model)}
+
+
+def adapters_list(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot the mlx thread replaces on every change of the registry."""
+    return {"data": ctx.worker.scheduler.adapters.registry.snapshot}
+
+
+def responses_put(ctx: IoContext, args: dict[str, Any]) -> Any:
+    return response_store.put(ctx.responses, args)
+
+
+def responses_get(ctx: IoContext, args: dict[str, Any]) -> Any:
+    return response_store.get(ctx.responses, args)
+
+
+def responses_delete(ctx: IoContext, args: dict[str, Any]) -> Any:
+    return response_store.delete(ctx.responses, args)

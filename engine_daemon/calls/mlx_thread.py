@@ -1,0 +1,62 @@
+"""CALLs that change model state or use the tokenizer: run by the mlx thread between two steps.
+
+MLX objects (the model, its tokenizer, adapter weights) belong to the mlx thread, so these
+handlers are carried to it inside a `CallCommand` and run there. Each returns the events
+it causes (an unload fails every running request) and its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Protocol
+
+from engine_daemon.calls.tokenize import detokenize as detokenize_text
+from engine_daemon.calls.tokenize import tokenize as tokenize_text
+from engine_daemon.models.manager import ModelManager
+from engine_daemon.scheduling.base import BaseScheduler, Event
+
+log = logging.getLogger(__name__)
+
+# Set to 1 (tests only) to enable CALLs that deliberately wedge the engine.
+FAULT_INJECTION_ENV = "MLX_ENGINE_FAULT_INJECTION"
+
+CallOutcome = tuple[list[Event], Any]
+
+
+class MlxContext(Protocol):
+    """What mlx-thread CALLs use: the worker (`MlxWorker`), seen through this interface."""
+
+    scheduler: BaseScheduler
+    models: ModelManager
+
+
+def unload(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    events = ctx.scheduler.fail_all(503, "model_unloaded", "The model was unloaded")
+    return events, {"status": "success" if ctx.models.unload() else "no_model_loaded"}
+
+
+def adapters_add(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    return [], ctx.scheduler.adapters.add(args, ctx.models.current)
+
+
+def adapters_remove(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    return [], ctx.scheduler.adapters.remove(args)
+
+
+def tokenize(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    return [], tokenize_text(ctx.models.current, args)
+
+
+def detokenize(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    return [], detokenize_text(ctx.models.current, args)
+
+
+def debug_sleep(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    """Fault injection for tests: wedge the mlx thread as a runaway kernel would."""
+    if os.environ.get(FAULT_INJECTION_ENV) != "1":
+        return [], {"error": "unknown method debug_sleep"}
+    log.warning("fault injection: mlx thread sleeps %.1f s", args.get("seconds", 1.0))
+    time.sleep(float(args.get("seconds", 1.0)))
+    return [], {"slept": args.get("seconds", 1.0)}

@@ -1,0 +1,54 @@
+"""Every CALL method, the thread that answers it and its handler: the one place that says so.
+
+io-thread handlers read published state and answer at once (so /health works during a
+long prefill); mlx-thread handlers are queued to the mlx thread with the call
+(`CallCommand`) because they touch MLX objects. A handler refuses a call by raising
+`RequestError`; the engine answers it as an ERROR frame with the call's id.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine_daemon.calls import io_thread, mlx_thread
+from protocol import CallMethod
+
+
+class Thread(enum.Enum):
+    IO = "io"
+    MLX = "mlx"
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    thread: Thread
+    # io: (IoContext, args) -> result; mlx: (MlxContext, args) -> (events, result)
+    handler: Callable[[Any, dict[str, Any]], Any]
+
+
+CALLS: dict[CallMethod, CallSpec] = {
+    CallMethod.STATUS: CallSpec(Thread.IO, io_thread.status),
+    CallMethod.LIST_MODELS: CallSpec(Thread.IO, io_thread.list_models),
+    CallMethod.STATS: CallSpec(Thread.IO, io_thread.stats),
+    CallMethod.ADAPTERS_LIST: CallSpec(Thread.IO, io_thread.adapters_list),
+    CallMethod.RESPONSES_PUT: CallSpec(Thread.IO, io_thread.responses_put),
+    CallMethod.RESPONSES_GET: CallSpec(Thread.IO, io_thread.responses_get),
+    CallMethod.RESPONSES_DELETE: CallSpec(Thread.IO, io_thread.responses_delete),
+    CallMethod.UNLOAD: CallSpec(Thread.MLX, mlx_thread.unload),
+    CallMethod.ADAPTERS_ADD: CallSpec(Thread.MLX, mlx_thread.adapters_add),
+    CallMethod.ADAPTERS_REMOVE: CallSpec(Thread.MLX, mlx_thread.adapters_remove),
+    CallMethod.TOKENIZE: CallSpec(Thread.MLX, mlx_thread.tokenize),
+    CallMethod.DETOKENIZE: CallSpec(Thread.MLX, mlx_thread.detokenize),
+    CallMethod.DEBUG_SLEEP: CallSpec(Thread.MLX, mlx_thread.debug_sleep),
+}
+
+
+def lookup(method: str) -> CallSpec | None:
+    """The spec of a CALL method name from the wire; None for a name outside `CallMethod`."""
+    try:
+        return CALLS[CallMethod(method)]
+    except ValueError:
+        return None

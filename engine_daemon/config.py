@@ -1,0 +1,52 @@
+"""The engine's settings as the mlx thread and its schedulers see them (`engined` flags, parsed).
+
+A leaf at run time: the model names type is only named for type checkers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine_daemon.models.names import ModelNames
+
+
+@dataclass
+class SchedulerConfig:
+    default_model: str | None = None
+    allow_download: bool = False
+    default_max_tokens: int = 4096
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    prefill_step_size: int = 2048
+    # Prompt tokens per step while other requests decode; 0 = paced by measurement (PrefillPacer).
+    interleave_prefill_tokens: int = 0
+    decode_concurrency: int = 32
+    prompt_concurrency: int = 8
+    max_queued: int = 256
+    prompt_cache_size: int = 10
+    prompt_cache_bytes: int | None = None
+    max_kv_size: int | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    quantized_kv_start: int = 5000
+    memory_budget_bytes: int | None = None
+    # Directories whose model subdirectories requests may name (absolute, resolved: `model_roots`).
+    model_dirs: tuple[Path, ...] = ()
+    # Let mlx_lm run Python files shipped with a model (never by default: models come from requests too).
+    trust_remote_code: bool = False
+    # The operator's model names and per-model settings (`ModelNames`); None: no names.
+    names: ModelNames | None = None
+    # Seconds without any request after which the mlx thread unloads the model (--idle-unload); None: never.
+    idle_unload: float | None = None
+    # LoRA adapters (`AdapterManager`): --adapter-path for --model's requests, LRU of loaded adapters.
+    adapter_path: str | None = None
+    adapter_cache_size: int = 8
+    # Speculative decoding of lone requests (`SpeculativeDecoder`): --draft-model, --num-draft-tokens.
+    draft_model: str | None = None
+    num_draft_tokens: int = 3
+    # While a request for another model waits, requests for the loaded one keep joining the batch for up
+    # to this many seconds (then the batch drains and the model switches): fewer loads when clients
+    # alternate models, bounded extra wait for the other model. 0: strict arrival order.
+    model_switch_delay: float = 2.0

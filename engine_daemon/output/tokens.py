@@ -1,0 +1,80 @@
+"""Sampled token ids -> what the client sees: text deltas, finish reasons, logprobs, usage.
+
+Each token goes through the streaming detokenizer, the stop-string matcher (hold-back) and
+the output parser (reasoning / tool calls) of its request, in that order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from engine_daemon.output.parser import ParsedDelta
+
+if TYPE_CHECKING:  # the request type only: requests are built above this layer
+    from engine_daemon.request.state import EngineRequest
+
+
+def consume_token(request: EngineRequest, token: int | None) -> ParsedDelta:
+    """Adds one sampled token (None: generation ended without one); returns what is now safe to send.
+
+    Sets finish_reason when done: "tool_calls" when a stop ended a reply that called tools.
+    """
+    if token is None:
+        request.finish_reason = request.finish_reason or "length"
+        return _parsed(request, request.stop.flush())
+    detokenizer = request.detokenizer
+    if token in request.eos_token_ids:
+        request.finish_reason = "stop"
+    else:
+        detokenizer.add_token(token)
+        request.generated += 1
+        if request.parser is not None and request.parser.in_reasoning:
+            request.reasoning_tokens += 1  # usage.completion_tokens_details.reasoning_tokens
+        if request.generated >= request.max_tokens:
+            request.finish_reason = "length"
+    if request.finish_reason is not None:
+        detokenizer.finalize()
+    text = request.stop.feed(detokenizer.last_segment)
+    if request.stop.matched is not None:
+        request.finish_reason = "stop"
+    elif request.finish_reason is not None:
+        text += request.stop.flush()
+    return _parsed(request, text)
+
+
+def _parsed(request: EngineRequest, text: str) -> ParsedDelta:
+    final = request.finish_reason is not None
+    if request.parser is None:
+        return ParsedDelta(text=text)
+    delta = request.parser.feed(text, final=final)
+    if final and request.finish_reason == "stop" and request.parser.tool_calls:
+        request.finish_reason = "tool_calls"
+    return delta
+
+
+def logprob_entries(tokenizer: Any, logprobs: Any, token: int, top: int) -> list[dict[str, Any]]:
+    """OpenAI's per-token logprobs entry: the sampled token and the `top` most likely ones."""
+    row = logprobs.reshape(-1)
+
+    def describe(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        # A token masked out (grammar constraint) has logprob -inf, which JSON cannot carry: clamp
+        # it as vLLM does.
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+
+    entry = describe(token, row[token].item())
+    entry["top_logprobs"] = []
+    if top:
+        ids = mx.argpartition(-row, kth=top - 1)[:top]
+        pairs = sorted(zip(ids.tolist(), row[ids].tolist()), key=lambda pair: -pair[1])
+        entry["top_logprobs"] = [describe(i, v) for i, v in pairs]
+    return [entry]
+
+
+def usage(request: EngineRequest, cached_tokens: int = 0) -> dict[str, int]:
+    prompt = len(request.prompt_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": request.generated,
+            "total_tokens": prompt + request.generated, "cached_tokens": cached_tokens,
+            "reasoning_tokens": request.reasoning_tokens}

@@ -1,0 +1,66 @@
+"""A request's prompt as token ids: chat messages through the model's template, or raw text/ids."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine_daemon.errors import RequestError
+from engine_daemon.models.loaded import LoadedModel
+
+
+def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
+    """Token ids of the prompt: chat messages through the model's template, or raw text/ids."""
+    tokenizer = loaded.tokenizer
+    messages = body.get("messages")
+    if messages is not None:
+        if not getattr(tokenizer, "has_chat_template", True):
+            raise RequestError(400, "chat_template_missing",
+                               f"Model '{loaded.ref.id}' has no chat template; use /v1/completions",
+                               param="messages")
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        tools = template_tools(body)
+        if tools:
+            kwargs["tools"] = tools
+        try:
+            tokens = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
+                                                   **kwargs)
+        except Exception as exc:  # jinja raises its own exception types for template errors
+            raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {exc}",
+                               param="messages") from None
+        return list(tokens)
+    prompt = body["prompt"]
+    if isinstance(prompt, list):
+        return prompt
+    return list(tokenizer.encode(prompt))
+
+
+def template_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools the template describes; `tool_choice: "none"` means the model is not offered any."""
+    if body.get("tool_choice") == "none":
+        return None
+    return body.get("tools") or None
+
+
+def _arguments_object(arguments: Any) -> Any:
+    """Templates render arguments with `tojson`: give them the object, not its JSON string."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-shaped messages as chat templates expect them (tool-call arguments as objects)."""
+    prepared = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [
+                {**call, "function": {**call.get("function", {}),
+                                      "arguments": _arguments_object(call.get("function", {}).get("arguments"))}}
+                for call in calls if isinstance(call, dict)]}
+        prepared.append(message)
+    return prepared

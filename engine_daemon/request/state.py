@@ -1,0 +1,42 @@
+"""One generation request as the engine tracks it, from ADD to its last delta."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_daemon.output.parser import OutputParser
+from engine_daemon.output.stop_strings import StopStringMatcher
+
+
+@dataclass
+class EngineRequest:
+    """Everything the scheduler tracks for one request, from ADD to its last delta."""
+
+    rid: str
+    peer: bytes
+    body: dict[str, Any]
+    model_id: str | None = None
+    prompt_tokens: list[int] = field(default_factory=list)
+    max_tokens: int = 0
+    sampling: dict[str, Any] = field(default_factory=dict)
+    stop: StopStringMatcher | None = None
+    detokenizer: Any = None
+    parser: OutputParser | None = None
+    reasoning_tokens: int = 0  # generated while inside a thinking block
+    eos_token_ids: frozenset[int] = frozenset()
+    generated: int = 0
+    cached_tokens: int = 0
+    seq: int = 0
+    finish_reason: str | None = None
+    accepted: bool = False
+    # Request-specific logits processors (grammar constraint, thinking budget), after the sampling ones.
+    processors: list[Any] = field(default_factory=list)
+    arrived: float = field(default_factory=time.monotonic)  # when the engine got the ADD
+    # {"mode": "truncated"|"summarized", "dropped_messages": n} when older turns made way (`fit_context`)
+    context_overflow: dict[str, Any] | None = None
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.body["params"]

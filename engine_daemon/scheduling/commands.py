@@ -1,0 +1,51 @@
+"""What the io thread asks of the mlx thread: one small value per command, through a queue.
+
+Plain Python values only (no sockets, no MLX objects): the io thread builds them, the mlx
+thread (`MlxWorker`) handles them between two scheduler steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AddCommand:
+    """A validated ADD from a front-end: admit the request (or refuse it) at the next step."""
+
+    peer: bytes
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AbortCommand:
+    rids: list[str]
+    reason: str = "client"
+
+
+@dataclass(frozen=True)
+class PeerGoneCommand:
+    """A front-end vanished (BYE, a failed send, silence): abort all of its requests."""
+
+    peer: bytes
+
+
+@dataclass(frozen=True)
+class CallCommand:
+    """A CALL whose handler must run on the mlx thread (see `engine_daemon.calls.table.CALLS`)."""
+
+    peer: bytes
+    cid: str
+    method: str
+    handler: Callable[[Any, dict[str, Any]], Any]
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class StopCommand:
+    """Wakes the mlx thread so it sees that it must stop."""
+
+
+Command = AddCommand | AbortCommand | PeerGoneCommand | CallCommand | StopCommand
