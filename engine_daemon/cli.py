@@ -11,6 +11,7 @@ from pathlib import Path
 
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.config import SchedulerConfig
+from engine_daemon.lora.registry import is_adapter_dir
 from engine_daemon.models.names import ModelNames, ModelsConfigError
 from engine_daemon.models.store import ModelNotFound, model_roots, resolve, set_operator_names
 from engine_daemon.transport.security import InsecureEndpoint, SocketSecurity, check_endpoint, keygen_main
@@ -322,10 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_adapter_and_draft(args: argparse.Namespace, model_source: str | None, log: logging.Logger) -> int:
     """--adapter-path and --draft-model refused at start (exit 2) rather than failing every request later."""
-
     if args.adapter_path:
-        from engine_daemon.lora.adapters import is_adapter_dir
-
         if not args.model:
             log.error("--adapter-path needs --model (the adapter belongs to that model)")
             return 2
