@@ -1,4 +1,5 @@
-from engine_daemon.cli import main
 import sys
+
+from engine_daemon.cli import main
 
 sys.exit(main())

@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-size", type=int,
                         default=int(os.environ.get("MLX_ENGINE_PROMPT_CACHE_SIZE", "10")),
                         help="most prefix-cache entries (LRU). [MLX_ENGINE_PROMPT_CACHE_SIZE] (default: %(default)s)")
-    parser.add_argument("--prompt-cache-bytes", type=_size, default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_BYTES")),
+    parser.add_argument("--prompt-cache-bytes", type=_size,
+                        default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_BYTES")),
                         help="byte cap of the prefix cache, e.g. 2GB or 512MB (default: a quarter of "
                              "--memory-budget, else unbounded). [MLX_ENGINE_PROMPT_CACHE_BYTES]")
     parser.add_argument("--max-kv-size", type=int, default=_int_or_none(os.environ.get("MAX_KV_SIZE")),
@@ -157,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-group-size", type=int, default=int(os.environ.get("KV_GROUP_SIZE", "64")),
                         help="group size of KV quantization. [KV_GROUP_SIZE] (default: %(default)s)")
     parser.add_argument("--quantized-kv-start", type=int, default=int(os.environ.get("QUANTIZED_KV_START", "5000")),
-                        help="tokens after which the KV cache is quantized. [QUANTIZED_KV_START] (default: %(default)s)")
+                        help="tokens after which the KV cache is quantized. [QUANTIZED_KV_START] "
+                             "(default: %(default)s)")
     parser.add_argument("--memory-budget", type=float, default=_env_float("MLX_ENGINE_MEMORY_BUDGET"),
                         help="GB the engine may use (weights + KV + caches). Requests whose KV would not fit get "
                              "400 memory_budget_exceeded before generating, and MLX's memory limit is set to it. "

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.errors import RequestError
+from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.request.prompt import build_prompt
 
 log = logging.getLogger(__name__)

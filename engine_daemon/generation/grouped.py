@@ -31,8 +31,8 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine_daemon.lora.adapters import AdapterManager
 from engine_daemon.generation.speculative import SpeculativeDecoder, SpeculativeLane
+from engine_daemon.lora.adapters import AdapterManager
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.models.vision_support import VisionSupport
 from engine_daemon.multimodal import inputs as vision
 from engine_daemon.multimodal.features import image_features
-from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 

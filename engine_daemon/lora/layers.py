@@ -76,7 +76,7 @@ def load_adapter_weights(name: str, path: Path) -> AdapterWeights:
 class SwitchableLoRA(nn.Module):
     """A base linear layer plus whatever LoRA pair the active adapter has for it (maybe none)."""
 
-    def __init__(self, linear: nn.Module, switch: "AdapterSwitch", path: str):
+    def __init__(self, linear: nn.Module, switch: AdapterSwitch, path: str):
         super().__init__()
         self.linear = linear
         self._switch = switch  # plain attributes: not parameters of the model

@@ -34,7 +34,7 @@ def is_adapter_dir(path: Path) -> bool:
 
 
 def resolve_adapter_dir(spec: str, roots: Sequence[Path], param: str = "adapter_path") -> Path:
-    """An adapter directory a client named, confined to the model roots (as `engine_daemon.models.store.resolve` confines models).
+    """An adapter directory a client named, confined to the model roots (as `resolve` confines models).
 
     Refused before the filesystem is touched: `..` components and absolute paths not
     lexically under a root. A path under a root must still resolve (links followed) inside one.

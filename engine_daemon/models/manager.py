@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 

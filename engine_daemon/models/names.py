@@ -217,7 +217,7 @@ class ModelNames:
     @classmethod
     def from_options(cls, *, models_config: str | Path | None = None, model: str | None = None,
                      served_model_name: str | None = None, chat_template_file: str | Path | None = None,
-                     context_overflow: str = "error") -> "ModelNames":
+                     context_overflow: str = "error") -> ModelNames:
         """Names from the engine's flags; raises ModelsConfigError on anything invalid."""
         template = read_chat_template(chat_template_file) if chat_template_file else None
         defaults = ModelProfile(chat_template=template,

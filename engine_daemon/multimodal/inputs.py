@@ -14,16 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import re
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from engine_daemon.errors import RequestError
 from engine_daemon.models.loaded import LoadedModel

@@ -30,10 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine_daemon.models.loaded import LoadedModel
-from engine_daemon.request.state import EngineRequest
 from engine_daemon.errors import RequestError
+from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.request.prompt import build_prompt
+from engine_daemon.request.state import EngineRequest
 
 log = logging.getLogger(__name__)
 

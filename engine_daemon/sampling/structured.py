@@ -20,8 +20,8 @@ from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
 
-from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.errors import RequestError
+from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.tool_call_grammar import (
     FunctionSpec,
     can_offer_calls_beside_answer,

@@ -9,7 +9,8 @@ continues with its answer (Qwen's documented way to cap thinking).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 

@@ -12,26 +12,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-from mlx_lm.generate import generate_step
-
+from engine_daemon.config import SchedulerConfig
 from engine_daemon.cpu import parallel_ops as cpu_parallel
-from engine_daemon.output.tokens import consume_token, logprob_entries, usage
-from engine_daemon.request.admission import prepare
+from engine_daemon.errors import RequestError
 from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.lora.adapters import AdapterManager
-from engine_daemon.models.names import ModelNames
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.models.store import InvalidModelName, ModelNotFound, ModelRef
+from engine_daemon.output.tokens import consume_token, logprob_entries, usage
+from engine_daemon.request.admission import prepare
 from engine_daemon.request.state import EngineRequest
-from engine_daemon.config import SchedulerConfig
-from engine_daemon.errors import RequestError
-from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from protocol import MsgType
 
 log = logging.getLogger(__name__)

@@ -17,20 +17,20 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
-from engine_daemon.models.vision_support import cache_stats as vision_cache_stats
-from engine_daemon.multimodal import inputs as vision
+from engine_daemon.config import SchedulerConfig
+from engine_daemon.errors import RequestError, engine_failure
 from engine_daemon.generation import vision_batch
 from engine_daemon.generation.grouped import GroupedGenerator
-from engine_daemon.generation.speculative import SpeculativeDecoder, eligible as speculative_eligible
+from engine_daemon.generation.speculative import SpeculativeDecoder
+from engine_daemon.generation.speculative import eligible as speculative_eligible
 from engine_daemon.models.manager import ModelManager
-from engine_daemon.scheduling.prefill_pacer import PrefillPacer
 from engine_daemon.models.store import ModelRef
+from engine_daemon.models.vision_support import cache_stats as vision_cache_stats
+from engine_daemon.multimodal import inputs as vision
 from engine_daemon.request.state import EngineRequest
-from engine_daemon.errors import RequestError
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
-from engine_daemon.config import SchedulerConfig
-from engine_daemon.errors import engine_failure
+from engine_daemon.scheduling.prefill_pacer import PrefillPacer
 
 log = logging.getLogger(__name__)
 

@@ -8,24 +8,28 @@ as encoded frames through an inproc PUSH socket the io thread polls.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import zmq
 
-import mlx.core as mx
-
-from engine_daemon.scheduling.batch import BatchScheduler
-from engine_daemon.models.manager import ModelManager
-from engine_daemon.errors import RequestError
-from engine_daemon.scheduling.base import BaseScheduler, Event
 from engine_daemon.config import SchedulerConfig
-from engine_daemon.scheduling.commands import (AbortCommand, AddCommand, CallCommand, Command, PeerGoneCommand,
-                                                StopCommand)
+from engine_daemon.errors import RequestError
+from engine_daemon.models.manager import ModelManager
+from engine_daemon.scheduling.base import BaseScheduler, Event
+from engine_daemon.scheduling.batch import BatchScheduler
+from engine_daemon.scheduling.commands import (
+    AbortCommand,
+    AddCommand,
+    CallCommand,
+    Command,
+    PeerGoneCommand,
+    StopCommand,
+)
 from engine_daemon.scheduling.serial import SerialScheduler
 from protocol import MsgType, encode
 

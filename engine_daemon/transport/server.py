@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
