@@ -221,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit status when the mlx thread died (EX_SOFTWARE): the supervisor restarts the engine.
+MLX_THREAD_DIED = 70
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keygen"]:
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     except (EndpointInUse, InsecureEndpoint) as exc:
         log.error("%s", exc)
         return 1
-    return 0
+    return MLX_THREAD_DIED if server.failed else 0
 
 
 def _check_adapter_and_draft(args: argparse.Namespace, model_source: str | None, log: logging.Logger) -> int:

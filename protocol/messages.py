@@ -57,6 +57,7 @@ class CallMethod(str, enum.Enum):
     RESPONSES_GET = "responses.get"
     RESPONSES_DELETE = "responses.delete"
     DEBUG_SLEEP = "debug_sleep"  # fault injection (tests only): wedges the mlx thread
+    DEBUG_CRASH = "debug_crash"  # fault injection (tests only): kills the mlx thread
 
 
 FRONTEND_TO_ENGINE = frozenset(

@@ -53,6 +53,18 @@ def detokenize(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
     return [], detokenize_text(ctx.models.current, args)
 
 
+class InjectedCrash(BaseException):
+    """Fault injection: escapes every per-command guard, as a bug in the mlx thread's own loop would."""
+
+
+def debug_crash(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    """Fault injection for tests: kill the mlx thread (the engine must then exit non-zero)."""
+    if os.environ.get(FAULT_INJECTION_ENV) != "1":
+        return [], {"error": "unknown method debug_crash"}
+    log.warning("fault injection: the mlx thread raises")
+    raise InjectedCrash("fault injection: debug_crash")
+
+
 def debug_sleep(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
     """Fault injection for tests: wedge the mlx thread as a runaway kernel would."""
     if os.environ.get(FAULT_INJECTION_ENV) != "1":

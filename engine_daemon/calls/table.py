@@ -43,6 +43,7 @@ CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.TOKENIZE: CallSpec(Thread.MLX, mlx_thread.tokenize),
     CallMethod.DETOKENIZE: CallSpec(Thread.MLX, mlx_thread.detokenize),
     CallMethod.DEBUG_SLEEP: CallSpec(Thread.MLX, mlx_thread.debug_sleep),
+    CallMethod.DEBUG_CRASH: CallSpec(Thread.MLX, mlx_thread.debug_crash),
 }
 
 

@@ -52,7 +52,7 @@ def _call_dict(parsed: Any) -> list[dict[str, Any]]:
         arguments = call.get("arguments", call.get("parameters", {}))
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        out.append({"name": call["name"], "arguments": arguments, "id": call.get("id")})
+        out.append({"name": call["name"], "arguments": arguments})
     return out
 
 
@@ -167,7 +167,9 @@ class OutputParser:
             return
         for call in calls:
             call["index"] = self.tool_calls
-            call["id"] = call.get("id") or f"call_{uuid.uuid4().hex[:24]}"
+            # Always our own id: a model-made one may be anything (a 100-digit number once made the
+            # DELTAS frame unencodable), and clients expect a unique string.
+            call["id"] = f"call_{uuid.uuid4().hex[:24]}"
             self.tool_calls += 1
             out.tool_calls.append(call)
 

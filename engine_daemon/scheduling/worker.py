@@ -12,7 +12,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import zmq
@@ -30,8 +29,9 @@ from engine_daemon.scheduling.commands import (
     PeerGoneCommand,
     StopCommand,
 )
+from engine_daemon.scheduling.frames import encode_events
 from engine_daemon.scheduling.serial import SerialScheduler
-from protocol import MsgType, encode
+from protocol import MsgType
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,10 @@ class MlxWorker(threading.Thread):
                 self._update_status()
                 self._unload_if_idle()
                 self.status.busy_since = 0.0
-        except Exception:
-            log.exception("mlx thread crashed")
+        except BaseException:
+            # The io thread sees the thread gone and stops the engine with a non-zero exit, so a
+            # supervisor restarts it (a live process with a dead mlx thread would hang every stream).
+            log.critical("mlx thread crashed", exc_info=True)
             raise
         finally:
             outbox.close()
@@ -216,12 +218,13 @@ class MlxWorker(threading.Thread):
         return []  # StopCommand: the loop sees _stopping
 
     def _publish(self, outbox: zmq.Socket, events: list[Event]) -> None:
-        """One DELTAS frame per peer per step; every other event is its own frame."""
-        deltas: dict[bytes, list[dict[str, Any]]] = {}
-        for peer, msg_type, body in events:
-            if msg_type == MsgType.DELTAS:
-                deltas.setdefault(peer, []).append(body)
-            else:
-                outbox.send_multipart([peer, encode(msg_type, body)])
-        for peer, items in deltas.items():
-            outbox.send_multipart([peer, encode(MsgType.DELTAS, {"items": items})])
+        """One DELTAS frame per peer per step; every other event is its own frame.
+
+        A request whose output cannot be encoded ends with an ERROR and leaves the batch;
+        the others are sent as usual (`encode_events`).
+        """
+        frames, unencodable = encode_events(events)
+        for peer, frame in frames:
+            outbox.send_multipart([peer, frame])
+        if unencodable:
+            self.scheduler.abort(unencodable)

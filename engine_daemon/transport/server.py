@@ -88,6 +88,7 @@ class EngineServer:
         # Responses API records (previous_response_id, GET, DELETE): touched on the io thread only.
         self.responses = responses if responses is not None else ResponseStore()
         self._load_reported = 0  # seconds of the current model load already logged (_report_loading)
+        self.failed = False  # set when the mlx thread died: `engined` then exits non-zero
 
     def stop(self) -> None:
         self._stop.set()
@@ -125,6 +126,12 @@ class EngineServer:
                         except zmq.Again:
                             break
                         self._receive(router, parts)
+                if not self.worker.is_alive():
+                    # A dead mlx thread would leave every stream hanging behind a live socket:
+                    # stop now, and let the exit status tell the supervisor to restart us.
+                    log.critical("the mlx thread died: stopping the engine")
+                    self.failed = True
+                    break
                 if time.monotonic() >= next_sweep:
                     self._sweep_peers()
                     self._report_loading()

@@ -1,0 +1,107 @@
+"""No client can hurt another: a request that breaks something breaks only itself (issue: isolation).
+
+Each test plays one attack against the real engine + gunicorn front-end while a victim
+stream runs, and checks the victim sees no error and the engine serves the next request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import zmq
+
+from model_builders.text import derive_model
+from protocol import MsgType, encode
+from tests.helpers import Engine, Frontend, client_for
+
+# A ChatML template with no tool-call markup: mlx-lm finds no tool parser for it, so the engine's
+# JSON fallback reads a reply that starts with "{" as a tool call, and the model writes the whole call.
+PLAIN_CHATML = ("{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+                "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+class Victim(threading.Thread):
+    """A long greedy stream that records every chunk and any error it sees."""
+
+    def __init__(self, frontend: Frontend, model: str, max_tokens: int = 48):
+        super().__init__(daemon=True)
+        self.client = client_for(frontend)
+        self.model, self.max_tokens = model, max_tokens
+        self.chunks = 0
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            stream = self.client.chat.completions.create(
+                model=self.model, messages=[{"role": "user", "content": "Tell me a long story"}],
+                max_tokens=self.max_tokens, temperature=0, stream=True)
+            for chunk in stream:
+                self.chunks += 1
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    self.finish_reason = chunk.choices[0].finish_reason
+        except Exception as exc:  # the assertion below reports it
+            self.error = exc
+
+    def wait_for_first_chunk(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.chunks == 0 and self.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def assert_engine_serves(frontend: Frontend, model: str) -> None:
+    health = httpx.get(f"{frontend.base_url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "healthy", health.text
+    reply = client_for(frontend).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+    assert reply.choices[0].message is not None
+
+
+def test_a_model_made_tool_call_id_past_64_bits_ends_nothing(frontend: Frontend, tiny_model: Path) -> None:
+    """Attack 1: the model writes `"id": 1000000000000000000000000000000` in a JSON-fallback tool call.
+
+    Before: encoding the DELTAS frame raised in the mlx thread, which died; every stream hung.
+    Now tool-call ids are always ids the engine mints, and an unencodable item would end only its request.
+    """
+    model = str(derive_model(tiny_model, tiny_model.parent / "tiny-plain-chatml", PLAIN_CHATML))
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "arguments", "id"],
+              "properties": {"name": {"const": "lookup"}, "id": {"const": 1e30},
+                             "arguments": {"type": "object", "properties": {}, "additionalProperties": False}}}
+    victim = Victim(frontend, model)
+    victim.start()
+    victim.wait_for_first_chunk()
+    attack = client_for(frontend).chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "call it"}], max_tokens=64, temperature=0,
+        tools=[{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}],
+        response_format={"type": "json_schema", "json_schema": {"name": "call", "schema": schema}})
+    calls = attack.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "lookup"
+    assert calls[0].id.startswith("call_") and len(calls[0].id) < 64
+    victim.join(120)
+    assert victim.error is None and victim.finish_reason == "length"
+    assert_engine_serves(frontend, model)
+
+
+def test_a_dead_mlx_thread_stops_the_engine_with_a_failure_status(tiny_model: Path, ipc_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """A live process with a dead mlx thread would hang every stream: the engine exits non-zero instead."""
+    engine = Engine(f"ipc://{ipc_dir}/crash.sock", tmp_path / "engined.log", model=str(tiny_model),
+                    env={"MLX_ENGINE_FAULT_INJECTION": "1"})
+    try:
+        engine.wait_ready()
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(engine.endpoint)
+        sock.send(encode(MsgType.CALL, {"cid": "crash", "method": "debug_crash", "args": {}}))
+        try:
+            status = engine.popen.wait(60)
+        finally:
+            sock.close()
+        assert status == 70, engine.log()
+        log = engine.log()
+        assert "mlx thread crashed" in log and "the mlx thread died: stopping the engine" in log
+    finally:
+        engine.stop()
