@@ -14,7 +14,7 @@ import httpx
 import zmq
 
 from model_builders.text import derive_model
-from protocol import MsgType, encode
+from protocol import PROTOCOL_VERSION, MsgType, decode, encode
 from tests.helpers import Engine, Frontend, client_for
 
 # A ChatML template with no tool-call markup: mlx-lm finds no tool parser for it, so the engine's
@@ -105,3 +105,30 @@ def test_a_dead_mlx_thread_stops_the_engine_with_a_failure_status(tiny_model: Pa
         assert "mlx thread crashed" in log and "the mlx thread died: stopping the engine" in log
     finally:
         engine.stop()
+
+
+def test_a_peer_whose_hello_was_refused_is_not_served(engine: Engine) -> None:
+    """Attack 13: before, a front-end refused for its protocol version was served anyway."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(engine.endpoint)
+
+    def answer(timeout: float) -> tuple[MsgType, dict] | None:
+        return decode(sock.recv()) if sock.poll(int(timeout * 1000)) else None
+
+    try:
+        sock.send(encode(MsgType.HELLO, {"version": 999, "frontend_id": "old"}))
+        kind, body = answer(10)
+        assert kind == MsgType.ERROR and body["code"] == "protocol_version_mismatch"
+        sock.send(encode(MsgType.PING, {"t": 1.0}))
+        sock.send(encode(MsgType.CALL, {"cid": "c", "method": "status", "args": {}}))
+        sock.send(encode(MsgType.ADD, {"rid": "old:1", "model": "x", "prompt": "hi", "params": {}}))
+        assert answer(2) is None  # nothing at all until a correct HELLO
+        sock.send(encode(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": "new"}))
+        kind, _ = answer(10)
+        assert kind == MsgType.WELCOME
+        sock.send(encode(MsgType.PING, {"t": 2.0}))
+        kind, body = answer(10)
+        assert kind == MsgType.PONG and body["t"] == 2.0
+    finally:
+        sock.close()

@@ -15,7 +15,7 @@ from typing import Any
 from engine_daemon.errors import RequestError
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.output.parser import OutputParser
-from engine_daemon.output.stop_strings import StopStringMatcher
+from engine_daemon.output.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS, StopStringMatcher
 from engine_daemon.request.context_overflow import fit_context
 from engine_daemon.request.prompt import build_prompt, template_tools
 from engine_daemon.request.state import EngineRequest
@@ -106,6 +106,19 @@ def check_params(params: dict[str, Any]) -> None:
                                param=name)
 
 
+def check_stops(stops: list[Any] | None) -> None:
+    """Stop strings are matched on every token of the request: their number and length are bounded."""
+    if not stops:
+        return
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(400, "invalid_value", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got "
+                           f"{len(stops)}", param="stop")
+    for stop in stops:
+        if not isinstance(stop, str) or len(stop) > MAX_STOP_LENGTH:
+            raise RequestError(400, "invalid_value", f"each stop string must be a string of at most "
+                               f"{MAX_STOP_LENGTH} characters", param="stop")
+
+
 def check_token_ids(tokens: list[int], vocab_size: int) -> None:
     if any(not 0 <= t < vocab_size for t in tokens):
         raise RequestError(400, "invalid_value", f"prompt token ids must be in [0, {vocab_size})", param="prompt")
@@ -116,6 +129,7 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     """Fills in prompt, limits, sampling and decoding state; raises RequestError to refuse."""
     request.model_id = loaded.ref.id
     check_params(request.params)
+    check_stops(request.params.get("stop"))
     request.prompt_tokens = build_prompt(loaded, request.body)
     if isinstance(request.body.get("prompt"), list):
         check_token_ids(request.prompt_tokens, loaded.vocab_size)

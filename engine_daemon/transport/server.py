@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 OUTBOX_ADDRESS = "inproc://mlx-outbox"
 SEND_HWM = 100_000
+MAX_REFUSED_PEERS = 4096
 
 
 class EndpointInUse(RuntimeError):
@@ -79,6 +80,8 @@ class EngineServer:
         self.epoch = time.time_ns() // 1000
         self.started_at = time.time()
         self.peers: dict[bytes, Peer] = {}
+        # Peers whose HELLO named another protocol version: dropped until a correct HELLO.
+        self.refused: set[bytes] = set()
         self.context = zmq.Context()
         self.worker = MlxWorker(self.context, OUTBOX_ADDRESS, config, preload)
         self._stop = threading.Event()
@@ -175,6 +178,8 @@ class EngineServer:
                     "rid": exc.rid, "cid": exc.cid, "status": 400, "code": "bad_frame",
                     "message": str(exc), "type": "invalid_request_error"})
             return
+        if peer in self.refused and msg_type != MsgType.HELLO:
+            return  # its HELLO was refused: nothing but a correct HELLO is heard from it
         known = self.peers.get(peer)
         if known is not None:
             known.last_seen = time.monotonic()
@@ -186,10 +191,17 @@ class EngineServer:
 
     def _on_hello(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         if body["version"] != PROTOCOL_VERSION:
+            if len(self.refused) >= MAX_REFUSED_PEERS:
+                self.refused.pop()  # bounded memory against a client cycling identities
+            self.refused.add(peer)
+            self.peers.pop(peer, None)
+            log.warning("front-end %s speaks protocol %s: refused until it says HELLO with %d",
+                        body.get("frontend_id"), body["version"], PROTOCOL_VERSION)
             self._reply(router, peer, MsgType.ERROR, {
                 "status": 400, "code": "protocol_version_mismatch", "type": "invalid_request_error",
                 "message": f"engine speaks protocol {PROTOCOL_VERSION}, front-end {body['version']}"})
             return
+        self.refused.discard(peer)
         self.peers[peer] = Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host"))
         log.info("front-end %s connected (pid %s on %s)", body["frontend_id"], body.get("pid"), body.get("host"))
         status = self.worker.status
