@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine_daemon.models.names import ModelNames
 
+# Longest model or adapter name a request may send (a file name's limit; a longer one was a 500
+# and a 1 MB log line).
+MAX_NAME_BYTES = 255
+
 
 @dataclass
 class SchedulerConfig:

@@ -7,7 +7,12 @@ same envelope. `engine_failure` wraps an unexpected exception as a 500 for one r
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+# An absolute path of two or more components inside a message (a library's exception text
+# often carries one: `Qwen2Tokenizer(name_or_path='/srv/models/...')`).
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])/(?:[^\s'\"(),:;/]+/)+([^\s'\"(),:;/]*)")
 
 
 class RequestError(Exception):
@@ -26,6 +31,15 @@ class RequestError(Exception):
                 "type": self.error_type, "param": self.param}
 
 
+def describe(exc: BaseException) -> str:
+    """An exception's text as a client may see it: server paths cut down to their last component."""
+    return redact_paths(str(exc))
+
+
+def redact_paths(text: str) -> str:
+    return _ABSOLUTE_PATH.sub(lambda match: match.group(1) or "<path>", text)
+
+
 def engine_failure(exc: Exception) -> RequestError:
     """An unexpected exception while serving one request, as the 500 that request ends with."""
-    return RequestError(500, "engine_error", f"{type(exc).__name__}: {exc}", error_type="server_error")
+    return RequestError(500, "engine_error", f"{type(exc).__name__}: {describe(exc)}", error_type="server_error")

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import zmq
 
 from model_builders.text import derive_model
@@ -132,3 +133,55 @@ def test_a_peer_whose_hello_was_refused_is_not_served(engine: Engine) -> None:
         assert kind == MsgType.PONG and body["t"] == 2.0
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("kwargs,named", [
+    ({"tokenize": False}, "tokenize"),
+    ({"return_tensors": "mlx"}, "return_tensors"),
+    ({"chat_template": "{% for i in range(10**9) %}{% for j in range(10**9) %}x{% endfor %}{% endfor %}"},
+     "chat_template"),
+    ({"enable_thinking": False, "return_dict": True, "tools": []}, "return_dict"),
+])
+def test_template_call_arguments_in_chat_template_kwargs_are_refused(frontend: Frontend, model_id: str,
+                                                                      kwargs: dict, named: str) -> None:
+    """Attacks 2 and 3: `tokenize: false` broke every stream's next batch step; a client's Jinja ran for
+    69 s on the mlx thread. Only template variables pass now, and the victim stream never notices."""
+    victim = Victim(frontend, model_id)
+    victim.start()
+    victim.wait_for_first_chunk()
+    response = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60, json={
+        "model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "chat_template_kwargs": kwargs})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and named in error["message"]
+    victim.join(120)
+    assert victim.error is None and victim.finish_reason == "length"
+    assert_engine_serves(frontend, model_id)
+
+
+def test_plain_template_variables_still_reach_the_template(frontend: Frontend, model_id: str) -> None:
+    reply = client_for(frontend).chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False, "custom": {"nested": [1, 2.5, "x", None]}}})
+    assert reply.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stop,limit", [(["x" * 1025], "1024 characters"), ([f"s{i}" for i in range(17)], "16")])
+def test_stop_strings_are_bounded(frontend: Frontend, model_id: str, stop: list[str], limit: str) -> None:
+    """Attack 5: 16 long stop strings slowed another client's stream from 255 to 8 events/s."""
+    response = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60, json={
+        "model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stop": stop})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "stop" and limit in error["message"]
+
+
+@pytest.mark.parametrize("name", ["m" * 300, "é" * 200, "/" + "a/" * 200])
+def test_overlong_model_names_get_a_400_and_a_short_log_line(frontend: Frontend, engine: Engine, name: str) -> None:
+    """Attack 14: a name over 255 bytes was a 500 and a 1 MB engine log line."""
+    response = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60, json={
+        "model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_model_name"
+    assert max(len(line) for line in engine.log().splitlines()) < 4096

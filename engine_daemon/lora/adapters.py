@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine_daemon.errors import RequestError
+from engine_daemon.errors import RequestError, describe
 from engine_daemon.lora.layers import AdapterSwitch, AdapterWeights, BoundModel, load_adapter_weights
 from engine_daemon.lora.registry import (
     NAME_PATTERN,
@@ -115,7 +115,7 @@ class AdapterManager:
         try:
             return self._load(loaded, name, path).key
         except OSError as exc:
-            raise RequestError(404, "adapter_not_found", f"Adapter '{spec}' could not be read: {exc}",
+            raise RequestError(404, "adapter_not_found", f"Adapter '{spec}' could not be read: {describe(exc)}",
                                param="adapter_path") from None
 
     def _is_default_model(self, loaded: Any) -> bool:

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engine_daemon.errors import RequestError
+from engine_daemon.errors import RequestError, describe
 from engine_daemon.lora.registry import ADAPTER_WEIGHTS, file_version, read_adapter_config
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def load_adapter_weights(name: str, path: Path) -> AdapterWeights:
     try:
         tensors = mx.load(str(path / ADAPTER_WEIGHTS))
     except Exception as exc:  # a corrupt file is the client's/operator's problem, not an engine failure
-        raise RequestError(400, "invalid_adapter", f"Unreadable {ADAPTER_WEIGHTS}: {exc}") from None
+        raise RequestError(400, "invalid_adapter", f"Unreadable {ADAPTER_WEIGHTS}: {describe(exc)}") from None
     pairs: dict[str, dict[str, mx.array]] = {}
     for tensor_name, value in tensors.items():
         module, _, leaf = tensor_name.rpartition(".")

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine_daemon.errors import RequestError
+from engine_daemon.config import MAX_NAME_BYTES
+from engine_daemon.errors import RequestError, describe
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapters.safetensors"
@@ -39,6 +40,9 @@ def resolve_adapter_dir(spec: str, roots: Sequence[Path], param: str = "adapter_
     Refused before the filesystem is touched: `..` components and absolute paths not
     lexically under a root. A path under a root must still resolve (links followed) inside one.
     """
+    if len(spec.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise RequestError(400, "invalid_adapter", f"Adapter names are limited to {MAX_NAME_BYTES} bytes",
+                           param=param)
     if not spec.strip() or "\0" in spec:
         raise RequestError(400, "invalid_adapter", f"'{spec}' is not a valid adapter name or path", param=param)
     if ".." in spec.replace("\\", "/").split("/"):
@@ -134,7 +138,8 @@ def read_adapter_config(path: Path, param: str = "adapter_path") -> dict[str, An
     try:
         config = json.loads((path / ADAPTER_CONFIG).read_text())
     except (OSError, ValueError) as exc:
-        raise RequestError(400, "invalid_adapter", f"Unreadable {ADAPTER_CONFIG}: {exc}", param=param) from None
+        raise RequestError(400, "invalid_adapter", f"Unreadable {ADAPTER_CONFIG}: {describe(exc)}",
+                           param=param) from None
     if not isinstance(config, dict):
         raise RequestError(400, "invalid_adapter", f"{ADAPTER_CONFIG} is not a JSON object", param=param)
     kind = config.get("fine_tune_type", "lora")

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_daemon.config import MAX_NAME_BYTES
+
 log = logging.getLogger(__name__)
 
 # Files mlx_lm.load needs; fetched when a download is allowed.
@@ -206,6 +208,8 @@ def resolve_request_model(name: str, roots: Sequence[Path], allow_download: bool
     touched; a path under a root must still resolve (symlinks followed) inside
     one. Roots must be absolute and resolved (`model_roots`).
     """
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise InvalidModelName(f"Model names are limited to {MAX_NAME_BYTES} bytes")
     if not name.strip() or "\0" in name:
         raise InvalidModelName(f"'{name}' is not a valid model name")
     if ".." in name.replace("\\", "/").split("/"):

@@ -21,10 +21,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine_daemon.errors import RequestError
+from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.models.vision_support import VisionSupport
 from engine_daemon.request.state import EngineRequest
+from engine_daemon.request.template_kwargs import checked_template_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def decode_image(item: dict[str, Any], index: int) -> Any:
     except RequestError:
         raise
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise _media_error(f"Image {index + 1} could not be decoded: {exc}", code="invalid_image") from None
+        raise _media_error(f"Image {index + 1} could not be decoded: {describe(exc)}", code="invalid_image") from None
     if resize is not None:
         from mlx_vlm.utils import resize_image
 
@@ -129,7 +130,7 @@ def decode_audio(item: dict[str, Any], index: int, sample_rate: int) -> Any:
     try:
         return load_audio(io.BytesIO(item["data"]), sr=sample_rate)
     except Exception as exc:  # decoders raise their own exception types
-        raise _media_error(f"Audio {index + 1} could not be decoded: {exc}", code="invalid_audio") from None
+        raise _media_error(f"Audio {index + 1} could not be decoded: {describe(exc)}", code="invalid_audio") from None
 
 
 def _image_key(item: dict[str, Any]) -> str:
@@ -187,14 +188,14 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel) -> VisionInputs:
     if messages is None:
         raise _media_error("Images and audio need chat 'messages'", param="prompt")
     converted, image_order, audio_order = _split_messages(messages, media)
-    kwargs = dict(body.get("chat_template_kwargs") or {})
+    kwargs = checked_template_kwargs(body.get("chat_template_kwargs"))
     if body.get("tools") and body.get("tool_choice") != "none":
         kwargs["tools"] = body["tools"]
     try:
         prompt = apply_chat_template(support.processor, support.config, converted, num_images=len(image_order),
                                      num_audios=len(audio_order), **kwargs)
     except Exception as exc:  # jinja and mlx-vlm's formatters raise their own types
-        raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {exc}",
+        raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {describe(exc)}",
                            param="messages") from None
     images = [decode_image(media[i], n) for n, i in enumerate(image_order)] or None
     audio = None
@@ -208,7 +209,7 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel) -> VisionInputs:
             image_token_index=getattr(support.config, "image_token_index", None),
             add_special_tokens=should_add_special_tokens(support.model_type, support.processor))
     except Exception as exc:  # the processor's own validation (sizes, counts)
-        raise _media_error(f"The model's processor rejected the input: {exc}") from None
+        raise _media_error(f"The model's processor rejected the input: {describe(exc)}") from None
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     return VisionInputs(input_ids=inputs["input_ids"], pixel_values=inputs.get("pixel_values"),
                         mask=inputs.get("attention_mask"), extra=extra,

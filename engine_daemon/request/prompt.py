@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine_daemon.errors import RequestError
+from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
+from engine_daemon.request.template_kwargs import checked_template_kwargs
 
 
 def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
@@ -18,7 +19,7 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
             raise RequestError(400, "chat_template_missing",
                                f"Model '{loaded.ref.id}' has no chat template; use /v1/completions",
                                param="messages")
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs = checked_template_kwargs(body.get("chat_template_kwargs"))
         tools = template_tools(body)
         if tools:
             kwargs["tools"] = tools
@@ -26,7 +27,7 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
             tokens = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
                                                    **kwargs)
         except Exception as exc:  # jinja raises its own exception types for template errors
-            raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {exc}",
+            raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {describe(exc)}",
                                param="messages") from None
         return list(tokens)
     prompt = body["prompt"]

@@ -26,6 +26,8 @@ import numpy as np
 from llguidance import LLMatcher
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+from engine_daemon.errors import describe
+
 log = logging.getLogger(__name__)
 
 # Shifts that unpack one int32 word into its 32 bits. Plain numpy at import: an mx array made
@@ -118,7 +120,7 @@ class GrammarConstraint:
             return self._process(tokens, logits)
         except Exception as exc:  # never fail the batch step: end this request instead
             if not self.failed:
-                self._fail(f"{type(exc).__name__}: {exc}")
+                self._fail(f"{type(exc).__name__}: {describe(exc)}")
             return self._eos_only(logits)
 
     def _process(self, tokens: mx.array, logits: mx.array) -> mx.array:

@@ -20,7 +20,7 @@ from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
 
-from engine_daemon.errors import RequestError
+from engine_daemon.errors import RequestError, describe
 from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.tool_call_grammar import (
     FunctionSpec,
@@ -48,7 +48,7 @@ def llg_tokenizer(tokenizer: Any) -> LLTokenizer:
         built = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos)
     except Exception as exc:  # e.g. a slow (pure Python) tokenizer: llguidance needs tokenizer.json
         raise RequestError(400, "unsupported_value",
-                           f"Constrained decoding is not available for this model's tokenizer: {exc}",
+                           f"Constrained decoding is not available for this model's tokenizer: {describe(exc)}",
                            param="response_format") from None
     log.info("built the llguidance tokenizer (%d tokens) in %.3f s", built.vocab_size,
              time.perf_counter() - started)
