@@ -185,3 +185,31 @@ def test_overlong_model_names_get_a_400_and_a_short_log_line(frontend: Frontend,
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "invalid_model_name"
     assert max(len(line) for line in engine.log().splitlines()) < 4096
+
+
+def engine_stats(frontend: Frontend) -> dict:
+    return httpx.get(f"{frontend.base_url}/stats", timeout=30).json()
+
+
+def test_huge_prompts_are_refused_off_the_mlx_thread(frontend: Frontend, model_id: str) -> None:
+    """Attack 4: 4 MB of messages froze every stream for 3.6 s while the mlx thread rendered and tokenized it.
+
+    Now the byte size alone refuses it before any rendering, and a prompt under that bound is rendered and
+    tokenized on the admission pool (the engine counts both); the victim stream runs on untouched."""
+    before = engine_stats(frontend)
+    victim = Victim(frontend, model_id, max_tokens=64)
+    victim.start()
+    victim.wait_for_first_chunk()
+    huge = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=120, json={
+        "model": model_id, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "word " * 200_000} for _ in range(4)]})
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded", huge.text
+    large = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=120, json={
+        "model": model_id, "max_tokens": 4, "messages": [{"role": "user", "content": "word " * 60_000}]})
+    assert large.status_code == 400 and large.json()["error"]["code"] == "context_length_exceeded", large.text
+    after = engine_stats(frontend)
+    assert after["prompts_refused_by_size"] == before["prompts_refused_by_size"] + 1
+    assert after["prompts_prepared"] >= before["prompts_prepared"] + 2
+    victim.join(120)
+    assert victim.error is None and victim.finish_reason == "length"
+    assert_engine_serves(frontend, model_id)

@@ -15,6 +15,7 @@ from engine_daemon.calls import response_store
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.generation.speculative import speculative_stats
 from engine_daemon.models.store import list_cached_models, list_root_models
+from engine_daemon.request.preprocess import Preprocessor
 from engine_daemon.scheduling.worker import MlxWorker
 
 
@@ -26,6 +27,7 @@ class IoContext(Protocol):
     peers: dict[bytes, Any]
     worker: MlxWorker
     responses: ResponseStore
+    preprocessor: Preprocessor
 
     def state(self) -> str: ...
 
@@ -73,6 +75,7 @@ def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
     return {**status(ctx, args), "frontends": len(ctx.peers), "steps": ctx.worker.status.steps,
             "batch_size": ctx.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
             **scheduler.prompt_cache_stats(), **ctx.responses.stats(), **scheduler.adapters.stats(),
+            **ctx.preprocessor.stats(),
             **speculative_stats(scheduler.speculative, ctx.worker.status.model)}
 
 

@@ -17,6 +17,7 @@ from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.output.parser import OutputParser
 from engine_daemon.output.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS, StopStringMatcher
 from engine_daemon.request.context_overflow import fit_context
+from engine_daemon.request.preprocess import model_key
 from engine_daemon.request.prompt import build_prompt, template_tools
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.structured import constraint_for
@@ -124,13 +125,24 @@ def check_token_ids(tokens: list[int], vocab_size: int) -> None:
         raise RequestError(400, "invalid_value", f"prompt token ids must be in [0, {vocab_size})", param="prompt")
 
 
+def prepared_tokens(request: EngineRequest, loaded: LoadedModel) -> list[int]:
+    """The prompt's token ids: as prepared off the mlx thread for this very load, else rendered now."""
+    prepared, request.prepared = request.prepared, None
+    if prepared is not None and prepared.model_key == model_key(loaded):
+        if prepared.error is not None:
+            raise prepared.error
+        if prepared.tokens is not None:
+            return prepared.tokens
+    return build_prompt(loaded, request.body)
+
+
 def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int,
             server_defaults: dict[str, Any]) -> None:
     """Fills in prompt, limits, sampling and decoding state; raises RequestError to refuse."""
     request.model_id = loaded.ref.id
     check_params(request.params)
     check_stops(request.params.get("stop"))
-    request.prompt_tokens = build_prompt(loaded, request.body)
+    request.prompt_tokens = prepared_tokens(request, loaded)
     if isinstance(request.body.get("prompt"), list):
         check_token_ids(request.prompt_tokens, loaded.vocab_size)
     # models-config max_tokens default; --context-overflow truncate/summarize (fit_context)

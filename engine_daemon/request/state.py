@@ -11,6 +11,19 @@ from engine_daemon.output.stop_strings import StopStringMatcher
 
 
 @dataclass
+class PreparedPrompt:
+    """A prompt rendered and tokenized off the mlx thread (`Preprocessor`), for one load of one model.
+
+    `tokens` when it rendered, `error` when the request is to be refused, neither when the
+    mlx thread should render it itself.
+    """
+
+    model_key: tuple[str, float]
+    tokens: list[int] | None = None
+    error: Any = None  # a RequestError
+
+
+@dataclass
 class EngineRequest:
     """Everything the scheduler tracks for one request, from ADD to its last delta."""
 
@@ -36,6 +49,8 @@ class EngineRequest:
     arrived: float = field(default_factory=time.monotonic)  # when the engine got the ADD
     # {"mode": "truncated"|"summarized", "dropped_messages": n} when older turns made way (`fit_context`)
     context_overflow: dict[str, Any] | None = None
+    # The prompt as prepared off the mlx thread, if it was (`Preprocessor`).
+    prepared: PreparedPrompt | None = None
 
     @property
     def params(self) -> dict[str, Any]:

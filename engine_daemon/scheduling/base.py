@@ -24,7 +24,7 @@ from engine_daemon.models.manager import ModelManager
 from engine_daemon.models.store import InvalidModelName, ModelNotFound, ModelRef
 from engine_daemon.output.tokens import consume_token, logprob_entries, usage
 from engine_daemon.request.admission import prepare
-from engine_daemon.request.state import EngineRequest
+from engine_daemon.request.state import EngineRequest, PreparedPrompt
 from protocol import MsgType
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,9 @@ class BaseScheduler:
             return current.ref
         return ref
 
-    def submit(self, peer: bytes, body: dict[str, Any]) -> list[Event]:
+    def submit(self, peer: bytes, body: dict[str, Any], prepared: PreparedPrompt | None = None) -> list[Event]:
         """Admits or refuses a request. Refusals are answered at once, never queued."""
-        request = EngineRequest(rid=body["rid"], peer=peer, body=body)
+        request = EngineRequest(rid=body["rid"], peer=peer, body=body, prepared=prepared)
         self.stats.requests_added += 1
         try:
             if any(other.rid == request.rid for other in self.all_requests()):

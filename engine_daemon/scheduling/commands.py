@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine_daemon.request.state import PreparedPrompt
+
 
 @dataclass(frozen=True)
 class AddCommand:
@@ -17,6 +19,7 @@ class AddCommand:
 
     peer: bytes
     body: dict[str, Any]
+    prepared: PreparedPrompt | None = None  # its prompt, tokenized off the mlx thread (`Preprocessor`)
 
 
 @dataclass(frozen=True)

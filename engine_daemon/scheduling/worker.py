@@ -197,7 +197,7 @@ class MlxWorker(threading.Thread):
 
     def _handle(self, command: Command) -> list[Event]:
         if isinstance(command, AddCommand):
-            return self.scheduler.submit(command.peer, command.body)
+            return self.scheduler.submit(command.peer, command.body, command.prepared)
         if isinstance(command, AbortCommand):
             found = self.scheduler.abort(set(command.rids))
             if found:

@@ -24,6 +24,7 @@ from engine_daemon.calls.table import Thread, lookup
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
 from engine_daemon.models import store as model_store
+from engine_daemon.request.preprocess import Preprocessor
 from engine_daemon.scheduling.commands import AbortCommand, AddCommand, CallCommand, PeerGoneCommand
 from engine_daemon.scheduling.worker import MlxWorker
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
@@ -84,6 +85,9 @@ class EngineServer:
         self.refused: set[bytes] = set()
         self.context = zmq.Context()
         self.worker = MlxWorker(self.context, OUTBOX_ADDRESS, config, preload)
+        self.preprocessor = Preprocessor(
+            lambda: self.worker.models.current,
+            lambda peer, body, prepared: self.worker.commands.put(AddCommand(peer, body, prepared)))
         self._stop = threading.Event()
         self._lock: BinaryIO | None = None
         self.security = security or SocketSecurity()
@@ -140,6 +144,7 @@ class EngineServer:
                     self._report_loading()
                     next_sweep = time.monotonic() + 1.0
         finally:
+            self.preprocessor.close()
             self.worker.stop()
             self.worker.join(timeout=5)
             router.close()
@@ -241,9 +246,10 @@ class EngineServer:
                 "message": "The engine restarted; retry the request"})
             return
         self.peers.setdefault(peer, Peer("", time.monotonic()))
-        self.worker.commands.put(AddCommand(peer, body))
+        self.preprocessor.submit(peer, body)  # rendered and tokenized off the mlx thread, then AddCommand
 
     def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
+        self.preprocessor.cancel(body["rids"])
         self.worker.commands.put(AbortCommand(body["rids"], body.get("reason", "client")))
 
     def _on_bye(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
@@ -270,6 +276,7 @@ class EngineServer:
     # -- peers -------------------------------------------------------------------
     def _peer_gone(self, peer: bytes) -> None:
         self.peers.pop(peer, None)
+        self.preprocessor.cancel_peer(peer)
         self.worker.commands.put(PeerGoneCommand(peer))
 
     def _sweep_peers(self) -> None:

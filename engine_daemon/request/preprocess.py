@@ -1,0 +1,158 @@
+"""Prompt rendering and tokenization off the mlx thread, with a size bound checked first.
+
+A chat template and a tokenizer run on whatever a client sends: 4 MB of messages took
+3.6 s on the mlx thread, and every stream of every client stood still meanwhile. So an
+ADD for the loaded text model is rendered and tokenized here, on a small thread pool (the
+tokenizers release the GIL; MLX work releases it too), and reaches the mlx thread with
+its token ids ready (`PreparedPrompt`); the mlx thread uses them when the same model is
+still loaded, and otherwise (a model switch meanwhile, a vision model, another model's
+name) renders the prompt itself as before.
+
+Before any rendering, a prompt that could not fit the context window even if every token
+covered the longest token of the vocabulary is refused by its byte size alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from engine_daemon.errors import RequestError, describe
+from engine_daemon.models.loaded import LoadedModel
+from engine_daemon.request.prompt import build_prompt
+from engine_daemon.request.state import PreparedPrompt
+
+log = logging.getLogger(__name__)
+
+PREPROCESS_THREADS = 2
+_LONGEST_TOKEN_ATTR = "_longest_token_bytes"
+
+# (peer, ADD body, what was prepared or None) -> handed to the mlx thread
+Deliver = Callable[[bytes, dict[str, Any], "PreparedPrompt | None"], None]
+
+
+class PromptTooLarge(RequestError):
+    """A prompt refused by its byte size alone (`check_size`), before any rendering."""
+
+
+def model_key(loaded: LoadedModel) -> tuple[str, float]:
+    """Identifies one load of one model: prepared tokens are only used with the tokenizer that made them."""
+    return (loaded.ref.id, loaded.loaded_at)
+
+
+def names_loaded_model(body: dict[str, Any], loaded: LoadedModel) -> bool:
+    name = body.get("model")
+    return not name or name == "default" or name in (loaded.ref.id, str(loaded.ref.path))
+
+
+def longest_token_bytes(loaded: LoadedModel) -> int:
+    """Bytes of the vocabulary's longest token (computed once per load, cached on the model)."""
+    cached = getattr(loaded, _LONGEST_TOKEN_ATTR, None)
+    if cached is None:
+        try:
+            vocab = loaded.tokenizer.get_vocab()
+            cached = max((len(token.encode("utf-8", "surrogatepass")) for token in vocab), default=0) or 64
+        except Exception:  # a tokenizer without a vocabulary listing: no bound from it
+            cached = 0
+        setattr(loaded, _LONGEST_TOKEN_ATTR, cached)
+    return cached
+
+
+def prompt_bytes(body: dict[str, Any]) -> int:
+    """UTF-8 bytes of the strings a template renders from (messages, a raw prompt, tools)."""
+    total = 0
+    stack: list[Any] = [body.get("messages"), body.get("prompt"), body.get("tools")]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value.encode("utf-8", "surrogatepass"))
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return total
+
+
+def check_size(body: dict[str, Any], loaded: LoadedModel) -> None:
+    """Refuses a prompt whose bytes could not fit the window in the best case, without tokenizing it."""
+    window, longest = loaded.context_window, longest_token_bytes(loaded)
+    if not window or not longest or isinstance(body.get("prompt"), list):
+        return
+    size = prompt_bytes(body)
+    if size > window * longest:
+        raise PromptTooLarge(400, "context_length_exceeded",
+                             f"This model's maximum context length is {window} tokens; the prompt's {size} bytes "
+                             f"cannot fit in it (a token covers at most {longest} bytes)",
+                             param="prompt" if body.get("messages") is None else "messages")
+
+
+def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
+    try:
+        check_size(body, loaded)
+        return PreparedPrompt(model_key(loaded), tokens=build_prompt(loaded, body))
+    except RequestError as exc:
+        return PreparedPrompt(model_key(loaded), error=exc)
+    except Exception as exc:  # a tokenizer bug must not lose the request: the mlx thread retries it
+        log.warning("preparing a prompt failed (%s): the mlx thread renders it", describe(exc))
+        return PreparedPrompt(model_key(loaded))
+
+
+class Preprocessor:
+    """Renders and tokenizes ADDs on a thread pool, then hands them on in a `Deliver` call.
+
+    Aborts and vanished front-ends are honoured for requests still in the pool: their
+    result is dropped instead of delivered.
+    """
+
+    def __init__(self, current_model: Callable[[], LoadedModel | None], deliver: Deliver,
+                 threads: int = PREPROCESS_THREADS):
+        self._current_model = current_model
+        self._deliver = deliver
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="admission")
+        self._lock = threading.Lock()
+        self._pending: dict[str, bytes] = {}  # rid -> peer, while in the pool
+        self.counts = {"prompts_prepared": 0, "prompts_refused_by_size": 0, "prompts_refused_off_thread": 0}
+
+    def submit(self, peer: bytes, body: dict[str, Any]) -> None:
+        """Called by the io thread for every ADD; delivers at once what the pool cannot help with."""
+        loaded = self._current_model()
+        if (loaded is None or loaded.kind != "text" or body.get("media") or not names_loaded_model(body, loaded)
+                or (body.get("messages") is None and not isinstance(body.get("prompt"), str))):
+            self._deliver(peer, body, None)
+            return
+        with self._lock:
+            self._pending[body["rid"]] = peer
+        self._pool.submit(self._run, peer, body, loaded)
+
+    def _run(self, peer: bytes, body: dict[str, Any], loaded: LoadedModel) -> None:
+        prepared = prepare_prompt(body, loaded)
+        with self._lock:
+            self.counts["prompts_prepared"] += 1
+            if prepared.error is not None:
+                self.counts["prompts_refused_off_thread"] += 1
+                if isinstance(prepared.error, PromptTooLarge):
+                    self.counts["prompts_refused_by_size"] += 1
+            if self._pending.pop(body["rid"], None) is None:
+                return  # aborted while it was being prepared
+        self._deliver(peer, body, prepared)
+
+    def cancel(self, rids: list[str]) -> None:
+        with self._lock:
+            for rid in rids:
+                self._pending.pop(rid, None)
+
+    def cancel_peer(self, peer: bytes) -> None:
+        with self._lock:
+            for rid in [rid for rid, owner in self._pending.items() if owner == peer]:
+                del self._pending[rid]
+
+    def stats(self) -> dict[str, int]:
+        """For /stats: prompts rendered off the mlx thread, and how many of those were refused there."""
+        with self._lock:
+            return {**self.counts, "prompts_preparing": len(self._pending)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
