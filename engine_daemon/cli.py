@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "does not stall running streams; 0 sizes the chunk from measured step times so a "
                              "step with prefill costs about one extra decode step. "
                              "[MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS] (default: %(default)s)")
+    parser.add_argument("--max-slots-per-key", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_MAX_SLOTS_PER_KEY", "0")),
+                        help="most decode slots one client (API key, else `user`) may hold at once; 0: no ceiling. "
+                             "Slots are always handed out fewest-running-client first. "
+                             "[MLX_ENGINE_MAX_SLOTS_PER_KEY] (default: %(default)s)")
     parser.add_argument("--decode-concurrency", type=int,
                         default=int(os.environ.get("MLX_ENGINE_DECODE_CONCURRENCY", "32")),
                         help="most requests decoding in one batch. [MLX_ENGINE_DECODE_CONCURRENCY] "
@@ -285,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_step_size=args.prefill_step_size,
         interleave_prefill_tokens=args.interleave_prefill_tokens,
         decode_concurrency=args.decode_concurrency,
+        max_slots_per_key=max(0, args.max_slots_per_key),
         prompt_concurrency=args.prompt_concurrency,
         max_queued=args.max_queued,
         prompt_cache_size=args.prompt_cache_size,

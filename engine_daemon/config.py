@@ -27,6 +27,8 @@ class SchedulerConfig:
     # Prompt tokens per step while other requests decode; 0 = paced by measurement (PrefillPacer).
     interleave_prefill_tokens: int = 0
     decode_concurrency: int = 32
+    # Most decode slots one client may hold (--max-slots-per-key); 0: no ceiling.
+    max_slots_per_key: int = 0
     prompt_concurrency: int = 8
     max_queued: int = 256
     prompt_cache_size: int = 10

@@ -84,6 +84,8 @@ SCHEMAS: dict[MsgType, Schema] = {
         "epoch": ((int, NONE), False),
         "model": ((str, NONE), False),
         "adapter": ((str, NONE), False),
+        # Who asked (a digest of the API key, else the `user` field): decode slots are shared fairly between clients.
+        "client": ((str, NONE), False),
         "messages": ((list, NONE), False),
         "prompt": ((str, list, NONE), False),
         "params": ((dict,), True),

@@ -213,3 +213,53 @@ def test_huge_prompts_are_refused_off_the_mlx_thread(frontend: Frontend, model_i
     victim.join(120)
     assert victim.error is None and victim.finish_reason == "length"
     assert_engine_serves(frontend, model_id)
+
+
+def order_of(log: str, event: str) -> list[str]:
+    """Request ids in the order the engine logged `event` ("accepted", "finished") for them."""
+    return [line.split("rid=")[1].split()[0] for line in log.splitlines() if f" {event} " in line and "rid=" in line]
+
+
+@pytest.mark.parametrize("ceiling", [0, 1])
+def test_decode_slots_are_shared_between_clients(tiny_model: Path, ipc_dir: Path, tmp_path: Path,
+                                                 ceiling: int) -> None:
+    """Attack 12: one client's burst took every decode slot and starved the others.
+
+    Client A sends four requests, then client B one, while the mlx thread is held so all five are
+    queued together; the engine's log says who got a slot when."""
+    engine = Engine(f"ipc://{ipc_dir}/fair{ceiling}.sock", tmp_path / "engined.log", model=str(tiny_model),
+                    args=["--decode-concurrency", "2", "--max-slots-per-key", str(ceiling)],
+                    env={"MLX_ENGINE_FAULT_INJECTION": "1"})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        engine.wait_ready()
+        sock.connect(engine.endpoint)
+        sock.send(encode(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": "fair"}))
+        sock.send(encode(MsgType.CALL, {"cid": "hold", "method": "debug_sleep", "args": {"seconds": 1.5}}))
+        rids = [("a", f"fair:a{i}") for i in range(4)] + [("b", "fair:b0")]
+        for client, rid in rids:
+            sock.send(encode(MsgType.ADD, {"rid": rid, "client": client, "prompt": [1, 2, 3, 4],
+                                           "params": {"max_tokens": 24, "temperature": 0, "ignore_eos": True}}))
+        finished: set[str] = set()
+        deadline = time.monotonic() + 120
+        while len(finished) < len(rids) and time.monotonic() < deadline:
+            if sock.poll(1000):
+                kind, body = decode(sock.recv())
+                if kind == MsgType.DELTAS:
+                    finished |= {item["rid"] for item in body["items"] if item.get("finish_reason")}
+                assert kind != MsgType.ERROR, body
+        assert finished == {rid for _, rid in rids}
+        accepted = order_of(engine.log(), "accepted")
+        if ceiling == 0:
+            # a0 and a1 fill both slots; when they free, a and b hold none and each gets one (first in first
+            # out would have made b wait behind all four of a's).
+            assert accepted[:2] == ["fair:a0", "fair:a1"] and accepted.index("fair:b0") < accepted.index("fair:a3")
+        else:
+            # a holds at most one slot: b takes the second at once, a's others wait for a's own slot.
+            assert accepted[:2] == ["fair:a0", "fair:b0"], accepted
+            log = engine.log()
+            assert log.index("rid=fair:a0 finished") < log.index("rid=fair:a1 accepted")
+    finally:
+        sock.close()
+        engine.stop()

@@ -53,5 +53,10 @@ class EngineRequest:
     prepared: PreparedPrompt | None = None
 
     @property
+    def client(self) -> str:
+        """Who asked, for fair shares of the batch (the front-end's digest of the API key, or `user`)."""
+        return self.body.get("client") or ""
+
+    @property
     def params(self) -> dict[str, Any]:
         return self.body["params"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -94,10 +94,31 @@ class BatchScheduler(BaseScheduler):
         self.pending.append(request)
         return self._fill_slots()
 
+    def _next_pending(self) -> EngineRequest | None:
+        """The next request to take a slot: of the client holding fewest slots, oldest first.
+
+        Max-min fair between clients (API keys): one client's burst (`n`=16 three times) cannot
+        keep another client's request out of the batch while slots free up, and with
+        --max-slots-per-key no client holds more than that many slots at once.
+        """
+        held = Counter(request.client for request in self.by_uid.values())
+        ceiling = self.config.max_slots_per_key
+        best: EngineRequest | None = None
+        for request in self.pending:
+            if ceiling and held[request.client] >= ceiling:
+                continue
+            if best is None or held[request.client] < held[best.client]:
+                best = request
+        if best is not None:
+            self.pending.remove(best)
+        return best
+
     def _fill_slots(self) -> list[Event]:
         events: list[Event] = []
         while self.pending and len(self.by_uid) < self.config.decode_concurrency:
-            request = self.pending.popleft()
+            request = self._next_pending()
+            if request is None:
+                break  # every waiting client is at its --max-slots-per-key ceiling
             try:
                 self._ensure_generator()
                 self._insert(request)
