@@ -1,6 +1,6 @@
-"""CALLs that change model state or use the tokenizer: run by the mlx thread between two steps.
+"""CALLs that change model state: run by the mlx thread between two steps.
 
-MLX objects (the model, its tokenizer, adapter weights) belong to the mlx thread, so these
+MLX objects (the model, adapter weights) belong to the mlx thread, so these
 handlers are carried to it inside a `CallCommand` and run there. Each returns the events
 it causes (an unload fails every running request) and its result.
 """
@@ -12,8 +12,6 @@ import os
 import time
 from typing import Any, Protocol
 
-from engine_daemon.calls.tokenize import detokenize as detokenize_text
-from engine_daemon.calls.tokenize import tokenize as tokenize_text
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.scheduling.base import BaseScheduler, Event
 
@@ -43,14 +41,6 @@ def adapters_add(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
 
 def adapters_remove(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
     return [], ctx.scheduler.adapters.remove(args)
-
-
-def tokenize(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
-    return [], tokenize_text(ctx.models.current, args)
-
-
-def detokenize(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
-    return [], detokenize_text(ctx.models.current, args)
 
 
 class InjectedCrash(BaseException):

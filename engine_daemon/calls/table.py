@@ -13,19 +13,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_daemon.calls import io_thread, mlx_thread
+from engine_daemon.calls import io_thread, mlx_thread, tokenize
 from protocol import CallMethod
 
 
 class Thread(enum.Enum):
     IO = "io"
     MLX = "mlx"
+    POOL = "pool"  # the admission pool (`Preprocessor`): tokenizer work on client input, off the mlx thread
 
 
 @dataclass(frozen=True)
 class CallSpec:
     thread: Thread
-    # io: (IoContext, args) -> result; mlx: (MlxContext, args) -> (events, result)
+    # io: (IoContext, args) -> result; mlx: (MlxContext, args) -> (events, result);
+    # pool: (the loaded model or None, args) -> result
     handler: Callable[[Any, dict[str, Any]], Any]
 
 
@@ -40,8 +42,8 @@ CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.UNLOAD: CallSpec(Thread.MLX, mlx_thread.unload),
     CallMethod.ADAPTERS_ADD: CallSpec(Thread.MLX, mlx_thread.adapters_add),
     CallMethod.ADAPTERS_REMOVE: CallSpec(Thread.MLX, mlx_thread.adapters_remove),
-    CallMethod.TOKENIZE: CallSpec(Thread.MLX, mlx_thread.tokenize),
-    CallMethod.DETOKENIZE: CallSpec(Thread.MLX, mlx_thread.detokenize),
+    CallMethod.TOKENIZE: CallSpec(Thread.POOL, tokenize.tokenize),
+    CallMethod.DETOKENIZE: CallSpec(Thread.POOL, tokenize.detokenize),
     CallMethod.DEBUG_SLEEP: CallSpec(Thread.MLX, mlx_thread.debug_sleep),
     CallMethod.DEBUG_CRASH: CallSpec(Thread.MLX, mlx_thread.debug_crash),
 }

@@ -139,6 +139,20 @@ class Preprocessor:
                 return  # aborted while it was being prepared
         self._deliver(peer, body, prepared)
 
+    def run_call(self, call: Callable[[], Any], answer: Callable[[Any, RequestError | None], None]) -> None:
+        """Runs a CALL that tokenizes (`/tokenize`) on the pool; `answer(result, error)` when done."""
+        def run() -> None:
+            try:
+                result, error = call(), None
+            except RequestError as exc:
+                result, error = None, exc
+            except Exception as exc:
+                log.exception("a pool CALL failed")
+                result, error = None, RequestError(500, "engine_error", describe(exc), error_type="server_error")
+            answer(result, error)
+
+        self._pool.submit(run)
+
     def cancel(self, rids: list[str]) -> None:
         with self._lock:
             for rid in rids:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine_daemon.errors import RequestError
 from engine_daemon.request.state import PreparedPrompt
 
 
@@ -47,8 +48,18 @@ class CallCommand:
 
 
 @dataclass(frozen=True)
+class ReplyCommand:
+    """The answer of a CALL run on the admission pool, sent by the mlx thread with its other frames."""
+
+    peer: bytes
+    cid: str
+    result: Any = None
+    error: RequestError | None = None
+
+
+@dataclass(frozen=True)
 class StopCommand:
     """Wakes the mlx thread so it sees that it must stop."""
 
 
-Command = AddCommand | AbortCommand | PeerGoneCommand | CallCommand | StopCommand
+Command = AddCommand | AbortCommand | PeerGoneCommand | CallCommand | ReplyCommand | StopCommand

@@ -27,6 +27,7 @@ from engine_daemon.scheduling.commands import (
     CallCommand,
     Command,
     PeerGoneCommand,
+                                                ReplyCommand,
     StopCommand,
 )
 from engine_daemon.scheduling.frames import encode_events
@@ -215,6 +216,10 @@ class MlxWorker(threading.Thread):
             except RequestError as exc:  # a refusal the client should see (400 and the like), not a crash
                 return [(command.peer, MsgType.ERROR, {**exc.to_body(None), "cid": command.cid})]
             return events + [(command.peer, MsgType.RESULT, {"cid": command.cid, "result": result})]
+        if isinstance(command, ReplyCommand):
+            if command.error is not None:
+                return [(command.peer, MsgType.ERROR, {**command.error.to_body(None), "cid": command.cid})]
+            return [(command.peer, MsgType.RESULT, {"cid": command.cid, "result": command.result})]
         return []  # StopCommand: the loop sees _stopping
 
     def _publish(self, outbox: zmq.Socket, events: list[Event]) -> None:

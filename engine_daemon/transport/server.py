@@ -25,7 +25,7 @@ from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
 from engine_daemon.models import store as model_store
 from engine_daemon.request.preprocess import Preprocessor
-from engine_daemon.scheduling.commands import AbortCommand, AddCommand, CallCommand, PeerGoneCommand
+from engine_daemon.scheduling.commands import AbortCommand, AddCommand, CallCommand, PeerGoneCommand, ReplyCommand
 from engine_daemon.scheduling.worker import MlxWorker
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
@@ -265,6 +265,11 @@ class EngineServer:
             return
         if spec.thread is Thread.MLX:
             self.worker.commands.put(CallCommand(peer, cid, method, spec.handler, args))
+            return
+        if spec.thread is Thread.POOL:
+            self.preprocessor.run_call(
+                lambda: spec.handler(self.worker.models.current, args),
+                lambda result, error: self.worker.commands.put(ReplyCommand(peer, cid, result, error)))
             return
         try:
             result = spec.handler(self, args)
