@@ -14,6 +14,7 @@ from engine_daemon.config import SchedulerConfig
 from engine_daemon.lora.registry import is_adapter_dir
 from engine_daemon.models.names import ModelNames, ModelsConfigError
 from engine_daemon.models.store import ModelNotFound, model_roots, resolve, set_operator_names
+from engine_daemon.request import template_kwargs
 from engine_daemon.transport.security import InsecureEndpoint, SocketSecurity, check_endpoint, keygen_main
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
@@ -127,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "does not stall running streams; 0 sizes the chunk from measured step times so a "
                              "step with prefill costs about one extra decode step. "
                              "[MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS] (default: %(default)s)")
+    parser.add_argument("--allow-request-chat-template", action="store_true",
+                        default=os.environ.get("MLX_ENGINE_ALLOW_REQUEST_CHAT_TEMPLATE") == "1",
+                        help="let requests send their own chat template (chat_template_kwargs.chat_template), "
+                             "rendered in Jinja's sandbox under a line, time and size budget; refused with a 400 "
+                             "otherwise. [MLX_ENGINE_ALLOW_REQUEST_CHAT_TEMPLATE=1]")
     parser.add_argument("--max-slots-per-key", type=int,
                         default=int(os.environ.get("MLX_ENGINE_MAX_SLOTS_PER_KEY", "0")),
                         help="most decode slots one client (API key, else `user`) may hold at once; 0: no ceiling. "
@@ -261,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", exc)
         return 2
     set_operator_names(names.names())
+    template_kwargs.configure(args.allow_request_chat_template)
     if args.idle_unload is not None and args.idle_unload <= 0:
         log.error("--idle-unload must be a positive number of seconds")
         return 2

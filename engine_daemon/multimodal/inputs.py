@@ -189,6 +189,9 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel) -> VisionInputs:
         raise _media_error("Images and audio need chat 'messages'", param="prompt")
     converted, image_order, audio_order = _split_messages(messages, media)
     kwargs = checked_template_kwargs(body.get("chat_template_kwargs"))
+    if "chat_template" in kwargs:
+        raise RequestError(400, "unsupported_value", "A request's own chat template is not supported for vision "
+                           "models", param="chat_template_kwargs")
     if body.get("tools") and body.get("tool_choice") != "none":
         kwargs["tools"] = body["tools"]
     try:

@@ -7,6 +7,7 @@ from typing import Any
 
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
+from engine_daemon.request import client_template
 from engine_daemon.request.template_kwargs import checked_template_kwargs
 
 
@@ -23,6 +24,12 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
         tools = template_tools(body)
         if tools:
             kwargs["tools"] = tools
+        if "chat_template" in kwargs:  # the client's own template (--allow-request-chat-template)
+            text = client_template.render(kwargs.pop("chat_template"), {
+                **kwargs, "messages": template_messages(messages), "add_generation_prompt": True,
+                "bos_token": getattr(tokenizer, "bos_token", None) or "",
+                "eos_token": getattr(tokenizer, "eos_token", None) or ""})
+            return list(tokenizer.encode(text, add_special_tokens=False))
         try:
             tokens = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
                                                    **kwargs)

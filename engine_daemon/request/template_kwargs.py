@@ -22,6 +22,8 @@ RESERVED = frozenset({
     "max_length", "messages", "padding", "processor_kwargs", "return_assistant_tokens_mask", "return_dict",
     "return_tensors", "tokenize", "tokenizer_kwargs", "tools", "truncation",
 })
+# `--allow-request-chat-template`: then `chat_template` passes (rendered by `client_template.render`).
+allow_request_template = False
 MAX_DEPTH = 8
 MAX_ITEMS = 1024  # values counted over the whole tree
 MAX_STRING = 65536  # characters of one string
@@ -33,7 +35,8 @@ def checked_template_kwargs(raw: Any) -> dict[str, Any]:
         return {}
     if not isinstance(raw, dict):
         raise _invalid("'chat_template_kwargs' must be an object")
-    reserved = sorted(name for name in raw if name in RESERVED)
+    reserved = sorted(name for name in raw if name in RESERVED
+                      and not (name == "chat_template" and allow_request_template))
     if reserved:
         raise _invalid(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: these are arguments "
                        "of the template call, not template variables")
@@ -43,6 +46,12 @@ def checked_template_kwargs(raw: Any) -> dict[str, Any]:
             raise _invalid("chat_template_kwargs keys must be strings")
         _check_value(value, 1, budget)
     return dict(raw)
+
+
+def configure(allow_template: bool) -> None:
+    """Set once at start from `--allow-request-chat-template`."""
+    global allow_request_template
+    allow_request_template = allow_template
 
 
 def _check_value(value: Any, depth: int, budget: list[int]) -> None:
