@@ -6,6 +6,7 @@ stream runs, and checks the victim sees no error and the engine serves the next 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import zmq
 
 from model_builders.text import derive_model
 from protocol import PROTOCOL_VERSION, MsgType, decode, encode
-from tests.helpers import Engine, Frontend, client_for
+from tests.helpers import Engine, Frontend, client_for, running_stack
 
 # A ChatML template with no tool-call markup: mlx-lm finds no tool parser for it, so the engine's
 # JSON fallback reads a reply that starts with "{" as a tool call, and the model writes the whole call.
@@ -263,3 +264,28 @@ def test_decode_slots_are_shared_between_clients(tiny_model: Path, ipc_dir: Path
     finally:
         sock.close()
         engine.stop()
+
+
+def test_a_client_template_runs_under_budget_when_the_operator_allows_it(tiny_model: Path, ipc_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """Attack 3 with --allow-request-chat-template: the model's own template sent by the client gives the
+    same answer; a runaway loop is stopped by its budget while a victim stream runs on."""
+    with running_stack(f"ipc://{ipc_dir}/tmpl.sock", tmp_path, model=str(tiny_model),
+                       engine_args=["--allow-request-chat-template"]) as (engine, frontend):
+        model = str(tiny_model)
+        own = json.loads((tiny_model / "tokenizer_config.json").read_text())["chat_template"]
+        ask = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0}
+        plain = httpx.post(f"{frontend.base_url}/v1/chat/completions", json=ask, timeout=60).json()
+        sent = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60,
+                          json={**ask, "chat_template_kwargs": {"chat_template": own}}).json()
+        assert sent["choices"][0]["message"] == plain["choices"][0]["message"]
+        victim = Victim(frontend, model)
+        victim.start()
+        victim.wait_for_first_chunk()
+        loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+        runaway = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60,
+                             json={**ask, "chat_template_kwargs": {"chat_template": loop}})
+        assert runaway.status_code == 400 and runaway.json()["error"]["code"] == "chat_template_budget_exceeded"
+        victim.join(120)
+        assert victim.error is None and victim.finish_reason == "length"
+        assert_engine_serves(frontend, model)
