@@ -2,6 +2,8 @@
 
 Configuration comes from the environment (the `frontend` command sets it from
 its flags), so plain gunicorn invocations and HUP reloads see the same settings.
+Tests build the same app with injected settings and a stand-in engine client
+(`create_app(settings=..., engine=...)`) and drive it in-process.
 """
 
 from __future__ import annotations
@@ -12,18 +14,22 @@ from typing import Any
 import falcon.asgi
 from falcon.routing import CompiledRouter
 
-from http_frontend.service import admin
 from http_frontend import errors
-from http_frontend.service.adapters import AdapterByName, Adapters
 from http_frontend.anthropic.messages import CountTokens, Messages
+from http_frontend.engine.client import EngineClient, EngineLink
 from http_frontend.middleware.auth import security_middleware
-from http_frontend.openai.chat import ChatCompletions
-from http_frontend.openai.completions import Completions, Detokenize, Tokenize
 from http_frontend.middleware.disconnect import DisconnectWatch
-from http_frontend.engine.client import EngineClient
-from http_frontend.service.openapi import OpenAPIResource
-from http_frontend.service.metrics import FrontendMetrics, MetricsResource, RequestObserver, route_finder
+from http_frontend.middleware.observer import RequestObserver, route_finder
+from http_frontend.openai.chat import ChatCompletions
+from http_frontend.openai.completions import Completions
 from http_frontend.openai.responses import ResponseById, Responses
+from http_frontend.openai.tokenize import Detokenize, Tokenize
+from http_frontend.service.adapters import AdapterByName, Adapters
+from http_frontend.service.admin import Stats, Unload
+from http_frontend.service.health import Health
+from http_frontend.service.metrics import FrontendMetrics, MetricsResource
+from http_frontend.service.models import ModelById, Models
+from http_frontend.service.openapi import OpenAPIResource
 from http_frontend.settings import REQUEST_TIMEOUT_ENV, FrontendSettings, configure_logging  # noqa: F401 (re-export)
 from protocol.endpoints import default_endpoint
 
@@ -33,7 +39,7 @@ log = logging.getLogger(__name__)
 class EngineLifespan:
     """Creates the worker's DEALER in ASGI startup (after the fork), closes it at shutdown."""
 
-    def __init__(self, client: EngineClient):
+    def __init__(self, client: EngineLink):
         self.client = client
 
     async def process_startup(self, scope: dict[str, Any], event: dict[str, Any]) -> None:
@@ -50,10 +56,22 @@ def add_route(app: falcon.asgi.App, path: str, resource: object, suffix: str | N
         app.add_route(path[3:], resource, suffix=suffix)
 
 
-def create_app(endpoint: str | None = None) -> DisconnectWatch:
-    settings = FrontendSettings.from_env()
+def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None = None,
+               engine: EngineLink | None = None) -> DisconnectWatch:
+    """One worker's ASGI app: every route, the middleware and error handlers, around one engine client.
+
+    gunicorn calls it bare (`create_app()`): settings from the environment and an
+    `EngineClient` for `endpoint` (default: the engine endpoint variable, else the
+    per-user socket). Tests inject `settings` and `engine`, any object with the
+    members of `EngineLink` (the app's lifespan still starts and closes it), and
+    drive the app in-process.
+    """
+    if engine is not None and endpoint is not None:
+        raise TypeError("create_app takes an endpoint or an engine client, not both")
+    if settings is None:
+        settings = FrontendSettings.from_env()
     configure_logging(settings.log_level)
-    client = EngineClient(endpoint or default_endpoint())
+    client = engine if engine is not None else EngineClient(endpoint or default_endpoint())
     metrics = FrontendMetrics(client)
     router = CompiledRouter()  # also names the route of requests refused before routing (metric labels)
     app = falcon.asgi.App(middleware=[EngineLifespan(client), *security_middleware(settings)], router=router)
@@ -71,13 +89,13 @@ def create_app(endpoint: str | None = None) -> DisconnectWatch:
     add_route(app, "/v1/responses/{response_id}/cancel", responses_by_id, suffix="cancel")
     add_route(app, "/v1/tokenize", Tokenize(client, settings))
     add_route(app, "/v1/detokenize", Detokenize(client, settings))
-    add_route(app, "/v1/models", admin.Models(client))
+    add_route(app, "/v1/models", Models(client))
     add_route(app, "/v1/adapters", Adapters(client, settings))
     add_route(app, "/v1/adapters/{name}", AdapterByName(client))
-    add_route(app, "/v1/models/{model_id:path}", admin.ModelById(client))  # ids may hold a slash: org/name
-    app.add_route("/health", admin.Health(client))
-    app.add_route("/unload", admin.Unload(client))
-    app.add_route("/stats", admin.Stats(client))
+    add_route(app, "/v1/models/{model_id:path}", ModelById(client))  # ids may hold a slash: org/name
+    app.add_route("/health", Health(client))
+    app.add_route("/unload", Unload(client))
+    app.add_route("/stats", Stats(client))
     app.add_route("/metrics", MetricsResource(metrics))
     app.add_route("/openapi.json", OpenAPIResource())
     return DisconnectWatch(RequestObserver(app, metrics, route_finder(router)))

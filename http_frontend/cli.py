@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from http_frontend.engine import curve
+from http_frontend.gunicorn_settings import APP, options
 from http_frontend.settings import add_flags, flags_to_env
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this front-end's secret CURVE certificate (client.key_secret from `engined keygen`), "
                              "whose public half is in the engine's --curve-authorized-keys. "
                              f"[{curve.CLIENT_KEY_ENV}]")
-    add_flags(parser)  # API keys, CORS and request limits (http_frontend/settings.py)
+    add_flags(parser)  # API keys, CORS and request limits (`FrontendSettings`)
     return parser
 
 
@@ -74,9 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         curve.CLIENT_KEY_ENV: os.path.abspath(args.curve_client_key) if args.curve_client_key else "",
     })
     os.environ.update(flags_to_env(args))
-    from gunicorn.app.base import BaseApplication
-
-    from http_frontend.gunicorn_settings import options
+    from gunicorn.app.base import BaseApplication  # gunicorn only once the flags are good: a fast --help
+    from gunicorn.util import import_app
 
     settings = options()
     if args.pid_file:
@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                     self.cfg.set(key, value)
 
         def load(self) -> Any:
-            from http_frontend.app import create_app
-            return create_app()
+            # By name, in each worker, as `gunicorn APP` does: the master never imports the app, so
+            # every worker (those a HUP starts included) imports the routes as installed at its start.
+            return import_app(APP)
 
     FrontendApplication().run()
     return 0

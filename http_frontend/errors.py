@@ -38,7 +38,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_engine(cls, body: dict[str, Any]) -> "APIError":
+    def from_engine(cls, body: dict[str, Any]) -> APIError:
         """An ERROR frame from the engine, as the client will see it."""
         headers = {"Retry-After": "1"} if body["status"] in (429, 503) else None
         return cls(body["status"], body["message"], code=body.get("code"), param=body.get("param"),

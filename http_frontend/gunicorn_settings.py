@@ -1,4 +1,4 @@
-"""Gunicorn settings shared by the `frontend` command and deploy/gunicorn.conf.py.
+"""Gunicorn settings shared by the `frontend` command and the deploy folder's gunicorn config.
 
 Read from the environment so both ways of starting the front-end agree.
 """

@@ -1,7 +1,7 @@
 """The front-end's settings, read once per worker from the environment.
 
 `frontend` turns its flags into these variables before gunicorn forks, so workers,
-HUP reloads and a plain `gunicorn -c deploy/gunicorn.conf.py` all see the same
+HUP reloads and a plain gunicorn run with the deploy folder's config all see the same
 values. Reading them in one place means a bad value fails the worker's start with
 the variable's name instead of surfacing as a 500 on some later request.
 """
@@ -23,7 +23,7 @@ MAX_MESSAGES_ENV = "MLX_FRONTEND_MAX_MESSAGES"
 MAX_TOKENS_LIMIT_ENV = "MLX_FRONTEND_MAX_TOKENS_LIMIT"
 REQUEST_TIMEOUT_ENV = "MLX_FRONTEND_REQUEST_TIMEOUT"
 LOG_LEVEL_ENV = "MLX_FRONTEND_LOG_LEVEL"
-# Images / audio in chat messages (http_frontend/parsing/media.py)
+# Images / audio in chat messages (MediaCollector)
 ALLOW_PRIVATE_IMAGE_URLS_ENV = "MLX_FRONTEND_ALLOW_PRIVATE_IMAGE_URLS"
 MAX_IMAGE_BYTES_ENV = "MLX_FRONTEND_MAX_IMAGE_BYTES"
 IMAGE_FETCH_TIMEOUT_ENV = "MLX_FRONTEND_IMAGE_FETCH_TIMEOUT"
@@ -92,7 +92,7 @@ class FrontendSettings:
     image_fetch_timeout: float = DEFAULT_IMAGE_FETCH_TIMEOUT  # seconds for one URL, redirects included
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "FrontendSettings":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> FrontendSettings:
         env = os.environ if environ is None else environ
         timeout_raw = env.get(REQUEST_TIMEOUT_ENV, "").strip()
         try:
@@ -156,11 +156,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "no CORS headers)")
     parser.add_argument("--max-body-bytes", type=_limit_arg,
                         default=env(MAX_BODY_BYTES_ENV, str(DEFAULT_MAX_BODY_BYTES)),
-                        help=f"largest request body in bytes; larger gets 413 (0 = the default). [{MAX_BODY_BYTES_ENV}] "
-                             "(default: %(default)s)")
+                        help="largest request body in bytes; larger gets 413 (0 = the default). "
+                             f"[{MAX_BODY_BYTES_ENV}] (default: %(default)s)")
     parser.add_argument("--max-messages", type=_limit_arg, default=env(MAX_MESSAGES_ENV, str(DEFAULT_MAX_MESSAGES)),
-                        help=f"most chat messages in one request; more gets 400 (0 = the default). [{MAX_MESSAGES_ENV}] "
-                             "(default: %(default)s)")
+                        help="most chat messages in one request; more gets 400 (0 = the default). "
+                             f"[{MAX_MESSAGES_ENV}] (default: %(default)s)")
     parser.add_argument("--max-tokens-limit", type=_limit_arg, default=env(MAX_TOKENS_LIMIT_ENV, "0"),
                         help="ceiling on a request's max_tokens / max_completion_tokens; over it gets 400 "
                              f"max_tokens_exceeded. 0 = no ceiling. [{MAX_TOKENS_LIMIT_ENV}] (default: %(default)s)")
@@ -178,7 +178,7 @@ def _positive_seconds_arg(text: str) -> float:
 
 
 def add_media_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags for images/audio in chat messages (http_frontend/parsing/media.py); each defaults to its variable."""
+    """Flags for images/audio in chat messages (`MediaCollector`); each defaults to its variable."""
     env = os.environ.get
     parser.add_argument("--allow-private-image-urls", action="store_true",
                         default=env(ALLOW_PRIVATE_IMAGE_URLS_ENV, "").strip().lower() in ("1", "true", "yes", "on"),

@@ -1,10 +1,10 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic Messages <-> protocol ADD / DELTAS.
 
 A pure translation layer over the chat route's machinery: the request becomes a chat
-ADD (anthropic_request.py), submission, relaying and release are the shared
+ADD (`engine_request`), submission, relaying and release are the shared
 `serve_generation` / `GenerationRoute.sse`, and updates become content blocks and
-Anthropic's stream events (anthropic_stream.py). Errors on these paths come back in
-Anthropic's envelope (http_frontend/errors.py switches on the path). The
+Anthropic's stream events (`BlockBuilder`, `anthropic_sse`). Errors on these paths come back in
+Anthropic's envelope (`is_anthropic_path` switches on the path). The
 `anthropic-version` header is accepted and not needed: there is one version of this API here.
 """
 
@@ -16,17 +16,24 @@ from typing import Any
 import falcon.asgi
 from falcon.asgi import SSEvent
 
-from http_frontend.service.admin import call_engine
 from http_frontend.anthropic.request import engine_request
-from http_frontend.anthropic.stream import (BlockBuilder, anthropic_sse, engine_usage, event, message, stop_reason,
-                                            usage)
-from http_frontend.openai.chat import GenerationRoute, relay, serve_generation
-from http_frontend.openai.completions import TOKENIZE_TIMEOUT
+from http_frontend.anthropic.stream import (
+    BlockBuilder,
+    anthropic_sse,
+    engine_usage,
+    event,
+    message,
+    stop_reason,
+    usage,
+)
+from http_frontend.engine.calls import TOKENIZE_TIMEOUT, call_engine
 from http_frontend.engine.client import EngineClient, RequestStream, Update
+from http_frontend.parsing.body import get_field, read_json_object
 from http_frontend.parsing.media import MediaCollector
+from http_frontend.relay.generation import GenerationRoute, relay, serve_generation
 from http_frontend.service.metrics import TokenTimer
 from http_frontend.settings import FrontendSettings
-from http_frontend.parsing.body import get_field, read_json_object
+from protocol import CallMethod
 
 
 def _anthropic_meta(meta: dict[str, Any]) -> dict[str, Any]:
@@ -97,5 +104,5 @@ class CountTokens:
         args = {key: request.get(key) for key in ("model", "messages", "chat_template_kwargs", "tools")}
         if request.get("tool_choice") == "none":
             args["tools"] = None  # as for generation: a model told to use no tool is not shown any
-        result = await call_engine(self.client, "tokenize", TOKENIZE_TIMEOUT, args)
+        result = await call_engine(self.client, CallMethod.TOKENIZE, TOKENIZE_TIMEOUT, args)
         resp.media = {"input_tokens": result["count"]}

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from http_frontend.openai.chat import MAX_STOP_STRINGS, check_max_tokens, check_message_count, parse_messages
 from http_frontend.errors import bad_request
+from http_frontend.parsing.body import get_field
 from http_frontend.parsing.generation_fields import parse_response_format, parse_tool_choice, parse_tools
 from http_frontend.parsing.media import MediaCollector
+from http_frontend.parsing.messages import check_message_count, parse_messages
+from http_frontend.parsing.sampling import MAX_STOP_STRINGS, check_max_tokens
 from http_frontend.settings import FrontendSettings
-from http_frontend.parsing.body import get_field
 
 # Block types a client may send back unchanged but that carry nothing a local model can use.
 IGNORED_BLOCKS = {"redacted_thinking"}
@@ -311,7 +312,8 @@ def engine_request(body: dict[str, Any], settings: FrontendSettings, *, generati
         params["thinking_budget"] = budget
     tools = parse_anthropic_tools(body)
     tool_choice, parallel = parse_anthropic_tool_choice(body, tools)
-    request = {"model": get_field(body, "model", (str,)), "messages": parse_messages({"messages": chat_messages(body)}, media),
+    request = {"model": get_field(body, "model", (str,)),
+               "messages": parse_messages({"messages": chat_messages(body)}, media),
                "chat_template_kwargs": template_kwargs, "tools": tools, "tool_choice": tool_choice,
                "parallel_tool_calls": parallel, "response_format": parse_output_format(body)}
     if generation:

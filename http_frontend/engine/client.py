@@ -15,12 +15,13 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import zmq
 import zmq.asyncio
 
-from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode, new_request_id
+from http_frontend.engine.curve import apply_client_curve
+from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decode, encode, new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,28 @@ class RequestStream:
         return bool(p.text or p.reasoning or p.tool_calls or p.token_ids or p.finish_reason or self.error is not None)
 
 
+@runtime_checkable
+class EngineLink(Protocol):
+    """What the app uses of its engine client: an `EngineClient`, or a stand-in that routes are tested with.
+
+    `create_app(engine=...)` takes any object with these members; the app's lifespan starts and closes it.
+    """
+
+    frontend_id: str
+    streams: dict[str, RequestStream]  # this worker's open engine requests, by rid
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def submit(self, request: dict[str, Any]) -> RequestStream: ...
+
+    def release(self, stream: RequestStream, reason: str) -> None: ...
+
+    async def call(self, method: CallMethod | str, args: dict[str, Any] | None = None,
+                   timeout: float = 5.0) -> Any: ...
+
+
 class EngineClient:
     """DEALER connection with HELLO/WELCOME, pings, request routing and generic CALLs."""
 
@@ -150,8 +173,6 @@ class EngineClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        from http_frontend.engine.curve import apply_client_curve
-
         apply_client_curve(sock)  # CURVE client when MLX_FRONTEND_CURVE_* are set (across hosts)
         sock.connect(self.endpoint)
         self._socket = sock
@@ -212,8 +233,10 @@ class EngineClient:
             stream.finished = True
             self._send(MsgType.ABORT, {"rids": [stream.rid], "reason": reason})
 
-    async def call(self, method: str, args: dict[str, Any] | None = None, timeout: float = 5.0) -> Any:
-        """Generic request/reply to the engine (status, list_models, unload, ...)."""
+    async def call(self, method: CallMethod | str, args: dict[str, Any] | None = None,
+                   timeout: float = 5.0) -> Any:
+        """Generic request/reply to the engine (`CallMethod`: status, list_models, unload, ...)."""
+        method = method.value if isinstance(method, CallMethod) else method  # the plain name, in errors too
         if not await self.wait_ready(min(timeout, 2.0)):
             raise EngineUnavailable("The engine is not reachable")
         cid = uuid.uuid4().hex

@@ -1,42 +1,31 @@
-"""POST /v1/completions (raw prompt, no chat template) and POST /tokenize, /detokenize.
+"""POST /v1/completions: a raw prompt (no chat template) <-> protocol ADD / DELTAS.
 
 The completion route shares validation, submission and relaying with the chat route
-(http_frontend/openai/chat.py); only the prompt and the response shapes differ. Fields this
-server cannot honour (`echo`, `suffix`, `best_of` > 1, `logprobs`, several prompts)
-are refused with a 400 naming the param, never silently dropped: a client relying on
-them would otherwise get a plausible but wrong answer.
+(`parse_sampling`, `serve_generation`); only the prompt and the response shapes
+differ. Fields this server cannot honour (`echo`, `suffix`, `best_of` > 1,
+`logprobs`, several prompts) are refused with a 400 naming the param, never silently
+dropped: a client relying on them would otherwise get a plausible but wrong answer.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import falcon.asgi
 from falcon.asgi import SSEvent
 
-from http_frontend.service.admin import call_engine
-from http_frontend.openai.chat import (_usage, check_max_tokens, check_message_count, check_unsupported, parse_messages,
-                                parse_sampling, relay, serve_generation, GenerationRoute)
-from http_frontend.engine.client import EngineClient, RequestStream, Update
-from http_frontend.parsing.generation_fields import parse_response_format, parse_tools
+from http_frontend.engine.client import RequestStream, Update
 from http_frontend.errors import bad_request
-from http_frontend.service.metrics import TokenTimer
-from http_frontend.settings import FrontendSettings
+from http_frontend.openai.tokenize import is_token_ids
 from http_frontend.parsing.body import get_field, read_json_object
-
-log = logging.getLogger(__name__)
+from http_frontend.parsing.generation_fields import parse_response_format
+from http_frontend.parsing.sampling import check_max_tokens, check_unsupported, parse_sampling
+from http_frontend.relay.generation import GenerationRoute, relay, serve_generation, usage_object
+from http_frontend.service.metrics import TokenTimer
 
 # OpenAI's legacy completions default: a request without max_tokens gets 16 tokens, not the chat default.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-TOKENIZE_TIMEOUT = 60.0  # the CALL waits for the mlx thread, which may be in the middle of a long prefill step
-
-
-def _is_token_ids(value: Any) -> bool:
-    # 64-bit range: msgpack carries nothing larger (the engine checks the vocabulary itself).
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63
-                                           for t in value)
 
 
 def parse_prompt(body: dict[str, Any]) -> str | list[int]:
@@ -47,11 +36,11 @@ def parse_prompt(body: dict[str, Any]) -> str | list[int]:
             raise bad_request(f"Only one prompt per request is supported, got {len(prompt)}", param="prompt",
                               code="unsupported_parameter")
         prompt = prompt[0]
-        if isinstance(prompt, list) and not _is_token_ids(prompt):
+        if isinstance(prompt, list) and not is_token_ids(prompt):
             raise bad_request("Invalid 'prompt': expected a string or an array of token ids", param="prompt",
                               code="invalid_type")
     if isinstance(prompt, list):
-        if not _is_token_ids(prompt):
+        if not is_token_ids(prompt):
             raise bad_request("Invalid 'prompt': expected a string or an array of token ids", param="prompt",
                               code="invalid_type")
         if any(t < 0 for t in prompt):
@@ -109,7 +98,7 @@ class Completions(GenerationRoute):
             finish_reason, usage = update.finish_reason or finish_reason, update.usage or usage
         return {**meta, "object": "text_completion", "system_fingerprint": None,
                 "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason}],
-                "usage": _usage(usage)}
+                "usage": usage_object(usage)}
 
     def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
                 timer: TokenTimer) -> AsyncIterator[SSEvent | None]:
@@ -127,48 +116,7 @@ class Completions(GenerationRoute):
                 events.append(chunk(update.text, update.finish_reason))
             if update.finish_reason and include_usage:
                 events.append(SSEvent(json={**meta, "object": "text_completion", "system_fingerprint": None,
-                                            "choices": [], "usage": _usage(update.usage)}))
+                                            "choices": [], "usage": usage_object(update.usage)}))
             return events
 
         return self.sse(stream, timer, render)
-
-
-class Tokenize:
-    """`{"prompt": str}` or `{"messages": [...]}` -> the loaded model's token ids and context window."""
-
-    def __init__(self, client: EngineClient, settings: FrontendSettings | None = None):
-        self.client = client
-        self.settings = settings or FrontendSettings()
-
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        body = await read_json_object(req, self.settings.max_body_bytes)
-        args: dict[str, Any] = {"model": get_field(body, "model", (str,))}
-        if body.get("messages") is not None:
-            if body.get("prompt") is not None:
-                raise bad_request("Give either 'prompt' or 'messages', not both", param="prompt")
-            check_message_count(body, self.settings.max_messages)
-            args["messages"] = parse_messages(body)
-            args["chat_template_kwargs"] = get_field(body, "chat_template_kwargs", (dict,))
-            args["tools"] = parse_tools(body)  # counted as the chat route would render them
-        else:
-            args["prompt"] = get_field(body, "prompt", (str,), required=True)
-        result = await call_engine(self.client, "tokenize", TOKENIZE_TIMEOUT, args)
-        resp.media = {"tokens": result["tokens"], "count": result["count"],
-                      "max_model_len": result["max_model_len"]}
-
-
-class Detokenize:
-    """`{"tokens": [ids]}` -> `{"prompt": text}` with the loaded model's tokenizer."""
-
-    def __init__(self, client: EngineClient, settings: FrontendSettings | None = None):
-        self.client = client
-        self.settings = settings or FrontendSettings()
-
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        body = await read_json_object(req, self.settings.max_body_bytes)
-        tokens = get_field(body, "tokens", (list,), required=True)
-        if not _is_token_ids(tokens):
-            raise bad_request("Invalid 'tokens': expected an array of integers", param="tokens", code="invalid_type")
-        args = {"model": get_field(body, "model", (str,)), "tokens": tokens}
-        result = await call_engine(self.client, "detokenize", TOKENIZE_TIMEOUT, args)
-        resp.media = {"prompt": result["prompt"]}

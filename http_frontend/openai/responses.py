@@ -19,16 +19,27 @@ import falcon.asgi
 import msgpack
 from falcon.asgi import SSEvent
 
-from http_frontend.openai.chat import GenerationRoute, parse_sampling, relay, serve_generation
-from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
+from http_frontend.engine.calls import call_engine
+from http_frontend.engine.client import EngineClient, RequestStream, Update
 from http_frontend.errors import APIError, bad_request
-from http_frontend.parsing.generation_fields import parse_reasoning as chat_reasoning
-from http_frontend.parsing.media import MediaCollector
-from http_frontend.service.metrics import TokenTimer
-from http_frontend.openai.responses_items import (NO_THINKING_EFFORTS, input_item_list, name_tool_results, parse_input, parse_reasoning,
-                                           parse_text_format, parse_tool_choice, parse_tools)
+from http_frontend.openai.responses_items import (
+    NO_THINKING_EFFORTS,
+    input_item_list,
+    name_tool_results,
+    parse_input,
+    parse_reasoning,
+    parse_text_format,
+    parse_tool_choice,
+    parse_tools,
+)
 from http_frontend.openai.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
 from http_frontend.parsing.body import get_field, read_json_object
+from http_frontend.parsing.generation_fields import parse_reasoning as chat_reasoning
+from http_frontend.parsing.media import MediaCollector
+from http_frontend.parsing.sampling import parse_sampling
+from http_frontend.relay.generation import GenerationRoute, relay, serve_generation
+from http_frontend.service.metrics import TokenTimer
+from protocol import CallMethod
 from protocol.messages import MAX_FRAME_BYTES
 
 log = logging.getLogger(__name__)
@@ -138,16 +149,6 @@ def check_frame_size(engine_request: dict[str, Any], echo: dict[str, Any]) -> No
                           "the engine, or holds an integer outside the 64-bit range", code="request_too_large")
 
 
-async def store_call(client: EngineClient, method: str, args: dict[str, Any]) -> Any:
-    """A `responses.*` CALL to the engine's store, its failures as HTTP errors."""
-    try:
-        return await client.call(method, args)
-    except EngineUnavailable as exc:
-        raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None
-    except EngineError as exc:
-        raise APIError.from_engine(exc.body) from None
-
-
 def _not_found(response_id: str, param: str | None = None) -> APIError:
     what = "Previous response" if param else "Response"
     return APIError(404, f"{what} with id '{response_id}' not found.", code="response_not_found", param=param)
@@ -156,7 +157,7 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 async def load_record(client: EngineClient, response_id: str, param: str | None = None) -> dict[str, Any]:
     record = None
     if len(response_id) <= MAX_ID_LENGTH:
-        record = await store_call(client, "responses.get", {"id": response_id})
+        record = await call_engine(client, CallMethod.RESPONSES_GET, args={"id": response_id})
     if not isinstance(record, dict):
         raise _not_found(response_id, param)
     return record
@@ -216,7 +217,8 @@ class Responses(GenerationRoute):
             log.warning("response %s not stored: too large for one frame to the engine", response["id"])
             return
         try:
-            result = await store_call(self.client, "responses.put", {"id": response["id"], "record": record})
+            result = await call_engine(self.client, CallMethod.RESPONSES_PUT,
+                                       args={"id": response["id"], "record": record})
         except APIError as exc:
             log.warning("response %s not stored: %s", response["id"], exc.message)
             return
@@ -310,7 +312,7 @@ class ResponseById:
     async def on_delete(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
         result = None
         if len(response_id) <= MAX_ID_LENGTH:
-            result = await store_call(self.client, "responses.delete", {"id": response_id})
+            result = await call_engine(self.client, CallMethod.RESPONSES_DELETE, args={"id": response_id})
         if not (isinstance(result, dict) and result.get("deleted")):
             raise _not_found(response_id)
         resp.media = {"id": response_id, "object": "response", "deleted": True}

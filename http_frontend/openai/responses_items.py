@@ -42,7 +42,7 @@ def _content(content: Any, param: str, role: str = "", media: MediaCollector | N
     """A message's content as the text a chat template takes.
 
     Image and audio parts (`input_image`, `input_audio`) go to the request's media
-    collector, as the chat route's do (http_frontend/parsing/media.py): their place in the
+    collector, as the chat route's do (`MediaCollector`): their place in the
     text is a placeholder the engine matches to the bytes. Without a collector
     (function call outputs) only text is accepted.
     """

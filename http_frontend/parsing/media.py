@@ -135,7 +135,7 @@ class MediaCollector:
         self._items: list[_Item] = []
 
     @classmethod
-    def for_request(cls, body: dict[str, Any], settings: FrontendSettings) -> "MediaCollector":
+    def for_request(cls, body: dict[str, Any], settings: FrontendSettings) -> MediaCollector:
         return cls(settings, parse_resize_shape(body))
 
     def __len__(self) -> int:

@@ -13,8 +13,6 @@ from typing import Any
 
 from falcon.asgi import SSEvent
 
-MAX_CHOICES = 16
-
 _END = object()
 
 

@@ -13,13 +13,14 @@ import re
 import falcon
 import falcon.asgi
 
-from http_frontend.service.admin import call_engine
+from http_frontend.engine.calls import call_engine
 from http_frontend.engine.client import EngineClient
 from http_frontend.errors import bad_request
-from http_frontend.settings import FrontendSettings
 from http_frontend.parsing.body import get_field, read_json_object
+from http_frontend.settings import FrontendSettings
+from protocol import CallMethod
 
-# Same rule as the engine's (engine_daemon/lora/adapters.py NAME_PATTERN): checked here too for a clear 400 early.
+# Same rule as the engine's (engine_daemon.lora.registry.NAME_PATTERN): checked here too for a clear 400 early.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 CALL_TIMEOUT = 30.0  # registering reads the adapter on the mlx thread, which may be mid-step
 
@@ -32,7 +33,7 @@ class Adapters:
         self.settings = settings or FrontendSettings()
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        result = await call_engine(self.client, "adapters.list")
+        result = await call_engine(self.client, CallMethod.ADAPTERS_LIST)
         resp.media = {"object": "list", "data": result["data"]}
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
@@ -44,7 +45,7 @@ class Adapters:
         path = get_field(body, "path", (str,), required=True)
         if not path.strip() or "\0" in path:
             raise bad_request("'path' must name an adapter directory", param="path")
-        resp.media = await call_engine(self.client, "adapters.add", CALL_TIMEOUT, {"name": name, "path": path})
+        resp.media = await call_engine(self.client, CallMethod.ADAPTERS_ADD, CALL_TIMEOUT, {"name": name, "path": path})
 
 
 class AdapterByName:
@@ -54,4 +55,4 @@ class AdapterByName:
         self.client = client
 
     async def on_delete(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, name: str) -> None:
-        resp.media = await call_engine(self.client, "adapters.remove", CALL_TIMEOUT, {"name": name})
+        resp.media = await call_engine(self.client, CallMethod.ADAPTERS_REMOVE, CALL_TIMEOUT, {"name": name})

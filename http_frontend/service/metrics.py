@@ -1,4 +1,4 @@
-"""Prometheus metrics and access lines for one front-end worker.
+"""Prometheus metrics for one front-end worker: its HTTP and token-latency figures, and the engine's.
 
 Each gunicorn worker is its own process with its own counters, so every
 front-end family carries a `pid` label: sum over it for the whole front-end.
@@ -15,17 +15,15 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-import falcon
 import falcon.asgi
 
-from http_frontend.middleware.asgi import HttpWrapper, Receive, Send
 from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable
+from protocol import CallMethod
 
 log = logging.getLogger(__name__)
-access_log = logging.getLogger("http_frontend.access")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 START_KEY = "mlx_engined.started"  # scope key: perf_counter() when the request arrived
@@ -36,7 +34,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 Labels = tuple[tuple[str, str], ...]
-KNOWN_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 # -- exposition -------------------------------------------------------------------------
@@ -142,7 +139,7 @@ class FrontendMetrics:
         self.open_streams = 0
 
     # -- recording ------------------------------------------------------------------------
-    def token_timer(self, scope: dict[str, Any]) -> "TokenTimer":
+    def token_timer(self, scope: dict[str, Any]) -> TokenTimer:
         return TokenTimer(self, scope.get(START_KEY) or time.perf_counter())
 
     def stream_opened(self) -> None:
@@ -170,7 +167,7 @@ class FrontendMetrics:
 
     async def render(self) -> str:
         try:
-            stats = await self.client.call("stats", timeout=1.0)
+            stats = await self.client.call(CallMethod.STATS, timeout=1.0)
         except (EngineUnavailable, EngineError) as exc:
             log.debug("engine stats unavailable for /metrics: %s", exc)
             stats = None
@@ -260,74 +257,3 @@ class MetricsResource:
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         resp.content_type = CONTENT_TYPE
         resp.text = await self.metrics.render()
-
-
-# -- the ASGI wrapper that sees every request from arrival to last byte -------------------
-
-
-class RequestObserver(HttpWrapper):
-    """Counts every request and writes its access line once the last byte is handed over.
-
-    An ASGI wrapper rather than falcon middleware: falcon's response hooks run before
-    a stream's body, and a stream's duration is what matters. `route_of(path)` maps a
-    path to its route template (bounded label values); unknown paths count as "other".
-    """
-
-    def __init__(self, app: Callable[..., Awaitable[None]], metrics: FrontendMetrics,
-                 route_of: Callable[[str], str | None]):
-        super().__init__(app)
-        self.metrics = metrics
-        self.route_of = route_of
-
-    async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        started = time.perf_counter()
-        scope[START_KEY] = started
-        status = 0
-        recorded = False
-
-        def record(outcome: str) -> None:
-            nonlocal recorded
-            if recorded:
-                return
-            recorded = True
-            seconds = time.perf_counter() - started
-            route = self.route_of(scope.get("path", "")) or "other"
-            method = scope.get("method", "")
-            if method not in KNOWN_METHODS:
-                method = "other"  # label values stay a bounded set
-            self.metrics.record_request(route, method, status or 500, seconds)
-            client = scope.get("client") or ("-", 0)
-            access_log.info("rid=%s method=%s route=%s path=%s status=%d duration_ms=%.1f client=%s outcome=%s",
-                            scope.get(RID_KEY) or "-", _printable(method), route,
-                            _printable(scope.get("path", "")), status or 500, seconds * 1000, client[0], outcome)
-
-        async def observed_send(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                record("complete")  # before the last byte leaves: a client's next scrape sees it
-            await send(message)
-
-        try:
-            await self.app(scope, receive, observed_send)
-        finally:
-            record("disconnected" if status else "failed")
-
-
-def _printable(text: str, limit: int = 200) -> str:
-    """A client-chosen string made safe for one log line (a %0A in a path cannot forge a line)."""
-    text = text[:limit]
-    return text if text.isprintable() and " " not in text else text.encode("unicode_escape").decode(
-        "ascii").replace(" ", "\\x20")
-
-
-def route_finder(router: Any) -> Callable[[str], str | None]:
-    """Route template of a path through falcon's router (public `find`), None when unknown."""
-    def route_of(path: str) -> str | None:
-        try:
-            found = router.find(path)
-        except falcon.HTTPError:
-            return None
-        return found[3] if found else None
-    return route_of

@@ -1,7 +1,7 @@
 """GET /openapi.json: an OpenAPI 3 description of every route this front-end serves.
 
 Written by hand from the same limits the validators enforce, and kept true by
-tests/test_openapi.py, which checks that every registered route is described and
+`tests.test_openapi`, which checks that every registered route is described and
 runs Schemathesis against a live server: no 5xx, and every response (status,
 content type, body) matches what is written here. Each /v1 route also answers
 without the prefix; only the /v1 spelling is listed.
@@ -325,11 +325,14 @@ def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.0 document (plain data, built once per worker)."""
     paths = {
         "/v1/chat/completions": {"post": _operation("OpenAI chat completion", "ChatCompletionRequest",
-                                                    _ok(ref("ChatCompletion"), {"anyOf": [CHAT_CHUNK, ERROR]}), GENERATION_ERRORS)},
+                                                    _ok(ref("ChatCompletion"), {"anyOf": [CHAT_CHUNK, ERROR]}),
+                                                    GENERATION_ERRORS)},
         "/v1/completions": {"post": _operation("OpenAI text completion (raw prompt, no chat template)",
-                                               "CompletionRequest", _ok(ref("Completion"), {"anyOf": [COMPLETION_CHUNK, ERROR]}), GENERATION_ERRORS)},
-        "/v1/responses": {"post": _operation("OpenAI Responses API", "ResponsesRequest", _ok(ref("Response"), RESPONSES_EVENT),
-                                             GENERATION_ERRORS)},
+                                               "CompletionRequest",
+                                               _ok(ref("Completion"), {"anyOf": [COMPLETION_CHUNK, ERROR]}),
+                                               GENERATION_ERRORS)},
+        "/v1/responses": {"post": _operation("OpenAI Responses API", "ResponsesRequest",
+                                             _ok(ref("Response"), RESPONSES_EVENT), GENERATION_ERRORS)},
         "/v1/responses/{response_id}": {
             "get": {**_operation("A stored response", None, _ok(ref("Response")), (401, 404, 503, 504)),
                     "parameters": RESPONSE_ID},
@@ -351,8 +354,8 @@ def openapi_document() -> dict[str, Any]:
         "/v1/responses/{response_id}/cancel": {"post": {
             **_operation("Cancel a background response (none run here: always 400 or 404)", None, {},
                          (400, 401, 404, 503, 504)), "parameters": RESPONSE_ID}},
-        "/v1/messages": {"post": _operation("Anthropic Messages API", "MessagesRequest", _ok(ref("Message"), ANTHROPIC_EVENT),
-                                            GENERATION_ERRORS, anthropic=True)},
+        "/v1/messages": {"post": _operation("Anthropic Messages API", "MessagesRequest",
+                                            _ok(ref("Message"), ANTHROPIC_EVENT), GENERATION_ERRORS, anthropic=True)},
         "/v1/messages/count_tokens": {"post": _operation(
             "Anthropic token counting", "CountTokensRequest",
             _ok(obj({"input_tokens": INTEGER}, ("input_tokens",))), (400, 401, 404, 413, 503, 504), anthropic=True)},

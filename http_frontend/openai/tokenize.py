@@ -1,0 +1,69 @@
+"""POST /tokenize and /detokenize: the loaded model's tokenizer, asked over a CALL.
+
+`/tokenize` counts a prompt or a chat (rendered by the chat template with its tools,
+as the chat route would send it) and reports the context window, so a client can
+size a request before sending it. Anthropic's count_tokens route is `CountTokens`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import falcon.asgi
+
+from http_frontend.engine.calls import TOKENIZE_TIMEOUT, call_engine
+from http_frontend.engine.client import EngineClient
+from http_frontend.errors import bad_request
+from http_frontend.parsing.body import get_field, read_json_object
+from http_frontend.parsing.generation_fields import parse_tools
+from http_frontend.parsing.messages import check_message_count, parse_messages
+from http_frontend.settings import FrontendSettings
+from protocol import CallMethod
+
+
+def is_token_ids(value: Any) -> bool:
+    """A list of integer token ids (never booleans)."""
+    # 64-bit range: msgpack carries nothing larger (the engine checks the vocabulary itself).
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63
+                                           for t in value)
+
+
+class Tokenize:
+    """`{"prompt": str}` or `{"messages": [...]}` -> the loaded model's token ids and context window."""
+
+    def __init__(self, client: EngineClient, settings: FrontendSettings | None = None):
+        self.client = client
+        self.settings = settings or FrontendSettings()
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        body = await read_json_object(req, self.settings.max_body_bytes)
+        args: dict[str, Any] = {"model": get_field(body, "model", (str,))}
+        if body.get("messages") is not None:
+            if body.get("prompt") is not None:
+                raise bad_request("Give either 'prompt' or 'messages', not both", param="prompt")
+            check_message_count(body, self.settings.max_messages)
+            args["messages"] = parse_messages(body)
+            args["chat_template_kwargs"] = get_field(body, "chat_template_kwargs", (dict,))
+            args["tools"] = parse_tools(body)  # counted as the chat route would render them
+        else:
+            args["prompt"] = get_field(body, "prompt", (str,), required=True)
+        result = await call_engine(self.client, CallMethod.TOKENIZE, TOKENIZE_TIMEOUT, args)
+        resp.media = {"tokens": result["tokens"], "count": result["count"],
+                      "max_model_len": result["max_model_len"]}
+
+
+class Detokenize:
+    """`{"tokens": [ids]}` -> `{"prompt": text}` with the loaded model's tokenizer."""
+
+    def __init__(self, client: EngineClient, settings: FrontendSettings | None = None):
+        self.client = client
+        self.settings = settings or FrontendSettings()
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        body = await read_json_object(req, self.settings.max_body_bytes)
+        tokens = get_field(body, "tokens", (list,), required=True)
+        if not is_token_ids(tokens):
+            raise bad_request("Invalid 'tokens': expected an array of integers", param="tokens", code="invalid_type")
+        args = {"model": get_field(body, "model", (str,)), "tokens": tokens}
+        result = await call_engine(self.client, CallMethod.DETOKENIZE, TOKENIZE_TIMEOUT, args)
+        resp.media = {"prompt": result["prompt"]}

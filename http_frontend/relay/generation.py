@@ -1,0 +1,190 @@
+"""What every generation route shares: submit, wait for ACCEPTED, answer SSE or JSON, release.
+
+Chat Completions, Completions, Responses and Anthropic Messages differ only in how
+they read a request and render updates; the path between the HTTP request and the
+engine is this one. `serve_generation` submits the ADD (n of them for `n` choices),
+waits for ACCEPTED (or turns the refusal into an HTTP error before any byte goes
+out) and hands the stream to the route's `events` (SSE) or `complete` (JSON);
+`relay` yields the merged updates with a keep-alive tick every idle second, and
+every engine request is released (ABORTed unless finished) on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import falcon.asgi
+from falcon.asgi import SSEvent
+
+from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
+from http_frontend.errors import APIError
+from http_frontend.middleware.disconnect import disconnected_event
+from http_frontend.relay.choices import choice_requests, merge_event_streams, merge_results
+from http_frontend.relay.context_overflow import report_context_overflow
+from http_frontend.service.metrics import RID_KEY, FrontendMetrics, TokenTimer
+from http_frontend.settings import FrontendSettings
+
+KEEPALIVE_SECONDS = 1.0
+
+
+def usage_object(usage: dict[str, int] | None) -> dict[str, Any] | None:
+    """The engine's usage in the Chat Completions / Completions shape (`merge_usage` sums these for n > 1)."""
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "prompt_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+            "completion_tokens_details": {"reasoning_tokens": usage.get("reasoning_tokens", 0)}}
+
+
+class GenerationRoute:
+    """What every generation route holds: the engine client, limits and metrics."""
+
+    def __init__(self, client: EngineClient, request_timeout: float, *, settings: FrontendSettings | None = None,
+                 metrics: FrontendMetrics | None = None):
+        self.client = client
+        self.request_timeout = request_timeout
+        self.settings = settings or FrontendSettings()
+        self.metrics = metrics or FrontendMetrics(client)
+
+    async def sse(self, stream: RequestStream, timer: TokenTimer, render: Callable[[Update], list[SSEvent]],
+                  first: SSEvent | None = None, done: bool = True) -> AsyncIterator[SSEvent | None]:
+        """The SSE body of a generation route: `render` turns each merged update into events.
+
+        Keep-alive comments while idle (a gone client is noticed within a second), an
+        error event for engine errors, `[DONE]` last (unless `done` is False: Anthropic's
+        grammar ends with its own message_stop), and the request released on every
+        path, a vanished client included (falcon closes the generator).
+        """
+        reason = "client_disconnected"
+        self.metrics.stream_opened()
+        try:
+            if first is not None:
+                yield first
+            async for update in relay(stream, self.request_timeout):
+                if update is None:
+                    yield None
+                    continue
+                timer.on_update(update)
+                for event in render(update):
+                    yield event
+            reason = "finished"
+        except APIError as exc:
+            reason = "error"
+            yield SSEvent(json=exc.to_dict())
+        finally:
+            self.client.release(stream, reason)
+            self.metrics.stream_closed()
+        if done:
+            yield SSEvent(data=b"[DONE]")
+
+
+
+async def serve_generation(
+        req: falcon.asgi.Request, resp: falcon.asgi.Response, client: EngineClient, request_timeout: float,
+        metrics: FrontendMetrics, engine_request: dict[str, Any], id_prefix: str, model: str | None,
+        stream_requested: bool,
+        events: Callable[[RequestStream, dict[str, Any], TokenTimer], AsyncIterator[SSEvent | None]],
+        complete: Callable[[RequestStream, dict[str, Any], TokenTimer], Awaitable[dict[str, Any]]],
+        n: int = 1, include_usage: bool = False) -> None:
+    """Submit, wait for ACCEPTED, then answer SSE (`events`) or JSON (`complete`).
+
+    Shared by every generation route. With `n` > 1 the n engine requests' answers
+    are merged into one (`merge_results`, `merge_event_streams`). Each request is released
+    (ABORTed unless it finished) on every path: here for JSON answers and refusals,
+    by `events`' own `finally` once the SSE generator has been handed to falcon.
+    """
+    streams: list[RequestStream] = []
+    handed_over, reason = False, "request_ended"
+    try:
+        for body in choice_requests(engine_request, n):
+            streams.append(await submit_or_503(client, body))
+        req.scope[RID_KEY] = streams[0].rid  # for the access line: the engine logs the same rid
+        resp.set_header("X-Request-Id", streams[0].rid)
+        timer = metrics.token_timer(req.scope)
+        # A client that leaves while its request waits in the engine's queue aborts it too.
+        accepted = [await until_disconnect(req, wait_accepted(stream, request_timeout)) for stream in streams]
+        meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": accepted[0].get("model") or model}
+        if stream_requested:
+            resp.content_type = "text/event-stream"
+            resp.set_header("Cache-Control", "no-cache")
+            bodies = [events(stream, meta, timer) for stream in streams]
+            resp.sse = bodies[0] if n == 1 else merge_event_streams(bodies, include_usage)
+            handed_over = True
+        else:
+            async def complete_all() -> list[dict[str, Any]]:
+                # A coroutine, not a bare gather future: cancelling its task on disconnect cancels every
+                # choice cleanly (a cancelled gather future would log "exception was never retrieved").
+                return list(await asyncio.gather(*(complete(s, meta, timer) for s in streams)))
+
+            results = await until_disconnect(req, complete_all())
+            resp.media = results[0] if n == 1 else merge_results(results)
+        report_context_overflow(resp, accepted[0])  # header, and usage.context_overflow in JSON answers
+    except APIError as exc:
+        if exc.code == "client_disconnected":
+            reason = exc.code
+        raise
+    finally:
+        if not handed_over:
+            for stream in streams:
+                client.release(stream, reason)
+
+
+async def until_disconnect(req: falcon.asgi.Request, work: Any) -> Any:
+    """Awaits `work` unless the client hangs up first (then the caller's finally aborts the request)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(disconnected_event(req.scope).wait())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "The client closed the connection", code="client_disconnected")
+    return task.result()
+
+
+async def submit_or_503(client: EngineClient, request: dict[str, Any]) -> RequestStream:
+    try:
+        return await client.submit(request)
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+
+
+async def wait_accepted(stream: RequestStream, timeout: float) -> dict[str, Any]:
+    """ACCEPTED, or the engine's refusal as an HTTP error (before any byte of the response)."""
+    try:
+        return await stream.wait_accepted(timeout)
+    except EngineError as exc:
+        raise APIError.from_engine(exc.body) from None
+    except asyncio.TimeoutError:
+        raise APIError(504, f"The engine did not start the request within {timeout:.0f} s",
+                       code="timeout", error_type="server_error") from None
+
+
+async def relay(stream: RequestStream, timeout: float) -> AsyncIterator[Any]:
+    """Merged updates until the request finishes; None every idle second (for keep-alives).
+
+    Engine errors surface as APIError; a request idle past `timeout` is a 504-style error.
+    """
+    idle_since = time.monotonic()
+    while True:
+        try:
+            update = await stream.next_update(KEEPALIVE_SECONDS)
+        except EngineError as exc:
+            raise APIError.from_engine(exc.body) from None
+        if update is None:
+            if time.monotonic() - idle_since > timeout:
+                raise APIError(504, "The engine produced nothing for too long", code="timeout",
+                               error_type="server_error")
+            yield None
+            continue
+        idle_since = time.monotonic()
+        yield update
+        if update.finish_reason:
+            return
