@@ -10,6 +10,14 @@ import pytest
 from tests.helpers import Engine, Frontend
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tier is the folder: tests/stack gets the `stack` marker, tests/clients `clients` (see pyproject)."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier in ("stack", "clients"):
+            item.add_marker(tier)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from model_builders.text import build_model

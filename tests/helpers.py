@@ -19,6 +19,7 @@ import zmq.auth
 
 from protocol import MsgType, decode, encode
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import time
 
 import httpx
 
-from http_frontend.engine.client import RequestStream
 from tests.helpers import Frontend
-
-
-def test_pending_deltas_merge_into_one_update() -> None:
-    async def run() -> None:
-        stream = RequestStream("fe:1")
-        for i in range(1000):
-            stream.on_deltas({"rid": "fe:1", "seq": i, "text": "ab", "token_ids": [i]})
-        stream.on_deltas({"rid": "fe:1", "seq": 1000, "text": "!", "finish_reason": "length",
-                          "usage": {"prompt_tokens": 1, "completion_tokens": 1000, "total_tokens": 1001}})
-        update = await stream.next_update(0.1)
-        assert update.text == "ab" * 1000 + "!" and len(update.token_ids) == 1000
-        assert update.finish_reason == "length"
-        assert await stream.next_update(0.05) is None  # nothing queued behind it
-
-    asyncio.run(run())
 
 
 def test_a_stalled_reader_does_not_slow_others(frontend: Frontend, model_id: str) -> None:

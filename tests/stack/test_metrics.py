@@ -52,7 +52,7 @@ def parse(text: str) -> tuple[dict[str, str], list[tuple[str, dict[str, str], fl
 
 
 def value(samples: list, name: str, **labels: str) -> float:
-    found = [v for n, l, v in samples if n == name and all(l.get(k) == want for k, want in labels.items())]
+    found = [v for n, have, v in samples if n == name and all(have.get(k) == want for k, want in labels.items())]
     assert found, f"no sample {name} {labels}"
     return sum(found)
 

@@ -1,6 +1,6 @@
-"""The official OpenAI JS SDK (npm `openai`, pinned in tests/js/package-lock.json) against the real stack.
+"""The official OpenAI JS SDK (npm `openai`, pinned in tests/clients/js/package-lock.json) against the real stack.
 
-tests/js/sdk_checks.mjs runs every check once against the session front-end and prints
+tests/clients/js/sdk_checks.mjs runs every check once against the session front-end and prints
 what the SDK returned as one JSON object; the tests below assert on it. The SDK is
 used unmodified: its own parsing (`chat.completions.parse`, the stream helpers, the
 error classes) must accept what the server sends. Skipped when node or npm is not
@@ -29,7 +29,7 @@ NODE = shutil.which("node")
 NPM = shutil.which("npm")
 
 pytestmark = pytest.mark.skipif(NODE is None or NPM is None,
-                                reason="node and npm are needed to run the OpenAI JS SDK (tests/js)")
+                                reason="node and npm are needed to run the OpenAI JS SDK (tests/clients/js)")
 
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
                "response.output_text.done", "response.content_part.done", "response.output_item.done"]
@@ -47,7 +47,7 @@ def _installed_matches_lockfile() -> bool:
 
 @pytest.fixture(scope="session")
 def js_sdk() -> Path:
-    """tests/js with its node_modules installed from the committed lockfile (once; reused while it matches)."""
+    """tests/clients/js with its node_modules installed from the committed lockfile (once; reused while it matches)."""
     if not _installed_matches_lockfile():
         # `npm ci` installs the lockfile's exact versions; skipping it when they are already there
         # keeps repeated runs offline and avoids racing another run's install.

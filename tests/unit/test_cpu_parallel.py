@@ -7,11 +7,9 @@ real model files loaded by mlx_lm.load, and every mask shape attention can get.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-import httpx
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -19,7 +17,6 @@ from mlx_lm.generate import BatchGenerator
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
 from model_builders.text import build_model
-from tests.helpers import Frontend
 
 
 @pytest.fixture
@@ -140,6 +137,3 @@ def test_split_swiglu_along_the_sequence_of_one_prompt(split_everything) -> None
     assert mx.array_equal(cpu_parallel.split_swiglu(gate, x), cpu_parallel._ORIGINAL_SWIGLU(gate, x)).item()
 
 
-def test_the_engine_reports_its_cpu_streams(frontend: Frontend) -> None:
-    stats = httpx.get(f"{frontend.base_url}/stats").json()
-    assert stats["cpu_parallel_ops"] == min(os.cpu_count() or 1, 8)

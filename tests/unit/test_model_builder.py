@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from model_builders import text as model_builder  # noqa: E402
 from model_builders.text import ADDED_TOKENS, PRESETS, build_model, place_in_hf_cache  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ["qwen2", "llama"]
 CHAT = [{"role": "user", "content": "Hello there! What is the weather like in Paris today?"}]
 
@@ -372,7 +372,8 @@ def test_place_in_hf_cache(built, tmp_path):
 
     # Layout: relative symlinks into blobs/, LFS blobs named by sha256, others by git sha1.
     weights = snapshot / "model.safetensors"
-    assert weights.is_symlink() and os.readlink(weights) == f"../../blobs/{_sha256(built['qwen2'] / 'model.safetensors')}"
+    blob = _sha256(built["qwen2"] / "model.safetensors")
+    assert weights.is_symlink() and os.readlink(weights) == f"../../blobs/{blob}"
     config_bytes = (built["qwen2"] / "config.json").read_bytes()
     git_sha1 = hashlib.sha1(b"blob %d\0" % len(config_bytes) + config_bytes).hexdigest()
     assert os.readlink(snapshot / "config.json") == f"../../blobs/{git_sha1}"
@@ -427,7 +428,8 @@ def test_place_in_hf_cache_other_revision(built, tmp_path):
 
     cache = tmp_path / "hub"
     snapshot = place_in_hf_cache(built["llama"], "org/tiny-llama", cache, revision="v1")
-    assert Path(huggingface_hub.snapshot_download("org/tiny-llama", cache_dir=cache, revision="v1", local_files_only=True)) == snapshot
+    found = huggingface_hub.snapshot_download("org/tiny-llama", cache_dir=cache, revision="v1", local_files_only=True)
+    assert Path(found) == snapshot
 
 
 # ------------------------------------------------------------------------------------------
@@ -439,7 +441,8 @@ def test_cli_main(tmp_path, capsys):
     out = tmp_path / "cli"
     cache = tmp_path / "hub"
     rc = model_builder.main(
-        [str(out), "--size", "tiny", "--seed", "2", "--arch", "llama", "--hf-repo-id", "org/cli", "--hf-cache-dir", str(cache)]
+        [str(out), "--size", "tiny", "--seed", "2", "--arch", "llama", "--hf-repo-id", "org/cli",
+         "--hf-cache-dir", str(cache)]
     )
     assert rc == 0
     printed = Path(capsys.readouterr().out.strip())

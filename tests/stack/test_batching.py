@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.helpers import Frontend
-from tests.test_chat_e2e import client_for
+from tests.helpers import Frontend, client_for
 
 SHORT = "Hi."
 LONG = " ".join(["Describe the history of the lighthouse and the sea around it in detail."] * 30)

@@ -19,7 +19,8 @@ def test_round_trip_every_type_byte() -> None:
     msg_type, body = decode(encode(MsgType.ADD, add_body()))
     assert msg_type == MsgType.ADD and body == add_body()
     assert decode(encode(MsgType.PING, {}))[0] == MsgType.PING
-    assert decode(encode(MsgType.DELTAS, {"items": [{"rid": "a:b", "seq": 0, "text": "x"}]}))[1]["items"][0]["text"] == "x"
+    deltas = {"items": [{"rid": "a:b", "seq": 0, "text": "x"}]}
+    assert decode(encode(MsgType.DELTAS, deltas))[1]["items"][0]["text"] == "x"
 
 
 @pytest.mark.parametrize("frame, fragment", [

@@ -27,7 +27,7 @@ import zmq
 from PIL import Image
 
 from http_frontend.errors import APIError
-from http_frontend.parsing.media import MediaCollector, audio_format_of, is_public_address
+from http_frontend.parsing.media import MediaCollector, is_public_address
 from http_frontend.settings import FrontendSettings
 from protocol import MsgType, decode, encode
 from tests.helpers import Engine, Frontend, call_engine
@@ -431,65 +431,23 @@ def test_private_addresses_are_refused_unless_allowed(image_server: str) -> None
         assert is_public_address(ipaddress.ip_address(address)) is public, address
 
 
-def test_placeholders_and_audio_sniffing() -> None:
-    media = MediaCollector(FrontendSettings(), resize_shape=[56])
-    first = media.add_part({"type": "input_image", "image_url": data_url(IMAGE)}, "p", "user")
-    second = media.add_part({"type": "image_url", "image_url": {"url": data_url(OTHER_IMAGE)}}, "p", "user")
-    assert first != second and first.startswith("<|media:")
-    # Another request's placeholders differ: a client cannot guess them.
-    assert MediaCollector(FrontendSettings()).add_part({"type": "image_url", "image_url": data_url(IMAGE)},
-                                                       "p", "user") != first
-    items = asyncio.run(media.resolve())
-    assert [i["placeholder"] for i in items] == [first, second]
-    assert items[0]["resize_shape"] == [56]
-    assert audio_format_of(b"RIFF\0\0\0\0WAVEfmt ") == "wav"
-    assert audio_format_of(b"ID3\x04rest") == "mp3" and audio_format_of(b"\xff\xfbdata") == "mp3"
-    assert audio_format_of(b"OggS....") is None
 
 
 # -- engine-side decoding without processes ---------------------------------------------------------
-def test_exif_orientation_and_resize_are_applied() -> None:
-    from engine_daemon.multimodal import inputs as vision
-
-    photo = io.BytesIO()
-    exif = Image.Exif()
-    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
-    Image.new("RGB", (120, 60), (200, 10, 10)).save(photo, "JPEG", exif=exif)
-    assert vision.decode_image({"data": photo.getvalue()}, 0).size == (60, 120)
-    assert vision.decode_image({"data": photo.getvalue(), "resize_shape": [30]}, 0).size == (15, 30)
-    with pytest.raises(vision.RequestError) as caught:
-        vision.decode_image({"data": b"GIF89a" + bytes(20)}, 0)
-    assert caught.value.code == "invalid_image"
 
 
-def test_wav_audio_is_decoded_to_the_processor_rate() -> None:
-    import wave
-
-    from engine_daemon.multimodal import inputs as vision
-
-    clip = io.BytesIO()
-    with wave.open(clip, "wb") as out:
-        out.setnchannels(2)
-        out.setsampwidth(2)
-        out.setframerate(8000)
-        out.writeframes((np.sin(np.arange(8000) / 10) * 8000).astype("<i2").repeat(2).tobytes())
-    samples = vision.decode_audio({"format": "wav", "data": clip.getvalue()}, 0, 16000)
-    assert samples.dtype == np.float32 and samples.shape == (16000,)  # one second, mono, resampled
-    with pytest.raises(vision.RequestError) as caught:
-        vision.decode_audio({"format": "wav", "data": b"RIFF\0\0\0\0WAVEjunk"}, 0, 16000)
-    assert caught.value.code == "invalid_audio"
 
 
 def test_chunked_image_prefill_matches_and_reports_progress(model_dir: Path, reference: dict[str, Any]) -> None:
     """Prompts prefilled in small chunks between steps give the same tokens; progress feeds the pacer."""
     import mlx.core as mx
 
+    from engine_daemon.generation.vision_batch import VisionBatchGenerator
     from engine_daemon.models.store import ModelRef
     from engine_daemon.models.vlm_loader import load_vision_model
     from engine_daemon.multimodal import inputs as vision
     from engine_daemon.request.admission import prepare
     from engine_daemon.request.state import EngineRequest
-    from engine_daemon.generation.vision_batch import VisionBatchGenerator
 
     loaded = load_vision_model(ModelRef(VLM, model_dir / VLM))
 

@@ -6,8 +6,7 @@ import math
 
 import httpx
 
-from tests.helpers import Frontend
-from tests.test_chat_e2e import client_for
+from tests.helpers import Frontend, client_for
 
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 

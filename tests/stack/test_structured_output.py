@@ -25,8 +25,8 @@ from mlx_lm.generate import BatchGenerator, StopSequences, generate_step
 from mlx_lm.sample_utils import make_logits_processors
 from pydantic import BaseModel, Field
 
-from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.errors import RequestError
+from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.samplers import make_request_sampler
 from engine_daemon.sampling.structured import constraint_for
 from tests.helpers import Frontend, client_for

@@ -1,0 +1,80 @@
+"""Images and audio in requests: checks and decoding, without processes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from http_frontend.parsing.media import MediaCollector, audio_format_of
+from http_frontend.settings import FrontendSettings
+
+
+def png(seed: int, width: int = 112, height: int = 112) -> bytes:
+    """A deterministic noise image (112x112: 16 image tokens for the tiny model)."""
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+IMAGE = png(2)
+
+
+OTHER_IMAGE = png(5)
+
+
+def test_placeholders_and_audio_sniffing() -> None:
+    media = MediaCollector(FrontendSettings(), resize_shape=[56])
+    first = media.add_part({"type": "input_image", "image_url": data_url(IMAGE)}, "p", "user")
+    second = media.add_part({"type": "image_url", "image_url": {"url": data_url(OTHER_IMAGE)}}, "p", "user")
+    assert first != second and first.startswith("<|media:")
+    # Another request's placeholders differ: a client cannot guess them.
+    assert MediaCollector(FrontendSettings()).add_part({"type": "image_url", "image_url": data_url(IMAGE)},
+                                                       "p", "user") != first
+    items = asyncio.run(media.resolve())
+    assert [i["placeholder"] for i in items] == [first, second]
+    assert items[0]["resize_shape"] == [56]
+    assert audio_format_of(b"RIFF\0\0\0\0WAVEfmt ") == "wav"
+    assert audio_format_of(b"ID3\x04rest") == "mp3" and audio_format_of(b"\xff\xfbdata") == "mp3"
+    assert audio_format_of(b"OggS....") is None
+
+
+def test_exif_orientation_and_resize_are_applied() -> None:
+    from engine_daemon.multimodal import inputs as vision
+
+    photo = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    Image.new("RGB", (120, 60), (200, 10, 10)).save(photo, "JPEG", exif=exif)
+    assert vision.decode_image({"data": photo.getvalue()}, 0).size == (60, 120)
+    assert vision.decode_image({"data": photo.getvalue(), "resize_shape": [30]}, 0).size == (15, 30)
+    with pytest.raises(vision.RequestError) as caught:
+        vision.decode_image({"data": b"GIF89a" + bytes(20)}, 0)
+    assert caught.value.code == "invalid_image"
+
+
+def test_wav_audio_is_decoded_to_the_processor_rate() -> None:
+    import wave
+
+    from engine_daemon.multimodal import inputs as vision
+
+    clip = io.BytesIO()
+    with wave.open(clip, "wb") as out:
+        out.setnchannels(2)
+        out.setsampwidth(2)
+        out.setframerate(8000)
+        out.writeframes((np.sin(np.arange(8000) / 10) * 8000).astype("<i2").repeat(2).tobytes())
+    samples = vision.decode_audio({"format": "wav", "data": clip.getvalue()}, 0, 16000)
+    assert samples.dtype == np.float32 and samples.shape == (16000,)  # one second, mono, resampled
+    with pytest.raises(vision.RequestError) as caught:
+        vision.decode_audio({"format": "wav", "data": b"RIFF\0\0\0\0WAVEjunk"}, 0, 16000)
+    assert caught.value.code == "invalid_audio"
