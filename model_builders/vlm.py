@@ -36,20 +36,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from model_builders.text import (
-    ADDED_TOKENS,
+from model_builders.files import (
     BUILD_INFO_KEY,
-    ENDOFTEXT,
-    IM_END,
-    IM_START,
     MARKER_KEY,
-    PRESETS,
-    _atomic_write_bytes,
-    _atomic_write_json,
-    _train_tokenizer_json,
+    atomic_write_bytes,
+    atomic_write_json,
     save_weights,
     write_build,
 )
+from model_builders.text import PRESETS
+from model_builders.tokenizer import ADDED_TOKENS, ENDOFTEXT, IM_END, IM_START, train_tokenizer_json
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +127,7 @@ def _tokenizer_json(text_vocab: int) -> str:
     """model_builder's BPE with Qwen2-VL's vision markers added as special tokens at the end."""
     from tokenizers import AddedToken, Tokenizer
 
-    tok = Tokenizer.from_str(_train_tokenizer_json(text_vocab))
+    tok = Tokenizer.from_str(train_tokenizer_json(text_vocab))
     tok.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in VISION_TOKENS])
     data = json.loads(tok.to_str())
     # add_special_tokens marks every added token special: keep model_builder's flags for the rest.
@@ -344,14 +340,14 @@ def build_vlm(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
     def write_payload(out: Path) -> None:
         n_params = save_weights(out, _random_weights(config, seed))
         text_vocab = VLM_PRESETS[size]["text"]["vocab_size"]
-        _atomic_write_bytes(out / "tokenizer.json", _tokenizer_json(text_vocab).encode())
-        _atomic_write_json(out / "tokenizer_config.json",
+        atomic_write_bytes(out / "tokenizer.json", _tokenizer_json(text_vocab).encode())
+        atomic_write_json(out / "tokenizer_config.json",
                            _tokenizer_config(text_vocab, config["max_position_embeddings"]))
-        _atomic_write_json(out / "special_tokens_map.json", _special_tokens_map())
-        _atomic_write_json(out / "preprocessor_config.json", _preprocessor_config(size))
-        _atomic_write_json(out / "chat_template.json", {"chat_template": QWEN2_VL_CHAT_TEMPLATE})
-        _atomic_write_json(out / "generation_config.json", _generation_config(config))
-        _atomic_write_bytes(out / "README.md", _readme(config, n_params).encode())
+        atomic_write_json(out / "special_tokens_map.json", _special_tokens_map())
+        atomic_write_json(out / "preprocessor_config.json", _preprocessor_config(size))
+        atomic_write_json(out / "chat_template.json", {"chat_template": QWEN2_VL_CHAT_TEMPLATE})
+        atomic_write_json(out / "generation_config.json", _generation_config(config))
+        atomic_write_bytes(out / "README.md", _readme(config, n_params).encode())
         logger.info("built qwen2_vl %s seed=%d (%.2fM params) in %s", size, seed, n_params / 1e6, out)
 
     if not write_build(out_dir, config, _PAYLOAD_FILES, write_payload):

@@ -18,7 +18,8 @@ import pytest
 
 from http_frontend.anthropic.request import engine_request
 from http_frontend.settings import FrontendSettings
-from model_builders.text import derive_model, thinking_chat_template
+from model_builders.text import derive_model
+from model_builders.tokenizer import thinking_chat_template
 from tests.helpers import Frontend
 
 GREEDY = {"temperature": 0}

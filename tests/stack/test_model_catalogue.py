@@ -19,7 +19,9 @@ import httpx
 import openai
 import pytest
 
-from model_builders.text import derive_model, place_in_hf_cache, thinking_chat_template
+from model_builders.text import derive_model
+from model_builders.hf_cache import place_in_hf_cache
+from model_builders.tokenizer import thinking_chat_template
 from tests.helpers import Frontend, client_for, running_stack
 
 TEXT_REPO, VLM_REPO, NOT_MLX = "mlx-community/tiny-text", "mlx-community/tiny-vlm", "someone/pytorch-only"

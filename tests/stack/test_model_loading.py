@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model_builders.text import place_in_hf_cache
+from model_builders.hf_cache import place_in_hf_cache
 from tests.helpers import Engine, Frontend
 
 REPO = "mlx-community/tiny-offline"

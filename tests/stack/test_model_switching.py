@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model_builders.text import derive_model, thinking_chat_template
+from model_builders.text import derive_model
+from model_builders.tokenizer import thinking_chat_template
 from tests.helpers import Frontend, running_stack
 
 DELAY = 1.0

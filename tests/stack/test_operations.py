@@ -20,7 +20,7 @@ def stats(frontend: Frontend) -> dict:
 
 
 def test_models_lists_mlx_models_of_the_hf_cache(tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
-    from model_builders.text import place_in_hf_cache
+    from model_builders.hf_cache import place_in_hf_cache
 
     cache = tmp_path / "hub"
     place_in_hf_cache(tiny_model, "mlx-community/tiny-random-qwen2", cache)

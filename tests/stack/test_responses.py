@@ -22,7 +22,8 @@ import pytest
 from hypothesis import strategies as st
 from PIL import Image
 
-from model_builders.text import derive_model, thinking_chat_template
+from model_builders.text import derive_model
+from model_builders.tokenizer import thinking_chat_template
 from tests.helpers import Engine, Frontend, client_for
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,

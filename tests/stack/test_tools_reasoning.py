@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from model_builders.text import derive_model, thinking_chat_template
+from model_builders.text import derive_model
+from model_builders.tokenizer import thinking_chat_template
 from tests.helpers import Frontend, client_for
 
 TOOLS = [{"type": "function", "function": {
