@@ -87,6 +87,14 @@ def test_a_model_made_tool_call_id_past_64_bits_ends_nothing(frontend: Frontend,
     assert_engine_serves(frontend, model)
 
 
+def logged_at(log: str, text: str) -> float:
+    """Seconds of the day of the first engine log line containing `text` ("2026-11-23 20:01:02,345 ...")."""
+    line = next(line for line in log.splitlines() if text in line)
+    clock = line.split()[1]
+    hours, minutes, seconds = clock.split(":")
+    return int(hours) * 3600 + int(minutes) * 60 + float(seconds.replace(",", "."))
+
+
 def test_a_dead_mlx_thread_stops_the_engine_with_a_failure_status(tiny_model: Path, ipc_dir: Path,
                                                                    tmp_path: Path) -> None:
     """A live process with a dead mlx thread would hang every stream: the engine exits non-zero instead."""
@@ -105,6 +113,8 @@ def test_a_dead_mlx_thread_stops_the_engine_with_a_failure_status(tiny_model: Pa
         assert status == 70, engine.log()
         log = engine.log()
         assert "mlx thread crashed" in log and "the mlx thread died: stopping the engine" in log
+        # The engine's own clock: from the crash to the process being done, well within 2 s.
+        assert logged_at(log, "mlx thread crashed") + 2.0 > logged_at(log, "engine stopped")
     finally:
         engine.stop()
 
