@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import os
 import signal
 import socket
@@ -191,3 +193,18 @@ def error_of(response: httpx.Response) -> dict:
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert body["error"]["message"]
     return body["error"]
+
+
+def png(seed: int, width: int = 112, height: int | None = None) -> bytes:
+    """A deterministic noise image (112x112: 16 image tokens for the tiny VLM)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((height or width, width, 3)) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"

@@ -16,8 +16,6 @@ import anthropic
 import httpx
 import pytest
 
-from http_frontend.anthropic.request import engine_request
-from http_frontend.settings import FrontendSettings
 from model_builders.text import derive_model
 from model_builders.tokenizer import thinking_chat_template
 from tests.helpers import Frontend
@@ -239,20 +237,5 @@ def test_thinking_blocks(frontend: Frontend, thinking_model: str) -> None:
 
 
 # -- translation and rendering ----------------------------------------------------------------------
-
-def translate(**body: Any) -> dict[str, Any]:
-    return engine_request({"max_tokens": 16, **body}, FrontendSettings())
-
-
-
-
-
-
-
-
-
-
-
-
 
 

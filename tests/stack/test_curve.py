@@ -62,8 +62,6 @@ def curve_engine(tiny_model: Path, keys: Path, tmp_path_factory: pytest.TempPath
         engine.stop()
 
 
-
-
 def test_authorized_client_gets_pong_others_get_nothing(curve_engine: Engine, keys: Path, intruder: Path) -> None:
     pong = curve_ping(curve_engine.endpoint, keys / "server.key", keys / "frontend.key_secret", 2.0)
     assert pong is not None and pong["state"] == "ready"

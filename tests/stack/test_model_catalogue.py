@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from model_builders.text import derive_model
 from model_builders.hf_cache import place_in_hf_cache
+from model_builders.text import derive_model
 from model_builders.tokenizer import thinking_chat_template
 from tests.helpers import Frontend, client_for, running_stack
 
@@ -247,8 +247,6 @@ def test_reasoning_parser_per_model(served: Frontend) -> None:
 
 
 # -- configuration errors (no model needed) -----------------------------------------------------------
-
-
 
 
 def test_engine_refuses_to_start_with_a_bad_models_config(tmp_path: Path, ipc_dir: Path) -> None:

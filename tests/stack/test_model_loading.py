@@ -169,5 +169,3 @@ def test_idle_unload_frees_the_model_and_the_next_requests_wait_for_one_load(
     assert stats["model_loads"] == loads + 1
 
 
-
-

@@ -9,7 +9,6 @@ generated generation requests stay cheap.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,24 +46,6 @@ def api(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactor
         if frontend is not None:
             frontend.stop()
         engine.stop()
-
-
-def _routes(app: object) -> set[str]:
-    """Every URI template registered on the falcon router (the wrapped app unwrapped)."""
-    while not hasattr(app, "_router"):
-        app = app.app
-    found: set[str] = set()
-
-    def walk(nodes: list) -> None:
-        for node in nodes:
-            if node.resource is not None:  # converters ({model_id:path}) are not part of OpenAPI's template
-                found.add(re.sub(r"\{(\w+):\w+\}", r"{\1}", node.uri_template))
-            walk(node.children)
-
-    walk(app._router._roots)
-    return found
-
-
 
 
 def test_document_is_served(api: Frontend) -> None:

@@ -7,8 +7,6 @@ from stop strings cut out of an earlier greedy answer, from constrained decoding
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import signal
 import time
@@ -16,15 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
-from hypothesis import strategies as st
-from PIL import Image
 
 from model_builders.text import derive_model
 from model_builders.tokenizer import thinking_chat_template
-from tests.helpers import Engine, Frontend, client_for
+from tests.helpers import Engine, Frontend, client_for, data_url, png
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
           "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}},
@@ -43,53 +38,6 @@ def collapse(types: list[str]) -> list[str]:
 
 
 # -- the store, without processes --------------------------------------------------------
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-
-
-
-
-
-
-# -- request and event mapping, without processes -----------------------------------------------
-
-
-
-def png(seed: int, side: int = 56) -> bytes:
-    """A deterministic noise image."""
-    pixels = (np.random.default_rng(seed).random((side, side, 3)) * 255).astype("uint8")
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=12)
-FIELDS = ["input", "instructions", "tools", "tool_choice", "text", "reasoning", "max_output_tokens", "temperature",
-          "previous_response_id", "store", "stream", "metadata", "parallel_tool_calls"]
-ITEM = st.fixed_dictionaries({}, optional={
-    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "x"]) | JSON,
-    "role": st.sampled_from(["user", "assistant", "system", "developer"]) | JSON,
-    "content": JSON | st.lists(st.fixed_dictionaries({}, optional={
-        "type": st.sampled_from(["input_text", "output_text", "input_image", "refusal"]) | JSON,
-        "text": JSON, "image_url": JSON, "refusal": JSON}), max_size=3),
-    "call_id": JSON, "name": JSON, "arguments": JSON, "output": JSON})
-
-
-
-
 
 
 # -- through the real stack -------------------------------------------------------------------
@@ -343,7 +291,7 @@ def test_input_image_and_its_resumed_conversation(frontend: Frontend, model_id: 
     client = client_for(frontend)
     common = {"max_output_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
     turn = [{"role": "user", "content": [{"type": "input_text", "text": "Describe this image."},
-                                         {"type": "input_image", "image_url": data_url(png(2)),
+                                         {"type": "input_image", "image_url": data_url(png(2, 56)),
                                           "detail": "auto"}]}]
     first = client.responses.create(model=vision_model, input=turn, **common)
     text_only = client.responses.create(model=vision_model, input="Describe this image.", **common)

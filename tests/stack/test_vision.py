@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import zmq
@@ -30,24 +29,12 @@ from http_frontend.errors import APIError
 from http_frontend.parsing.media import MediaCollector, is_public_address
 from http_frontend.settings import FrontendSettings
 from protocol import MsgType, decode, encode
-from tests.helpers import Engine, Frontend, call_engine
+from tests.helpers import Engine, Frontend, call_engine, data_url, png
 
 VLM = "tiny-qwen2-vl"
 TEXT = "tiny-qwen2"
 PROMPT = "Describe this image."
 MAX_IMAGE_BYTES = 200_000
-
-
-def png(seed: int, width: int = 112, height: int = 112) -> bytes:
-    """A deterministic noise image (112x112: 16 image tokens for the tiny model)."""
-    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 IMAGE = png(2)
@@ -431,11 +418,7 @@ def test_private_addresses_are_refused_unless_allowed(image_server: str) -> None
         assert is_public_address(ipaddress.ip_address(address)) is public, address
 
 
-
-
 # -- engine-side decoding without processes ---------------------------------------------------------
-
-
 
 
 def test_chunked_image_prefill_matches_and_reports_progress(model_dir: Path, reference: dict[str, Any]) -> None:

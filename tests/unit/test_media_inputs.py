@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 
 import numpy as np
@@ -12,19 +11,7 @@ from PIL import Image
 
 from http_frontend.parsing.media import MediaCollector, audio_format_of
 from http_frontend.settings import FrontendSettings
-
-
-def png(seed: int, width: int = 112, height: int = 112) -> bytes:
-    """A deterministic noise image (112x112: 16 image tokens for the tiny model)."""
-    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
+from tests.helpers import data_url, png
 
 IMAGE = png(2)
 

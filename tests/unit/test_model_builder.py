@@ -21,9 +21,9 @@ mlx_lm = pytest.importorskip("mlx_lm")
 from mlx.utils import tree_flatten  # noqa: E402
 
 from model_builders import text as model_builder  # noqa: E402
-from model_builders.tokenizer import ADDED_TOKENS
-from model_builders.text import PRESETS, build_model
-from model_builders.hf_cache import place_in_hf_cache
+from model_builders.hf_cache import place_in_hf_cache  # noqa: E402
+from model_builders.text import PRESETS, build_model  # noqa: E402
+from model_builders.tokenizer import ADDED_TOKENS  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ARCHS = ["qwen2", "llama"]

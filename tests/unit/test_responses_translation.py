@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 from typing import Any
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
 from pydantic import TypeAdapter
 
 from engine_daemon.calls import response_store as store_calls
@@ -24,6 +20,7 @@ from http_frontend.openai.responses_items import parse_input
 from http_frontend.openai.responses_stream import ResponseBuilder
 from http_frontend.parsing.media import MediaCollector
 from http_frontend.settings import FrontendSettings
+from tests.helpers import data_url, png
 
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
 
@@ -102,7 +99,7 @@ def test_input_items_become_chat_messages() -> None:
         {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
         {"role": "assistant", "content": [{"type": "output_text", "text": "It is 18 C."}]},
         {"role": "user", "content": [{"type": "input_text", "text": "And this? "},
-                                     {"type": "input_image", "image_url": data_url(png(1)), "detail": "auto"}]},
+                                     {"type": "input_image", "image_url": data_url(png(1, 56)), "detail": "auto"}]},
     ]
     media = MediaCollector(FrontendSettings())
     messages = parse_input(items, 100, media)
@@ -127,18 +124,6 @@ def test_input_items_become_chat_messages() -> None:
     with pytest.raises(APIError) as refused:
         parse_input([{**items[-1], "role": "system"}], 100, MediaCollector(FrontendSettings()))
     assert refused.value.param == "input[0].content[1]"
-
-
-def png(seed: int, side: int = 56) -> bytes:
-    """A deterministic noise image."""
-    pixels = (np.random.default_rng(seed).random((side, side, 3)) * 255).astype("uint8")
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
