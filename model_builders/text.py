@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from model_builders.ending import chain_tokens, make_it_end
 from model_builders.files import (
     BUILD_INFO_KEY,
     MARKER_KEY,
@@ -136,7 +137,7 @@ GENERATION_DEFAULTS: dict[str, Any] = {
 # --------------------------------------------------------------------------------------
 
 
-def _model_config(size: str, seed: int, arch: str) -> dict:
+def _model_config(size: str, seed: int, arch: str, ends_after: int | None = None) -> dict:
     """The full config.json (minus the file manifest) for a build; also the idempotency key."""
     if size not in PRESETS:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(PRESETS)}")
@@ -170,6 +171,11 @@ def _model_config(size: str, seed: int, arch: str) -> dict:
             },
         }
     )
+    if ends_after is not None:  # a model that ends its replies (`model_builders.ending`)
+        if isinstance(ends_after, bool) or not isinstance(ends_after, int) or not 1 <= ends_after < 48:
+            raise ValueError(f"ends_after must be an int in 1..47, got {ends_after!r}")
+        config["tie_word_embeddings"] = False
+        config[BUILD_INFO_KEY]["ends_after"] = ends_after
     return dict(sorted(config.items()))
 
 
@@ -261,7 +267,8 @@ Rebuild with:
 """
 
 
-def build_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: str = "qwen2") -> Path:
+def build_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: str = "qwen2",
+                ends_after: int | None = None) -> Path:
     """Writes the model dir and returns its path.
 
     Idempotent: if out_dir already holds a complete build with the same size/seed/arch, it returns
@@ -270,13 +277,17 @@ def build_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: st
     Why idempotent: tests, benchmarks and CI call this on every run (see `write_build`).
     """
     out_dir = Path(out_dir).expanduser().resolve()
-    config = _model_config(size, seed, arch)
+    config = _model_config(size, seed, arch, ends_after)
 
     def write_payload(out: Path) -> None:
         t0 = time.perf_counter()
-        n_params = save_weights(out, _random_weights(config, seed))
+        tokenizer_json = train_tokenizer_json(config["vocab_size"])
+        weights = _random_weights(config, seed)
+        if ends_after is not None:
+            make_it_end(weights, config, chain_tokens(tokenizer_json, ends_after), config["eos_token_id"], seed)
+        n_params = save_weights(out, weights)
         logger.info("wrote %s weights (%.1fM params) in %.1fs", size, n_params / 1e6, time.perf_counter() - t0)
-        atomic_write_bytes(out / "tokenizer.json", train_tokenizer_json(config["vocab_size"]).encode())
+        atomic_write_bytes(out / "tokenizer.json", tokenizer_json.encode())
         atomic_write_json(out / "tokenizer_config.json",
                            tokenizer_config(config["vocab_size"], config["max_position_embeddings"]))
         atomic_write_json(out / "special_tokens_map.json", special_tokens_map())
@@ -322,6 +333,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", choices=sorted(PRESETS), default="tiny", help="shape preset (default: tiny)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     parser.add_argument("--arch", choices=sorted(ARCHS), default="qwen2", help="architecture (default: qwen2)")
+    parser.add_argument("--ends-after", type=int, metavar="N",
+                        help="make the model end every reply after N word tokens (greedy or sampled), for clients "
+                             "that wait for the end of a turn (agents); default: never ends, like random weights")
     parser.add_argument("--hf-repo-id", help="also place the model in a Hugging Face cache under this repo id")
     parser.add_argument("--hf-cache-dir", type=Path, help="cache dir for --hf-repo-id (default: huggingface_hub's)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -341,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    path = build_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch)
+    path = build_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch, ends_after=args.ends_after)
     if args.hf_repo_id:
         cache_dir = args.hf_cache_dir
         if cache_dir is None:

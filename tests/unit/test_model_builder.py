@@ -456,3 +456,21 @@ def test_cli_main(tmp_path, capsys):
 def test_cli_rejects_unknown_size(tmp_path):
     with pytest.raises(SystemExit):
         model_builder.main([str(tmp_path / "x"), "--size", "enormous"])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ends_after_makes_every_reply_end(tmp_path, temperature):
+    """--ends-after N: N word tokens, then <|im_end|>, greedy or sampled, whatever the prompt."""
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_sampler
+
+    path = build_model(tmp_path / "ends", size="tiny", seed=0, ends_after=5)
+    model, tokenizer = mlx_lm.load(str(path))
+    replies = set()
+    for prompt in ["hi", "Write a long essay about ships and the sea. " * 30]:
+        tokens = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        reply = generate(model, tokenizer, tokens, max_tokens=50, sampler=make_sampler(temp=temperature))
+        assert len(reply.split()) == 5  # five word tokens, then the end token stopped it
+        replies.add(reply)
+    assert len(replies) == 1
+    assert json.loads((path / "config.json").read_text())["mlx_engined_build"]["ends_after"] == 5
