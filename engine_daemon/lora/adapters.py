@@ -40,6 +40,7 @@ from engine_daemon.lora.registry import (
 
 log = logging.getLogger(__name__)
 
+
 class AdapterManager:
     """Registry + loaded weights + the switch of the loaded model, and the counters /stats shows."""
 

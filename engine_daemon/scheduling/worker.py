@@ -27,7 +27,7 @@ from engine_daemon.scheduling.commands import (
     CallCommand,
     Command,
     PeerGoneCommand,
-                                                ReplyCommand,
+    ReplyCommand,
     StopCommand,
 )
 from engine_daemon.scheduling.frames import encode_events
@@ -35,6 +35,7 @@ from engine_daemon.scheduling.serial import SerialScheduler
 from protocol import MsgType
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class EngineStatus:
