@@ -137,7 +137,8 @@ class Preprocessor:
                     self.counts["prompts_refused_by_size"] += 1
             if self._pending.pop(body["rid"], None) is None:
                 return  # aborted while it was being prepared
-        self._deliver(peer, body, prepared)
+            # Handed on under the lock: an ABORT the io thread sends now queues after this ADD.
+            self._deliver(peer, body, prepared)
 
     def run_call(self, call: Callable[[], Any], answer: Callable[[Any, RequestError | None], None]) -> None:
         """Runs a CALL that tokenizes (`/tokenize`) on the pool; `answer(result, error)` when done."""
