@@ -71,7 +71,8 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     if settings is None:
         settings = FrontendSettings.from_env()
     configure_logging(settings.log_level)
-    client = engine if engine is not None else EngineClient(endpoint or default_endpoint())
+    client = engine if engine is not None else EngineClient(endpoint or default_endpoint(),
+                                                            max_pending_bytes=settings.max_pending_bytes)
     metrics = FrontendMetrics(client)
     router = CompiledRouter()  # also names the route of requests refused before routing (metric labels)
     app = falcon.asgi.App(middleware=[EngineLifespan(client), *security_middleware(settings)], router=router)

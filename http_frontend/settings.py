@@ -21,6 +21,7 @@ ALLOWED_ORIGINS_ENV = "MLX_FRONTEND_ALLOWED_ORIGINS"
 MAX_BODY_BYTES_ENV = "MLX_FRONTEND_MAX_BODY_BYTES"
 MAX_MESSAGES_ENV = "MLX_FRONTEND_MAX_MESSAGES"
 MAX_TOKENS_LIMIT_ENV = "MLX_FRONTEND_MAX_TOKENS_LIMIT"
+MAX_PENDING_BYTES_ENV = "MLX_FRONTEND_MAX_PENDING_BYTES"
 REQUEST_TIMEOUT_ENV = "MLX_FRONTEND_REQUEST_TIMEOUT"
 LOG_LEVEL_ENV = "MLX_FRONTEND_LOG_LEVEL"
 # Images / audio in chat messages (MediaCollector)
@@ -30,6 +31,7 @@ IMAGE_FETCH_TIMEOUT_ENV = "MLX_FRONTEND_IMAGE_FETCH_TIMEOUT"
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_MESSAGES = 2048
+DEFAULT_MAX_PENDING_BYTES = 8 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_MAX_IMAGE_BYTES = 10 * 1024 * 1024
 DEFAULT_IMAGE_FETCH_TIMEOUT = 10.0
@@ -84,6 +86,8 @@ class FrontendSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_tokens_limit: int | None = None  # None: no ceiling beyond the engine's own checks
+    # Output one stream may hold unread (estimated bytes) before its client is cut off and its request aborted.
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     log_level: str = "info"
     # Media in chat messages: http(s) image URLs to private/loopback addresses are refused unless allowed.
@@ -105,6 +109,7 @@ class FrontendSettings:
             max_body_bytes=_positive_int(env, MAX_BODY_BYTES_ENV, DEFAULT_MAX_BODY_BYTES),
             max_messages=_positive_int(env, MAX_MESSAGES_ENV, DEFAULT_MAX_MESSAGES),
             max_tokens_limit=_positive_int(env, MAX_TOKENS_LIMIT_ENV, None),
+            max_pending_bytes=_positive_int(env, MAX_PENDING_BYTES_ENV, DEFAULT_MAX_PENDING_BYTES),
             request_timeout=request_timeout,
             log_level=env.get(LOG_LEVEL_ENV, "info").strip() or "info",
             allow_private_image_urls=_bool(env, ALLOW_PRIVATE_IMAGE_URLS_ENV),
@@ -164,6 +169,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-limit", type=_limit_arg, default=env(MAX_TOKENS_LIMIT_ENV, "0"),
                         help="ceiling on a request's max_tokens / max_completion_tokens; over it gets 400 "
                              f"max_tokens_exceeded. 0 = no ceiling. [{MAX_TOKENS_LIMIT_ENV}] (default: %(default)s)")
+    parser.add_argument("--max-pending-bytes", type=_limit_arg,
+                        default=env(MAX_PENDING_BYTES_ENV, str(DEFAULT_MAX_PENDING_BYTES)),
+                        help="most output (estimated bytes) one stream may leave unread; a client that stops "
+                             "reading is then cut off with a slow_client error and its request aborted (0 = the "
+                             f"default). [{MAX_PENDING_BYTES_ENV}] (default: %(default)s)")
     add_media_flags(parser)
 
 
@@ -209,6 +219,7 @@ def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
         MAX_BODY_BYTES_ENV: str(args.max_body_bytes or DEFAULT_MAX_BODY_BYTES),
         MAX_MESSAGES_ENV: str(args.max_messages or DEFAULT_MAX_MESSAGES),
         MAX_TOKENS_LIMIT_ENV: str(args.max_tokens_limit or ""),
+        MAX_PENDING_BYTES_ENV: str(getattr(args, "max_pending_bytes", 0) or DEFAULT_MAX_PENDING_BYTES),
         ALLOW_PRIVATE_IMAGE_URLS_ENV: "true" if getattr(args, "allow_private_image_urls", False) else "",
         MAX_IMAGE_BYTES_ENV: str(getattr(args, "max_image_bytes", 0) or DEFAULT_MAX_IMAGE_BYTES),
         IMAGE_FETCH_TIMEOUT_ENV: str(getattr(args, "image_fetch_timeout", DEFAULT_IMAGE_FETCH_TIMEOUT)),

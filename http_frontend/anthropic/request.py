@@ -17,7 +17,7 @@ from http_frontend.parsing.body import get_field
 from http_frontend.parsing.generation_fields import parse_response_format, parse_tool_choice, parse_tools
 from http_frontend.parsing.media import MediaCollector
 from http_frontend.parsing.messages import check_message_count, parse_messages
-from http_frontend.parsing.sampling import MAX_STOP_STRINGS, check_max_tokens
+from http_frontend.parsing.sampling import MAX_STOP_STRINGS, check_max_tokens, check_stop_lengths
 from http_frontend.settings import FrontendSettings
 
 # Block types a client may send back unchanged but that carry nothing a local model can use.
@@ -280,6 +280,7 @@ def parse_stop_sequences(body: dict[str, Any]) -> list[str] | None:
         return None
     if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
         raise bad_request(f"stop_sequences: expected at most {MAX_STOP_STRINGS} strings", param="stop_sequences")
+    check_stop_lengths(stops, "stop_sequences")
     return [s for s in stops if s] or None
 
 

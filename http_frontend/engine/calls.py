@@ -2,8 +2,9 @@
 
 A CALL is the protocol's request/reply (`CallMethod`): the catalogue, status and
 stats, tokenizing, the adapter registry, the Responses store. A route awaits the
-RESULT; when the engine is unreachable the client gets a 503 it may retry, and when
-the engine refuses, the engine's own status, code and message.
+RESULT; when the engine is unreachable the client gets a 503 it may retry, when
+the engine refuses, the engine's own status, code and message, and when the
+arguments cannot be packed into a frame, a 413 or 400 (`UnsendableRequest.api_error`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable
+from http_frontend.engine.frames import UnsendableRequest
 from http_frontend.errors import APIError
 from protocol import CallMethod
 
@@ -27,3 +29,5 @@ async def call_engine(client: EngineClient, method: CallMethod, timeout: float =
         raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None
     except EngineError as exc:
         raise APIError.from_engine(exc.body) from None
+    except UnsendableRequest as exc:
+        raise exc.api_error() from None

@@ -3,7 +3,10 @@
 Each worker process owns one EngineClient, created in the ASGI lifespan (never
 before gunicorn forks). The reader routes every incoming frame to the collector
 of its request; a collector merges pending deltas into one slot, so a slow HTTP
-client costs memory bounded by its own output, never a growing queue of frames.
+client costs memory bounded by its own output, never a growing queue of frames,
+and a client that stops reading altogether is cut off once that slot holds
+`max_pending_bytes` (its engine request is aborted). An ADD is packed before it
+is registered: one that the wire cannot carry never leaves a stream record behind.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from http_frontend.engine.curve import apply_client_curve
+from http_frontend.engine.frames import delta_bytes, packed_frame
 from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decode, encode, new_request_id
 
 log = logging.getLogger(__name__)
@@ -55,13 +59,20 @@ class Update:
 class RequestStream:
     """Collector for one request: ACCEPTED, merged deltas, or an error."""
 
-    def __init__(self, rid: str):
+    def __init__(self, rid: str, max_pending_bytes: int | None = None):
         self.rid = rid
         self.accepted: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.finished = False
+        self.max_pending_bytes = max_pending_bytes  # None: unbounded
+        self.pending_bytes = 0  # estimated (`delta_bytes`) size of the update not yet taken
         self._pending = Update()
         self._has_news = asyncio.Event()
+
+    @property
+    def over_limit(self) -> bool:
+        """True when the consumer has left more output unread than `max_pending_bytes`."""
+        return self.max_pending_bytes is not None and self.pending_bytes > self.max_pending_bytes
 
     # -- fed by the reader -------------------------------------------------------
     def on_accepted(self, body: dict[str, Any]) -> None:
@@ -70,6 +81,7 @@ class RequestStream:
 
     def on_deltas(self, item: dict[str, Any]) -> None:
         pending = self._pending
+        self.pending_bytes += delta_bytes(item)
         pending.text += item.get("text") or ""
         pending.reasoning += item.get("reasoning") or ""
         pending.tool_calls.extend(item.get("tool_calls") or ())
@@ -85,6 +97,7 @@ class RequestStream:
     def on_error(self, body: dict[str, Any]) -> None:
         self.error = body
         self.finished = True
+        self._pending, self.pending_bytes = Update(), 0  # never delivered after an error: free it now
         self._has_news.set()
 
     # -- read by the HTTP handler -----------------------------------------------------
@@ -113,7 +126,7 @@ class RequestStream:
                     return None
         if self.error is not None:
             raise EngineError(self.error)
-        update, self._pending = self._pending, Update()
+        update, self._pending, self.pending_bytes = self._pending, Update(), 0
         return update
 
     def _has_output(self) -> bool:
@@ -147,14 +160,19 @@ class EngineClient:
     """DEALER connection with HELLO/WELCOME, pings, request routing and generic CALLs."""
 
     # A dead engine is noticed within dead_after + ping_interval: every open stream ends in < 3 s.
-    def __init__(self, endpoint: str, ping_interval: float = 0.5, dead_after: float = 2.0):
+    # `max_pending_bytes`: most unread output one stream may hold before its client is cut off (None: no cap).
+    def __init__(self, endpoint: str, ping_interval: float = 0.5, dead_after: float = 2.0,
+                 max_pending_bytes: int | None = None):
         self.endpoint = endpoint
         self.ping_interval = ping_interval
         self.dead_after = dead_after
+        self.max_pending_bytes = max_pending_bytes
         self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.epoch: int | None = None
         self.engine_state = "unknown"
         self.last_heard = 0.0
+        # When the oldest ping still followed by no frame at all was sent (None before the first ping).
+        self._unanswered_since: float | None = None
         self.streams: dict[str, RequestStream] = {}
         self._calls: dict[str, asyncio.Future] = {}
         self._ready = asyncio.Event()
@@ -164,7 +182,19 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self._ready.is_set() and time.monotonic() - self.last_heard < self.dead_after
+        return self._ready.is_set() and self._silent_for() < self.dead_after
+
+    def _silent_for(self) -> float:
+        """Seconds since a ping that no frame has followed was sent; 0 while every ping got an answer.
+
+        Silence counts from a ping actually sent, not from the last frame heard: a worker whose
+        event loop was busy (a large body being parsed) sent no pings meanwhile, and must not
+        take the engine's quiet for its death.
+        """
+        since = self._unanswered_since
+        if since is None or self.last_heard >= since:
+            return 0.0
+        return time.monotonic() - since
 
     async def start(self) -> None:
         self._context = zmq.asyncio.Context()
@@ -192,13 +222,16 @@ class EngineClient:
     # -- sending ---------------------------------------------------------------------
     def _send(self, msg_type: MsgType, body: dict[str, Any]) -> bool:
         """Non-blocking send; False when no engine is connected to take it."""
+        return self._send_frame(encode(msg_type, body))
+
+    def _send_frame(self, frame: bytes) -> bool:
         if self._socket is None:
             return False
         # With NOBLOCK the asyncio socket finishes the send at once and returns a done Future:
         # read its outcome here (an unread exception would only be logged as "never retrieved").
         # Sending through a sync shadow socket instead would skip pyzmq's edge-triggered event
         # bookkeeping and can leave the reader asleep with frames waiting.
-        sent = self._socket.send(encode(msg_type, body), zmq.NOBLOCK)
+        sent = self._socket.send(frame, zmq.NOBLOCK)
         if sent.done() and sent.exception() is not None:
             if not isinstance(sent.exception(), zmq.Again):
                 log.warning("send to the engine failed: %s", sent.exception())
@@ -215,13 +248,17 @@ class EngineClient:
         return self.alive
 
     async def submit(self, request: dict[str, Any]) -> RequestStream:
-        """Sends ADD; the returned stream gets ACCEPTED, deltas or an error."""
+        """Sends ADD; the returned stream gets ACCEPTED, deltas or an error.
+
+        UnsendableRequest when the ADD cannot be packed into one frame (nothing is registered then).
+        """
         if not await self.wait_ready(2.0):
             raise EngineUnavailable("The engine is not reachable")
         rid = new_request_id(self.frontend_id)
-        stream = RequestStream(rid)
+        frame = packed_frame(MsgType.ADD, {**request, "rid": rid, "epoch": self.epoch})
+        stream = RequestStream(rid, self.max_pending_bytes)
         self.streams[rid] = stream
-        if not self._send(MsgType.ADD, {**request, "rid": rid, "epoch": self.epoch}):
+        if not self._send_frame(frame):
             del self.streams[rid]
             raise EngineUnavailable("The engine is not reachable")
         return stream
@@ -233,6 +270,15 @@ class EngineClient:
             stream.finished = True
             self._send(MsgType.ABORT, {"rids": [stream.rid], "reason": reason})
 
+    def _cut_off(self, stream: RequestStream) -> None:
+        """A client that left more than `max_pending_bytes` unread: abort its request and free what it held."""
+        log.warning("rid=%s: %d bytes of output left unread (limit %d): cutting the client off", stream.rid,
+                    stream.pending_bytes, self.max_pending_bytes)
+        self.release(stream, "slow_client")
+        stream.on_error({"rid": stream.rid, "status": 408, "code": "slow_client", "type": "invalid_request_error",
+                         "message": f"The client read the stream too slowly: more than {self.max_pending_bytes} "
+                                    "bytes of output waited unread, so the request was stopped"})
+
     async def call(self, method: CallMethod | str, args: dict[str, Any] | None = None,
                    timeout: float = 5.0) -> Any:
         """Generic request/reply to the engine (`CallMethod`: status, list_models, unload, ...)."""
@@ -240,10 +286,11 @@ class EngineClient:
         if not await self.wait_ready(min(timeout, 2.0)):
             raise EngineUnavailable("The engine is not reachable")
         cid = uuid.uuid4().hex
+        frame = packed_frame(MsgType.CALL, {"cid": cid, "method": method, "args": args or {}})
         future = asyncio.get_running_loop().create_future()
         self._calls[cid] = future
         try:
-            if not self._send(MsgType.CALL, {"cid": cid, "method": method, "args": args or {}}):
+            if not self._send_frame(frame):
                 raise EngineUnavailable("The engine is not reachable")
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
@@ -274,6 +321,8 @@ class EngineClient:
                     stream.on_deltas(item)
                     if stream.finished:
                         self.streams.pop(stream.rid, None)
+                    elif stream.over_limit:
+                        self._cut_off(stream)
         elif msg_type == MsgType.ACCEPTED:
             stream = self.streams.get(body["rid"])
             if stream is not None:
@@ -324,6 +373,8 @@ class EngineClient:
     async def _heartbeat_loop(self) -> None:
         self._send(MsgType.HELLO, self._hello())
         while True:
+            if self._silent_for() == 0.0:  # every earlier ping was answered: silence counts from this one
+                self._unanswered_since = time.monotonic()
             self._send(MsgType.PING, {"t": time.time()})
             await asyncio.sleep(self.ping_interval)
             if self._ready.is_set() and not self.alive and not self._socket.get(zmq.EVENTS) & zmq.POLLIN:

@@ -14,8 +14,8 @@ import falcon.asgi
 from http_frontend.engine.calls import TOKENIZE_TIMEOUT, call_engine
 from http_frontend.engine.client import EngineClient
 from http_frontend.errors import bad_request
-from http_frontend.parsing.body import get_field, read_json_object
-from http_frontend.parsing.generation_fields import parse_tools
+from http_frontend.parsing.body import check_model_name, get_field, read_json_object
+from http_frontend.parsing.generation_fields import check_template_kwargs, parse_tools
 from http_frontend.parsing.messages import check_message_count, parse_messages
 from http_frontend.settings import FrontendSettings
 from protocol import CallMethod
@@ -38,12 +38,14 @@ class Tokenize:
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
         args: dict[str, Any] = {"model": get_field(body, "model", (str,))}
+        check_model_name(args["model"])
         if body.get("messages") is not None:
             if body.get("prompt") is not None:
                 raise bad_request("Give either 'prompt' or 'messages', not both", param="prompt")
             check_message_count(body, self.settings.max_messages)
             args["messages"] = parse_messages(body)
             args["chat_template_kwargs"] = get_field(body, "chat_template_kwargs", (dict,))
+            check_template_kwargs(args["chat_template_kwargs"])
             args["tools"] = parse_tools(body)  # counted as the chat route would render them
         else:
             args["prompt"] = get_field(body, "prompt", (str,), required=True)
@@ -65,5 +67,6 @@ class Detokenize:
         if not is_token_ids(tokens):
             raise bad_request("Invalid 'tokens': expected an array of integers", param="tokens", code="invalid_type")
         args = {"model": get_field(body, "model", (str,)), "tokens": tokens}
+        check_model_name(args["model"])
         result = await call_engine(self.client, CallMethod.DETOKENIZE, TOKENIZE_TIMEOUT, args)
         resp.media = {"prompt": result["prompt"]}

@@ -1,15 +1,31 @@
-"""Reading JSON bodies and typed fields, with 400s that name the offending `param`."""
+"""Reading JSON bodies and typed fields, with 400s that name the offending `param`.
+
+A body is refused at once when the engine could never receive it: a string with a lone
+UTF-16 surrogate (JSON allows `"\\ud800"`, UTF-8 and msgpack do not) or an integer outside
+64 bits, anywhere in it. Bodies over `OFF_LOOP_BYTES` are parsed and checked in one parser
+thread per worker, one body at a time: the C JSON parser holds the GIL while it runs, so the
+event loop gets its turn between bodies (heartbeats, other streams) however many arrive at
+once, and only one large body is being turned into objects at a time.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import falcon.asgi
+import msgpack
 
 from http_frontend.errors import APIError, bad_request
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+OFF_LOOP_BYTES = 1024 * 1024
+_PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
+# The engine's limit on model and adapter names (`engine_daemon.config.MAX_NAME_BYTES`): the front-end
+# never imports the daemon, so the number is repeated here.
+MAX_MODEL_NAME_BYTES = 255
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
                list: "an array", dict: "an object"}
@@ -26,13 +42,66 @@ async def read_json_object(req: falcon.asgi.Request, max_bytes: int = MAX_BODY_B
         raise APIError(413, f"Request body exceeds {max_bytes} bytes", code="request_too_large")
     if not raw.strip():
         raise bad_request("The request body is empty; a JSON object is required", code="invalid_json")
+    if len(raw) > OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(_PARSER, parse_json_object, raw)
+    return parse_json_object(raw)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """`raw` as a JSON object whose every value msgpack can carry, or a 400 that says what is wrong."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
+    check_encodable(body)
     return body
+
+
+def check_encodable(body: dict[str, Any]) -> None:
+    """400 naming the top-level field that holds a lone surrogate or an integer outside 64 bits.
+
+    msgpack packs the whole body in C (a fraction of what parsing it cost); only a refused body
+    is walked again, field by field, to name the culprit.
+    """
+    try:
+        msgpack.packb(body, use_bin_type=True)
+        return
+    except (OverflowError, UnicodeEncodeError, ValueError):
+        pass
+    for key, value in body.items():
+        for problem, what in ((_unpackable(key), "field name"), (_unpackable(value), "value for")):
+            if problem:
+                raise bad_request(f"Invalid {what} '{_printable(key)}': {problem}", param=_printable(key),
+                                  code="invalid_value")
+    raise bad_request("The request body holds a value that cannot be sent to the engine", code="invalid_value")
+
+
+def _unpackable(value: Any) -> str | None:
+    try:
+        msgpack.packb(value, use_bin_type=True)
+    except OverflowError:
+        return "an integer is outside the 64-bit range"
+    except UnicodeEncodeError:
+        return "a string holds a lone UTF-16 surrogate, which is not valid Unicode"
+    except ValueError:
+        return "values are nested too deeply"
+    return None
+
+
+def _printable(text: str) -> str:
+    """`text` safe to echo in a JSON answer (a lone surrogate escaped)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_model_name(model: Any) -> None:
+    """The engine refuses longer names too; refused here, its 400 comes before any engine work."""
+    if isinstance(model, str) and len(model.encode("utf-8", "surrogatepass")) > MAX_MODEL_NAME_BYTES:
+        raise bad_request(f"Invalid 'model': model names are limited to {MAX_MODEL_NAME_BYTES} bytes", param="model",
+                          code="invalid_model_name")
 
 
 def _describe(types: tuple[type, ...]) -> str:

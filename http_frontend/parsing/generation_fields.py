@@ -16,6 +16,14 @@ from http_frontend.parsing.body import get_field
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# Keyword arguments of the chat template call that are not template variables: refused in
+# `chat_template_kwargs`, as the engine refuses them (`engine_daemon.request.template_kwargs.RESERVED`).
+# `chat_template` is not among them: the engine decides (its --allow-request-chat-template flag).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "add_generation_prompt", "continue_final_message", "conversation", "documents", "max_length", "messages",
+    "padding", "processor_kwargs", "return_assistant_tokens_mask", "return_dict", "return_tensors", "tokenize",
+    "tokenizer_kwargs", "tools", "truncation",
+})
 
 
 def check_tool_count(tools: list[Any]) -> None:
@@ -125,13 +133,28 @@ def parse_response_format(body: dict[str, Any]) -> dict[str, Any] | None:
                       "'json_schema'", param="response_format.type", code="invalid_value")
 
 
+def check_template_kwargs(template_kwargs: Any) -> None:
+    """`chat_template_kwargs` holds template variables only: an object with string keys, no reserved name."""
+    if template_kwargs is None:
+        return
+    if not isinstance(template_kwargs, dict) or not all(isinstance(key, str) for key in template_kwargs):
+        raise bad_request("Invalid type for 'chat_template_kwargs': expected an object with string keys",
+                          param="chat_template_kwargs", code="invalid_type")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: these are arguments "
+                          "of the template call, not template variables", param="chat_template_kwargs")
+
+
 def parse_reasoning(body: dict[str, Any], template_kwargs: dict[str, Any] | None) -> tuple[dict[str, Any] | None,
                                                                                             int | None]:
     """`enable_thinking`, `reasoning_effort` and `thinking_budget` → (chat_template_kwargs, thinking budget).
 
     `enable_thinking` (top level, as vLLM and mlx-openai-server take it) wins over the
     same key in `chat_template_kwargs`; `reasoning_effort: "none"` turns thinking off.
+    `template_kwargs` (the request's `chat_template_kwargs`) is checked first (`check_template_kwargs`).
     """
+    check_template_kwargs(template_kwargs)
     kwargs = dict(template_kwargs or {})
     effort = get_field(body, "reasoning_effort", (str,))
     if effort is not None:

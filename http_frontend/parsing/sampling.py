@@ -13,7 +13,11 @@ from typing import Any
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
 
+# The engine's bounds on stop strings (`engine_daemon.output.stop_strings.MAX_STOP_STRINGS` and
+# `MAX_STOP_LENGTH`), repeated here since the front-end never imports the daemon: refused before any
+# engine work, with the same numbers.
 MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 1024  # characters of one stop string
 MAX_CHOICES = 16  # most `n`: each choice is an engine request of its own (`choice_requests`)
 
 # Fields this server does not implement yet: refused with a 400 rather than silently ignored.
@@ -31,7 +35,16 @@ def parse_stop(body: dict[str, Any]) -> list[str] | None:
     stops = [stop] if isinstance(stop, str) else stop
     if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
         raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
+    check_stop_lengths(stops, "stop")
     return [s for s in stops if s]
+
+
+def check_stop_lengths(stops: list[str], param: str) -> None:
+    """Each stop string is matched against every token's text: longer than MAX_STOP_LENGTH is a 400."""
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_LENGTH:
+        raise bad_request(f"Invalid '{param}': each stop string may be at most {MAX_STOP_LENGTH} characters, got "
+                          f"one of {longest}", param=param)
 
 
 def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:

@@ -21,8 +21,10 @@ import falcon.asgi
 from falcon.asgi import SSEvent
 
 from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
+from http_frontend.engine.frames import UnsendableRequest
 from http_frontend.errors import APIError
 from http_frontend.middleware.disconnect import disconnected_event
+from http_frontend.parsing.body import check_model_name
 from http_frontend.relay.choices import choice_requests, merge_event_streams, merge_results
 from http_frontend.relay.context_overflow import report_context_overflow
 from http_frontend.service.metrics import RID_KEY, FrontendMetrics, TokenTimer
@@ -150,10 +152,14 @@ async def until_disconnect(req: falcon.asgi.Request, work: Any) -> Any:
 
 
 async def submit_or_503(client: EngineClient, request: dict[str, Any]) -> RequestStream:
+    """The ADD sent; 503 when the engine is unreachable, 413 / 400 when the wire cannot carry it."""
+    check_model_name(request.get("model"))
     try:
         return await client.submit(request)
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None
+    except UnsendableRequest as exc:
+        raise exc.api_error() from None
 
 
 async def wait_accepted(stream: RequestStream, timeout: float) -> dict[str, Any]:

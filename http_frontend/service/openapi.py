@@ -65,7 +65,13 @@ TOOL_CHOICE = {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]
                               "function": obj({"name": STRING}, ("name",))}, ("type", "function"))]}
 RESPONSE_FORMAT = obj({"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
                        "json_schema": obj({"name": STRING, "schema": ANY_OBJECT, "strict": BOOLEAN})}, ("type",))
-STOP = {"oneOf": [STRING, arr(STRING, maxItems=16)]}
+TEMPLATE_KWARGS = {**ANY_OBJECT, "description": (
+    "Chat template variables. The template call's own arguments (tokenize, return_tensors, return_dict, tools, "
+    "documents, add_generation_prompt, continue_final_message, padding, truncation, max_length, conversation, "
+    "messages, tokenizer_kwargs, processor_kwargs, return_assistant_tokens_mask) are refused with a 400; "
+    "chat_template only when the engine runs with --allow-request-chat-template.")}
+STOP_STRING = {"type": "string", "maxLength": 1024}  # `MAX_STOP_LENGTH`; at most `MAX_STOP_STRINGS` of them
+STOP = {"oneOf": [STOP_STRING, arr(STOP_STRING, maxItems=16)]}
 
 SAMPLING: dict[str, Schema] = {
     "model": STRING,
@@ -99,7 +105,7 @@ CHAT_REQUEST = obj({
     "tools": nullable(arr(TOOL, maxItems=128)),
     "tool_choice": nullable(TOOL_CHOICE),
     "parallel_tool_calls": nullable(BOOLEAN),
-    "chat_template_kwargs": nullable(ANY_OBJECT),
+    "chat_template_kwargs": nullable(TEMPLATE_KWARGS),
     "enable_thinking": nullable(BOOLEAN),
     "thinking_budget": nullable({"type": "integer", "minimum": 0}),
     "reasoning_effort": nullable({"type": "string", "enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}),
@@ -194,7 +200,7 @@ ANTHROPIC_COMMON: dict[str, Schema] = {
 ANTHROPIC_REQUEST = obj({
     **ANTHROPIC_COMMON,
     "max_tokens": {"type": "integer", "minimum": 1},
-    "stop_sequences": arr(STRING),
+    "stop_sequences": arr(STOP_STRING, maxItems=16),
     "temperature": {"type": "number", "minimum": 0, "maximum": 1},
     "top_p": {"type": "number", "minimum": 0, "maximum": 1},
     "top_k": {"type": "integer", "minimum": 0},
@@ -225,7 +231,7 @@ ADAPTER_REGISTRATION = obj({"name": ADAPTER_NAME_SCHEMA, "path": {"type": "strin
                            ("name", "path"))
 ADAPTER_DELETED = obj({"id": STRING, "object": STRING, "deleted": BOOLEAN}, ("id", "deleted"))
 TOKENIZE_REQUEST = obj({"model": STRING, "prompt": STRING, "messages": arr(MESSAGE, minItems=1),
-                        "chat_template_kwargs": ANY_OBJECT, "tools": arr(TOOL)})
+                        "chat_template_kwargs": TEMPLATE_KWARGS, "tools": arr(TOOL)})
 TOKENIZE_RESULT = obj({"tokens": arr(INTEGER), "count": INTEGER, "max_model_len": nullable(INTEGER)},
                       ("tokens", "count"))
 DETOKENIZE_REQUEST = obj({"model": STRING, "tokens": arr({"type": "integer", "minimum": 0})}, ("tokens",))
