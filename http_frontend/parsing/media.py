@@ -71,10 +71,26 @@ def parse_resize_shape(body: dict[str, Any]) -> list[int] | None:
     return list(value)
 
 
+# Prefixes that reach IPv4 (or anything) through a translator or a relay: an address in one of them
+# can stand for a private host, whatever `ipaddress` thinks of the prefix itself.
+TRANSLATION_PREFIXES = tuple(ipaddress.ip_network(prefix) for prefix in (
+    "64:ff9b::/96",    # NAT64, well-known prefix (RFC 6052)
+    "64:ff9b:1::/48",  # NAT64, local-use prefix (RFC 8215)
+    "::/96",           # IPv4-compatible IPv6 (deprecated)
+    "::ffff:0:0/96",   # IPv4-mapped IPv6
+    "2002::/16",       # 6to4
+    "100.64.0.0/10",   # carrier-grade NAT (shared address space)
+))
+
+
 def is_public_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """An address on the public internet (not loopback, private, link-local, multicast, reserved...)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    """A global unicast address that no translation prefix can point back inside (the SSRF fence).
+
+    Only `ipaddress`'s global unicast passes: not loopback, private, link-local, multicast,
+    reserved, shared (CGNAT), and not any NAT64 / 6to4 / IPv4-mapped or -compatible form.
+    """
+    if any(address in network for network in TRANSLATION_PREFIXES if network.version == address.version):
+        return False
     return address.is_global and not address.is_multicast
 
 
