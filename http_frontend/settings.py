@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 API_KEY_ENV = "MLX_ENGINE_API_KEY"
+ADMIN_API_KEY_ENV = "MLX_FRONTEND_ADMIN_API_KEY"
 ALLOWED_ORIGINS_ENV = "MLX_FRONTEND_ALLOWED_ORIGINS"
 MAX_BODY_BYTES_ENV = "MLX_FRONTEND_MAX_BODY_BYTES"
 MAX_MESSAGES_ENV = "MLX_FRONTEND_MAX_MESSAGES"
@@ -82,6 +83,8 @@ class FrontendSettings:
     """Security, limits and timeouts of one front-end worker."""
 
     api_keys: tuple[str, ...] = ()
+    # Keys that may also unload the model and change adapters (`ADMIN_ROUTES`); they work everywhere.
+    admin_api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
@@ -105,6 +108,7 @@ class FrontendSettings:
             raise ValueError(f"{REQUEST_TIMEOUT_ENV} must be a number of seconds, got {timeout_raw!r}") from None
         return cls(
             api_keys=split_list(env.get(API_KEY_ENV)),
+            admin_api_keys=split_list(env.get(ADMIN_API_KEY_ENV)),
             allowed_origins=split_list(env.get(ALLOWED_ORIGINS_ENV)),
             max_body_bytes=_positive_int(env, MAX_BODY_BYTES_ENV, DEFAULT_MAX_BODY_BYTES),
             max_messages=_positive_int(env, MAX_MESSAGES_ENV, DEFAULT_MAX_MESSAGES),
@@ -120,6 +124,7 @@ class FrontendSettings:
     def __repr__(self) -> str:
         # Never print the keys themselves (settings end up in logs and tracebacks).
         return (f"FrontendSettings(api_keys=<{len(self.api_keys)} configured>, "
+                f"admin_api_keys=<{len(self.admin_api_keys)} configured>, "
                 f"allowed_origins={self.allowed_origins}, max_body_bytes={self.max_body_bytes}, "
                 f"max_messages={self.max_messages}, max_tokens_limit={self.max_tokens_limit}, "
                 f"request_timeout={self.request_timeout}, log_level={self.log_level!r}, "
@@ -155,6 +160,11 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         help="require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every route "
                              "but GET /health; repeat for several keys. Prefer the variable: flags show in `ps`. "
                              f"[{API_KEY_ENV}, comma-separated] (default: none, no authentication)")
+    parser.add_argument("--admin-api-key", action="append", type=_key_arg, default=None, metavar="KEY",
+                        help="a key that may also POST /unload and register or remove adapters (ordinary keys "
+                             "get 403 there); it works on every route. Repeat for several. With keys but no admin "
+                             f"key, nobody may use those routes. [{ADMIN_API_KEY_ENV}, comma-separated] "
+                             "(default: none)")
     parser.add_argument("--allowed-origins", default=env(ALLOWED_ORIGINS_ENV, ""), metavar="ORIGINS",
                         help="comma-separated browser origins allowed by CORS, e.g. https://app.example.com "
                              f"('*' = any, never with credentials). [{ALLOWED_ORIGINS_ENV}] (default: none, "
@@ -209,12 +219,15 @@ def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
     """The parsed flags as the variables workers read (the flag wins over the variable)."""
     keys = args.api_key if args.api_key is not None else split_list(os.environ.get(API_KEY_ENV))
     host = getattr(args, "host", "127.0.0.1")
-    if not keys and not _is_loopback(host):
+    admin_keys = (args.admin_api_key if getattr(args, "admin_api_key", None) is not None
+                  else split_list(os.environ.get(ADMIN_API_KEY_ENV)))
+    if not keys and not admin_keys and not _is_loopback(host):
         logging.getLogger("http_frontend.cli").warning(
             "listening on %s without an API key: anyone who can reach it can use the model "
             "(set --api-key or %s)", host, API_KEY_ENV)
     return {
         API_KEY_ENV: ",".join(keys),
+        ADMIN_API_KEY_ENV: ",".join(admin_keys),
         ALLOWED_ORIGINS_ENV: ",".join(split_list(args.allowed_origins)),
         MAX_BODY_BYTES_ENV: str(args.max_body_bytes or DEFAULT_MAX_BODY_BYTES),
         MAX_MESSAGES_ENV: str(args.max_messages or DEFAULT_MAX_MESSAGES),

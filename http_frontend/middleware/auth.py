@@ -1,9 +1,14 @@
-"""API keys and CORS: the front-end's falcon middleware for who may call it.
+"""API keys, the admin role and CORS: the front-end's falcon middleware for who may call it.
 
 Keys are checked in `process_request`, before routing, so an unknown route, a
 large body or a call that would reach the engine costs an unauthenticated client
 nothing but a 401. Only `GET /health` (for load balancers and orchestrators) and
 CORS preflights (browsers never send credentials on them) are public.
+
+Two roles: ordinary keys (`--api-key`) use the model; admin keys (`--admin-api-key`) may also
+change what every client shares — unload the model, register or remove adapters — where an
+ordinary key gets 403. Each request learns its `Caller`: a short digest of its key (never the key)
+that stored Responses are owned by and that the engine shares decode slots by.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import falcon
 import falcon.asgi
@@ -22,6 +29,28 @@ from http_frontend.settings import FrontendSettings
 log = logging.getLogger(__name__)
 
 PUBLIC_ROUTES = {("GET", "/health"), ("HEAD", "/health")}
+# Routes that change what every client shares: the admin role's (with and without the /v1 prefix).
+ADMIN_ROUTES = (("POST", re.compile(r"/unload")), ("POST", re.compile(r"(/v1)?/adapters")),
+                ("DELETE", re.compile(r"(/v1)?/adapters/.+")))
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a request comes from: `client` is a digest of its key (None without keys), `admin` its role."""
+
+    client: str | None
+    admin: bool
+
+
+OPEN = Caller(client=None, admin=True)  # no keys configured: everyone may do everything
+
+
+def caller_of(req: falcon.asgi.Request) -> Caller:
+    return getattr(req.context, "caller", None) or OPEN
+
+
+def is_admin_route(req: falcon.asgi.Request) -> bool:
+    return any(req.method == method and pattern.fullmatch(req.path) for method, pattern in ADMIN_ROUTES)
 
 
 def _digest(key: str) -> bytes:
@@ -46,20 +75,25 @@ def unauthorized(message: str) -> APIError:
 
 
 class APIKeyAuth:
-    """Rejects every request without a configured key, except the public ones."""
+    """Rejects every request without a configured key, except the public ones; admin routes need an admin key."""
 
-    def __init__(self, keys: Iterable[str]):
+    def __init__(self, keys: Iterable[str], admin_keys: Iterable[str] = ()):
         self._digests = tuple(_digest(key) for key in keys)
-        if not self._digests:
+        self._admin_digests = tuple(_digest(key) for key in admin_keys)
+        if not self._digests and not self._admin_digests:
             raise ValueError("APIKeyAuth needs at least one key")
 
-    def matches(self, candidate: str) -> bool:
+    @staticmethod
+    def _found(given: bytes, digests: tuple[bytes, ...]) -> bool:
         """Constant time: every configured key is compared, whatever matched first."""
-        given = _digest(candidate)
         found = False
-        for digest in self._digests:
+        for digest in digests:
             found |= hmac.compare_digest(given, digest)
         return found
+
+    def matches(self, candidate: str) -> bool:
+        given = _digest(candidate)
+        return self._found(given, self._digests) | self._found(given, self._admin_digests)
 
     @staticmethod
     def is_public(req: falcon.asgi.Request) -> bool:
@@ -73,8 +107,14 @@ class APIKeyAuth:
         candidate = presented_key(req)
         if candidate is None:
             raise unauthorized("Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
-        if not self.matches(candidate):
+        given = _digest(candidate)
+        admin = self._found(given, self._admin_digests)
+        if not (self._found(given, self._digests) | admin):
             raise unauthorized("Incorrect API key provided")
+        req.context.caller = Caller(client=given.hex()[:16], admin=admin)
+        if is_admin_route(req) and not admin:
+            raise APIError(403, "This route needs an admin key (--admin-api-key)", code="admin_key_required",
+                           error_type="permission_error")
 
 
 def cors_middleware(origins: tuple[str, ...]) -> falcon.CORSMiddleware:
@@ -92,8 +132,8 @@ def security_middleware(settings: FrontendSettings) -> list[object]:
     middleware: list[object] = []
     if settings.allowed_origins:
         middleware.append(cors_middleware(settings.allowed_origins))
-    if settings.api_keys:
-        middleware.append(APIKeyAuth(settings.api_keys))
+    if settings.api_keys or settings.admin_api_keys:
+        middleware.append(APIKeyAuth(settings.api_keys, settings.admin_api_keys))
     else:
         log.info("no API key configured: every route is open to whoever can reach this address")
     return middleware

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import falcon.asgi
@@ -22,6 +22,7 @@ from falcon.asgi import SSEvent
 from http_frontend.engine.calls import call_engine
 from http_frontend.engine.client import EngineClient, RequestStream, Update
 from http_frontend.errors import APIError, bad_request
+from http_frontend.middleware.auth import caller_of
 from http_frontend.openai.responses_items import (
     NO_THINKING_EFFORTS,
     input_item_list,
@@ -69,6 +70,7 @@ class ResponsesRequest:
     stream: bool
     store: bool
     input_items: list[dict[str, Any]]  # this request's input as Responses items, for GET …/input_items
+    owner: str | None = None  # the caller's key digest (`Caller.client`): only it may read the stored response
 
 
 def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | None,
@@ -154,11 +156,13 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"{what} with id '{response_id}' not found.", code="response_not_found", param=param)
 
 
-async def load_record(client: EngineClient, response_id: str, param: str | None = None) -> dict[str, Any]:
+async def load_record(client: EngineClient, req: falcon.asgi.Request, response_id: str,
+                      param: str | None = None) -> dict[str, Any]:
+    """The stored record of a response this caller created; 404 for any other (its existence is not told)."""
     record = None
     if len(response_id) <= MAX_ID_LENGTH:
         record = await call_engine(client, CallMethod.RESPONSES_GET, args={"id": response_id})
-    if not isinstance(record, dict):
+    if not isinstance(record, dict) or record.get("owner") != caller_of(req).client:
         raise _not_found(response_id, param)
     return record
 
@@ -170,10 +174,11 @@ class Responses(GenerationRoute):
         body = await read_json_object(req, self.settings.max_body_bytes)
         collector = MediaCollector.for_request(body, self.settings)
         request = parse_request(body, self.settings.max_messages, self.settings.max_tokens_limit, collector)
+        request = replace(request, owner=caller_of(req).client)
         history: list[dict[str, Any]] = []
         media: list[dict[str, Any]] = []  # the conversation's images and audio, earlier turns' included
         if request.previous_response_id is not None:
-            record = await load_record(self.client, request.previous_response_id, "previous_response_id")
+            record = await load_record(self.client, req, request.previous_response_id, "previous_response_id")
             history = list(record.get("messages") or [])
             media = list(record.get("media") or [])
         conversation = name_tool_results(history + request.messages)
@@ -210,7 +215,7 @@ class Responses(GenerationRoute):
             return
         response = builder.response()
         record = {"response": response, "messages": conversation + [builder.assistant_message()],
-                  "input_items": request.input_items}
+                  "input_items": request.input_items, "owner": request.owner}
         if media:
             record["media"] = media
         if packed_size(record) > MAX_RECORD_BYTES:
@@ -282,7 +287,7 @@ class ResponseById:
         self.client = client
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
-        record = await load_record(self.client, response_id)
+        record = await load_record(self.client, req, response_id)
         resp.media = record.get("response")
 
     async def on_get_input_items(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
@@ -292,7 +297,7 @@ class ResponseById:
         if order not in ("asc", "desc"):
             raise bad_request(f"Invalid value for 'order': {order!r}; expected 'asc' or 'desc'", param="order")
         limit = req.get_param_as_int("limit", min_value=1, max_value=100, default=20)
-        items = list((await load_record(self.client, response_id)).get("input_items") or [])
+        items = list((await load_record(self.client, req, response_id)).get("input_items") or [])
         if order == "desc":
             items.reverse()
         after = req.get_param("after")
@@ -305,14 +310,13 @@ class ResponseById:
 
     async def on_post_cancel(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
         """Only background responses can be cancelled, and this server runs none (`background` is refused)."""
-        await load_record(self.client, response_id)  # an unknown id is a 404 first
+        await load_record(self.client, req, response_id)  # an unknown (or another key's) id is a 404 first
         raise bad_request("Only responses created with 'background': true can be cancelled; this server does not "
                           "run background responses", param="response_id", code="not_background")
 
     async def on_delete(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
-        result = None
-        if len(response_id) <= MAX_ID_LENGTH:
-            result = await call_engine(self.client, CallMethod.RESPONSES_DELETE, args={"id": response_id})
+        await load_record(self.client, req, response_id)  # only the key that created it may delete it
+        result = await call_engine(self.client, CallMethod.RESPONSES_DELETE, args={"id": response_id})
         if not (isinstance(result, dict) and result.get("deleted")):
             raise _not_found(response_id)
         resp.media = {"id": response_id, "object": "response", "deleted": True}

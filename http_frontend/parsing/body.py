@@ -43,8 +43,19 @@ async def read_json_object(req: falcon.asgi.Request, max_bytes: int = MAX_BODY_B
     if not raw.strip():
         raise bad_request("The request body is empty; a JSON object is required", code="invalid_json")
     if len(raw) > OFF_LOOP_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(_PARSER, parse_json_object, raw)
-    return parse_json_object(raw)
+        body = await asyncio.get_running_loop().run_in_executor(_PARSER, parse_json_object, raw)
+    else:
+        body = parse_json_object(raw)
+    req.context.end_user = end_user_of(body)
+    return body
+
+
+def end_user_of(body: dict[str, Any]) -> str | None:
+    """The end user a client names (OpenAI `user`, Anthropic `metadata.user_id`): without API keys, the
+    engine shares decode slots between these (`client` in the ADD)."""
+    metadata = body.get("metadata")
+    user = body.get("user") or (metadata.get("user_id") if isinstance(metadata, dict) else None)
+    return user[:64] if isinstance(user, str) and user else None
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

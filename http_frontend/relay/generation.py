@@ -23,6 +23,7 @@ from falcon.asgi import SSEvent
 from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
 from http_frontend.engine.frames import UnsendableRequest
 from http_frontend.errors import APIError
+from http_frontend.middleware.auth import caller_of
 from http_frontend.middleware.disconnect import disconnected_event
 from http_frontend.parsing.body import check_model_name
 from http_frontend.relay.choices import choice_requests, merge_event_streams, merge_results
@@ -102,6 +103,10 @@ async def serve_generation(
     """
     streams: list[RequestStream] = []
     handed_over, reason = False, "request_ended"
+    # Whose share of the engine's decode slots this is: the key's digest, else the named end user.
+    client_id = caller_of(req).client or getattr(req.context, "end_user", None)
+    if client_id:
+        engine_request = {**engine_request, "client": client_id}
     try:
         for body in choice_requests(engine_request, n):
             streams.append(await submit_or_503(client, body))
