@@ -111,7 +111,7 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
     if effort is not None:
         template_kwargs.setdefault("enable_thinking", effort not in NO_THINKING_EFFORTS)
         template_kwargs.setdefault("reasoning_effort", effort)
-    metadata = get_field(body, "metadata", (dict,), default={})
+    metadata = check_metadata(get_field(body, "metadata", (dict,), default={}))
     engine = {"model": model, "params": params, "tools": tools, "tool_choice": tool_choice,
               "parallel_tool_calls": parallel, "response_format": response_format,
               "chat_template_kwargs": template_kwargs or None}
@@ -149,6 +149,22 @@ def check_frame_size(engine_request: dict[str, Any], echo: dict[str, Any]) -> No
     if packed_size({"request": engine_request, "echo": echo}) > MAX_RECORD_BYTES:
         raise bad_request("The request (with the conversation of its previous responses) is too large to send to "
                           "the engine, or holds an integer outside the 64-bit range", code="request_too_large")
+
+
+# OpenAI's limits on `metadata`: it is stored with the response, so it is bounded like the rest.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def check_metadata(metadata: dict[str, Any]) -> dict[str, str]:
+    """`metadata`: at most 16 string pairs, keys up to 64 and values up to 512 characters (as OpenAI)."""
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise bad_request(f"'metadata' may hold at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+                          param="metadata", code="invalid_value")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+            raise bad_request(f"'metadata' keys must be strings of at most {MAX_METADATA_KEY} characters and values "
+                              f"strings of at most {MAX_METADATA_VALUE}", param="metadata", code="invalid_value")
+    return metadata
 
 
 def _not_found(response_id: str, param: str | None = None) -> APIError:

@@ -299,3 +299,16 @@ def test_a_client_template_runs_under_budget_when_the_operator_allows_it(tiny_mo
         victim.join(120)
         assert victim.error is None and victim.finish_reason == "length"
         assert_engine_serves(frontend, model)
+
+
+@pytest.mark.parametrize("metadata", [{f"k{i}": "v" for i in range(17)}, {"k": "v" * 513}, {"k" * 65: "v"},
+                                      {"k": [{}] * 1_000_000}])
+def test_responses_metadata_is_bounded_like_openai(frontend: Frontend, model_id: str, metadata: dict) -> None:
+    """Attack 8: a million empty maps in `metadata` grew the engine's store ~70x past its cap."""
+    response = httpx.post(f"{frontend.base_url}/v1/responses", timeout=60, json={
+        "model": model_id, "input": "hi", "max_output_tokens": 4, "metadata": metadata})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "metadata"
+    ok = httpx.post(f"{frontend.base_url}/v1/responses", timeout=60, json={
+        "model": model_id, "input": "hi", "max_output_tokens": 4, "metadata": {f"k{i}": "v" * 512 for i in range(16)}})
+    assert ok.status_code == 200 and ok.json()["metadata"]["k15"] == "v" * 512
