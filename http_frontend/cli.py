@@ -8,7 +8,13 @@ import sys
 from typing import Any
 
 from http_frontend.engine import curve
-from http_frontend.gunicorn_settings import APP, options
+from http_frontend.gunicorn_settings import (
+    APP,
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_WORKER_CLASS,
+    HEADER_TIMEOUT_ENV,
+    options,
+)
 from http_frontend.settings import add_flags, flags_to_env
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
@@ -27,9 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="port to listen on. [MLX_FRONTEND_PORT] (default: %(default)s)")
     parser.add_argument("--workers", type=int, default=int(env("MLX_FRONTEND_WORKERS", "2")),
                         help="gunicorn worker processes. [MLX_FRONTEND_WORKERS] (default: %(default)s)")
-    parser.add_argument("--worker-class", default=env("MLX_FRONTEND_WORKER_CLASS", "asgi"),
-                        help="gunicorn worker class: 'asgi' (gunicorn's native asyncio worker) or "
-                             "'uvicorn_worker.UvicornWorker'. [MLX_FRONTEND_WORKER_CLASS] (default: %(default)s)")
+    parser.add_argument("--worker-class", default=env("MLX_FRONTEND_WORKER_CLASS", DEFAULT_WORKER_CLASS),
+                        help="gunicorn worker class: the default is gunicorn's native asyncio 'asgi' worker with "
+                             "a header deadline and a connection cap; 'asgi' or 'uvicorn_worker.UvicornWorker' "
+                             "also work. [MLX_FRONTEND_WORKER_CLASS] (default: %(default)s)")
+    parser.add_argument("--header-timeout", type=float,
+                        default=float(env(HEADER_TIMEOUT_ENV) or DEFAULT_HEADER_TIMEOUT),
+                        help="seconds a new connection has to send its request headers before it is closed "
+                             f"(slowloris). [{HEADER_TIMEOUT_ENV}] (default: %(default)s)")
+    parser.add_argument("--worker-connections", type=int, default=int(env("MLX_FRONTEND_WORKER_CONNECTIONS", "1000")),
+                        help="open connections one worker keeps; past it new ones get 503 and are closed. "
+                             "[MLX_FRONTEND_WORKER_CONNECTIONS] (default: %(default)s)")
     parser.add_argument("--request-timeout", type=float, default=float(env("MLX_FRONTEND_REQUEST_TIMEOUT", "600")),
                         help="seconds a request may wait for the engine to start it or to produce output. "
                              "[MLX_FRONTEND_REQUEST_TIMEOUT] (default: %(default)s)")
@@ -67,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         "MLX_FRONTEND_PORT": str(args.port),
         "MLX_FRONTEND_WORKERS": str(args.workers),
         "MLX_FRONTEND_WORKER_CLASS": args.worker_class,
+        HEADER_TIMEOUT_ENV: str(args.header_timeout),
+        "MLX_FRONTEND_WORKER_CONNECTIONS": str(args.worker_connections),
         "MLX_FRONTEND_REQUEST_TIMEOUT": str(args.request_timeout),
         "MLX_FRONTEND_GRACEFUL_TIMEOUT": str(args.graceful_timeout),
         "MLX_FRONTEND_LOG_LEVEL": args.log_level,

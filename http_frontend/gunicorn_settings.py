@@ -9,9 +9,13 @@ import os
 from typing import Any
 
 APP = "http_frontend.app:create_app()"
+# Seconds a new connection has to send its request headers (`GuardedProtocol`).
+HEADER_TIMEOUT_ENV = "MLX_FRONTEND_HEADER_TIMEOUT"
+DEFAULT_HEADER_TIMEOUT = 10.0
 
-# gunicorn's native asyncio ASGI worker: lifespan support, no extra dependency.
-DEFAULT_WORKER_CLASS = "asgi"
+# gunicorn's native asyncio ASGI worker (lifespan support, no extra dependency) with a header deadline,
+# a connection cap and quiet logs (`GuardedASGIWorker`).
+DEFAULT_WORKER_CLASS = "http_frontend.middleware.connections.GuardedASGIWorker"
 
 
 def options() -> dict[str, Any]:

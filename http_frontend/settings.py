@@ -83,7 +83,7 @@ class FrontendSettings:
     """Security, limits and timeouts of one front-end worker."""
 
     api_keys: tuple[str, ...] = ()
-    # Keys that may also unload the model and change adapters (`ADMIN_ROUTES`); they work everywhere.
+    # Keys that may also unload the model and change adapters (`needs_admin`); they work everywhere.
     admin_api_keys: tuple[str, ...] = ()
     allowed_origins: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

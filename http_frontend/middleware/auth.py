@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -29,9 +28,9 @@ from http_frontend.settings import FrontendSettings
 log = logging.getLogger(__name__)
 
 PUBLIC_ROUTES = {("GET", "/health"), ("HEAD", "/health")}
-# Routes that change what every client shares: the admin role's (with and without the /v1 prefix).
-ADMIN_ROUTES = (("POST", re.compile(r"/unload")), ("POST", re.compile(r"(/v1)?/adapters")),
-                ("DELETE", re.compile(r"(/v1)?/adapters/.+")))
+# Resources whose responders change what every client shares (unload, adapters) name the methods
+# that need the admin role in this attribute, e.g. `Unload.admin_methods`.
+ADMIN_METHODS_ATTRIBUTE = "admin_methods"
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,10 @@ def caller_of(req: falcon.asgi.Request) -> Caller:
     return getattr(req.context, "caller", None) or OPEN
 
 
-def is_admin_route(req: falcon.asgi.Request) -> bool:
-    return any(req.method == method and pattern.fullmatch(req.path) for method, pattern in ADMIN_ROUTES)
+def needs_admin(req: falcon.asgi.Request, resource: object) -> bool:
+    """Decided on the resource the router chose, never on how the path is spelled: falcon routes
+    `//unload` to `Unload` as well, so a pattern on `req.path` could be walked around."""
+    return req.method in getattr(resource, ADMIN_METHODS_ATTRIBUTE, ())
 
 
 def _digest(key: str) -> bytes:
@@ -112,7 +113,12 @@ class APIKeyAuth:
         if not (self._found(given, self._digests) | admin):
             raise unauthorized("Incorrect API key provided")
         req.context.caller = Caller(client=given.hex()[:16], admin=admin)
-        if is_admin_route(req) and not admin:
+
+    async def process_resource(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, resource: object,
+                               params: dict[str, object]) -> None:
+        """After routing, before the responder (and before the body is read): the admin role's routes."""
+        caller = getattr(req.context, "caller", None)
+        if needs_admin(req, resource) and not (caller is not None and caller.admin):
             raise APIError(403, "This route needs an admin key (--admin-api-key)", code="admin_key_required",
                            error_type="permission_error")
 

@@ -28,6 +28,8 @@ CALL_TIMEOUT = 30.0  # registering reads the adapter on the mlx thread, which ma
 class Adapters:
     """GET: the registered adapters. POST {name, path}: register one."""
 
+    admin_methods = frozenset({"POST"})  # changes what every client may use: the admin role's (`needs_admin`)
+
     def __init__(self, client: EngineClient, settings: FrontendSettings | None = None):
         self.client = client
         self.settings = settings or FrontendSettings()
@@ -50,6 +52,8 @@ class Adapters:
 
 class AdapterByName:
     """DELETE: unregister an adapter (requests running with it finish with it)."""
+
+    admin_methods = frozenset({"DELETE"})  # changes what every client may use: the admin role's (`needs_admin`)
 
     def __init__(self, client: EngineClient):
         self.client = client

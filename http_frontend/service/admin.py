@@ -18,6 +18,8 @@ from protocol import CallMethod
 class Unload:
     """Unloads the engine's model (running requests end with 503 `model_unloaded`); the next request loads one."""
 
+    admin_methods = frozenset({"POST"})  # it ends every client's streams: the admin role's (`needs_admin`)
+
     def __init__(self, client: EngineClient):
         self.client = client
 
