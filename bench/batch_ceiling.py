@@ -36,7 +36,8 @@ def main() -> int:
     wall = time.perf_counter() - started
     tokens = response.stats.generation_tokens
     print(f"batch_generate batch {args.batch}: {tokens} tokens in {wall:.1f} s = {tokens / wall:.2f} tok/s "
-          f"end to end (prefill {response.stats.prompt_tps:.1f} tok/s, decode {response.stats.generation_tps:.2f} tok/s)")
+          f"end to end (prefill {response.stats.prompt_tps:.1f} tok/s, "
+          f"decode {response.stats.generation_tps:.2f} tok/s)")
     return 0
 
 

@@ -29,7 +29,7 @@ def workers_rss_mb(base_url: str) -> float:
     for pid in master:
         for child in subprocess.run(["pgrep", "-P", pid], capture_output=True, text=True).stdout.split():
             status = Path(f"/proc/{child}/status").read_text()
-            total += int(next(l for l in status.splitlines() if l.startswith("VmRSS:")).split()[1]) / 1024
+            total += int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
     return total
 
 

@@ -145,7 +145,8 @@ def format_summary(name: str, s: dict[str, Any]) -> str:
         return f"{v * 1000:8.0f}" if v is not None else "       -"
 
     return (f"{name:<34} ok {s['ok']:>3}/{s['requests']:<3} agg {s['aggregate_tps']:7.2f} tok/s  "
-            f"per-req {s['per_request_tps_p50'] or 0:6.2f} tok/s  TTFT p50/p99 {ms(s['ttft_p50'])}/{ms(s['ttft_p99'])} ms"
+            f"per-req {s['per_request_tps_p50'] or 0:6.2f} tok/s  "
+            f"TTFT p50/p99 {ms(s['ttft_p50'])}/{ms(s['ttft_p99'])} ms"
             f"  ITL p50/p99 {ms(s['itl_p50'])}/{ms(s['itl_p99'])} ms  latency p99 {ms(s['latency_p99'])} ms")
 
 

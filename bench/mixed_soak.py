@@ -29,24 +29,30 @@ ARGS = parser.parse_args()
 BASE, TEXT, VLM, N = ARGS.base_url, ARGS.text_model, ARGS.vision_model, ARGS.requests
 def png(seed):
     px = (np.random.default_rng(seed).random((56, 56, 3)) * 255).astype("uint8")
-    out = io.BytesIO(); Image.fromarray(px).save(out, "PNG"); return base64.b64encode(out.getvalue()).decode()
+    out = io.BytesIO()
+    Image.fromarray(px).save(out, "PNG")
+    return base64.b64encode(out.getvalue()).decode()
 IMG = png(1)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
-          "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"], "additionalProperties": False}}}]
+          "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+          "additionalProperties": False}}}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
           "b": {"type": "string", "maxLength": 8}}, "required": ["a", "b"], "additionalProperties": False}
 def chat(**kw):
-    return ("/v1/chat/completions", {"model": TEXT, "messages": [{"role": "user", "content": "hi " * random.randint(1, 50)}],
+    content = "hi " * random.randint(1, 50)
+    return ("/v1/chat/completions", {"model": TEXT, "messages": [{"role": "user", "content": content}],
                                      "max_tokens": random.randint(1, 40), **kw})
 KINDS = [
     lambda: chat(),
     lambda: chat(stream=True, stream_options={"include_usage": True}),
     lambda: chat(temperature=1.0, seed=random.randint(0, 9), n=random.randint(1, 3)),
     lambda: chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=60),
-    lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, max_tokens=60),
+    lambda: chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+                 max_tokens=60),
     lambda: chat(stop=["e", "the"], logprobs=True, top_logprobs=3),
     lambda: ("/v1/completions", {"model": TEXT, "prompt": "Once upon a time", "max_tokens": 20, "stream": True}),
-    lambda: ("/v1/responses", {"model": TEXT, "input": "hello", "max_output_tokens": 20, "stream": random.random() < .5}),
+    lambda: ("/v1/responses", {"model": TEXT, "input": "hello", "max_output_tokens": 20,
+                               "stream": random.random() < .5}),
     lambda: ("/v1/messages", {"model": TEXT, "max_tokens": 20, "messages": [{"role": "user", "content": "hey"}],
                               "stream": random.random() < .5}),
     lambda: ("/v1/chat/completions", {"model": VLM, "max_tokens": 8, "stream": random.random() < .5, "messages": [
@@ -89,5 +95,7 @@ async def main():
                 await one(client, i, stats)
         await asyncio.gather(*(guarded(i) for i in range(N)))
         h = (await client.get(BASE + "/health")).json()
-    print(json.dumps(stats), f"{time.time()-t:.0f}s", h["status"], h["engine"]["state"], "queued", h["engine"]["queued"], "running", h["engine"]["running"])
+    engine = h["engine"]
+    print(json.dumps(stats), f"{time.time()-t:.0f}s", h["status"], engine["state"], "queued", engine["queued"],
+          "running", engine["running"])
 asyncio.run(main())

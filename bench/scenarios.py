@@ -59,7 +59,8 @@ def multiturn(args: argparse.Namespace) -> None:
             history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Summarize that."}]
             ttft2, usage2, _ = asyncio.run(streamed_turn(base, str(model), history, 32))
             cached = usage2["prompt_tokens_details"]["cached_tokens"]
-            print(f"conversation {conversation}: turn 1 prompt {usage1['prompt_tokens']} tok TTFT {ttft1 * 1000:.0f} ms;"
+            print(f"conversation {conversation}: turn 1 prompt {usage1['prompt_tokens']} tok "
+                  f"TTFT {ttft1 * 1000:.0f} ms;"
                   f" turn 2 prompt {usage2['prompt_tokens']} tok, cached {cached}, TTFT {ttft2 * 1000:.0f} ms"
                   f" = {ttft2 / ttft1 * 100:.1f}% of cold", flush=True)
 

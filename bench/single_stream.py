@@ -45,7 +45,8 @@ for run in range(runs + 1):  # the first run warms up
         n = response.generation_tokens
     end = time.perf_counter()
     if run:
-        results.append({"ttft": first - start, "tokens": n, "decode_tps": (n - 1) / (end - first) if end > first else 0.0,
+        decode_tps = (n - 1) / (end - first) if end > first else 0.0
+        results.append({"ttft": first - start, "tokens": n, "decode_tps": decode_tps,
                         "prompt_tokens": len(prompt)})
 print(json.dumps(results))
 """

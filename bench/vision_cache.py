@@ -96,7 +96,8 @@ def main() -> int:
         stats = httpx.get(base.replace("/v1", "") + "/stats", timeout=30).json()
 
     def ms(values: list[float]) -> str:
-        return f"{statistics.median(values) * 1000:8.1f} ms (min {min(values) * 1000:.1f}, max {max(values) * 1000:.1f})"
+        low, high = min(values) * 1000, max(values) * 1000
+        return f"{statistics.median(values) * 1000:8.1f} ms (min {low:.1f}, max {high:.1f})"
 
     print(f"model {model.name}: {args.side}x{args.side} image, {prompt_tokens} prompt tokens, {args.runs} runs")
     print(f"TTFT first request, new image         {ms(cold)}")
