@@ -11,8 +11,10 @@ from http_frontend.engine import curve
 from http_frontend.gunicorn_settings import (
     APP,
     DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEP_ALIVE,
     DEFAULT_WORKER_CLASS,
     HEADER_TIMEOUT_ENV,
+    KEEP_ALIVE_ENV,
     options,
 )
 from http_frontend.settings import add_flags, flags_to_env
@@ -41,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(env(HEADER_TIMEOUT_ENV) or DEFAULT_HEADER_TIMEOUT),
                         help="seconds a new connection has to send its request headers before it is closed "
                              f"(slowloris). [{HEADER_TIMEOUT_ENV}] (default: %(default)s)")
+    parser.add_argument("--keep-alive", type=int, default=int(env(KEEP_ALIVE_ENV) or DEFAULT_KEEP_ALIVE),
+                        help="seconds an idle kept-alive connection stays open (0: one request per connection). "
+                             f"[{KEEP_ALIVE_ENV}] (default: %(default)s)")
     parser.add_argument("--worker-connections", type=int, default=int(env("MLX_FRONTEND_WORKER_CONNECTIONS", "1000")),
-                        help="open connections one worker keeps; past it new ones get 503 and are closed. "
+                        help="open connections one worker keeps (under the open-file limit); past it a new one "
+                             "evicts the longest-idle connection, or gets 503 when all are serving requests. "
                              "[MLX_FRONTEND_WORKER_CONNECTIONS] (default: %(default)s)")
     parser.add_argument("--request-timeout", type=float, default=float(env("MLX_FRONTEND_REQUEST_TIMEOUT", "600")),
                         help="seconds a request may wait for the engine to start it or to produce output. "
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         "MLX_FRONTEND_WORKER_CLASS": args.worker_class,
         HEADER_TIMEOUT_ENV: str(args.header_timeout),
         "MLX_FRONTEND_WORKER_CONNECTIONS": str(args.worker_connections),
+        KEEP_ALIVE_ENV: str(args.keep_alive),
         "MLX_FRONTEND_REQUEST_TIMEOUT": str(args.request_timeout),
         "MLX_FRONTEND_GRACEFUL_TIMEOUT": str(args.graceful_timeout),
         "MLX_FRONTEND_LOG_LEVEL": args.log_level,

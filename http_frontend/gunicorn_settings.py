@@ -12,6 +12,8 @@ APP = "http_frontend.app:create_app()"
 # Seconds a new connection has to send its request headers (`GuardedProtocol`).
 HEADER_TIMEOUT_ENV = "MLX_FRONTEND_HEADER_TIMEOUT"
 DEFAULT_HEADER_TIMEOUT = 10.0
+KEEP_ALIVE_ENV = "MLX_FRONTEND_KEEP_ALIVE"
+DEFAULT_KEEP_ALIVE = 5
 
 # gunicorn's native asyncio ASGI worker (lifespan support, no extra dependency) with a header deadline,
 # a connection cap and quiet logs (`GuardedASGIWorker`).
@@ -29,7 +31,8 @@ def options() -> dict[str, Any]:
         "timeout": int(os.environ.get("MLX_FRONTEND_WORKER_TIMEOUT", "120")),
         # On HUP/TERM, in-flight streams get this long to finish on the old workers.
         "graceful_timeout": int(os.environ.get("MLX_FRONTEND_GRACEFUL_TIMEOUT", "30")),
-        "keepalive": 5,
+        # Seconds an idle kept-alive connection stays open (it also bounds the wait for a later request's headers).
+        "keepalive": int(os.environ.get(KEEP_ALIVE_ENV) or DEFAULT_KEEP_ALIVE),
         "worker_connections": int(os.environ.get("MLX_FRONTEND_WORKER_CONNECTIONS", "1000")),
         "loglevel": os.environ.get("MLX_FRONTEND_LOG_LEVEL", "info").lower(),
         "accesslog": os.environ.get("MLX_FRONTEND_ACCESS_LOG", "-"),

@@ -90,7 +90,7 @@ _CORE_TOKENS = ("bos_token", "eos_token", "pad_token")  # named by their own tok
 # thinking channel, image/audio/video parts), verbatim.
 GEMMA4_CHAT_TEMPLATE = files("model_builders").joinpath("templates/gemma4_chat.jinja").read_text()
 
-# Shapes of the "tiny" build: model_builder's tiny text model (2 layers, one sliding and one
+# Shapes of the "tiny" build: the tiny text model of `PRESETS` (2 layers, one sliding and one
 # global), a 1-layer vision tower and a 1-block audio conformer, so a request with a short clip
 # takes milliseconds on CPU. The audio front end is Gemma 4's (128 mel bins, 10 ms hop), which
 # the subsampling convolutions expect.
@@ -138,7 +138,7 @@ def _text_token_ids(text_vocab: int) -> dict[str, int]:
 
 
 def _tokenizer_json(text_vocab: int) -> str:
-    """model_builder's BPE with Gemma 4's special tokens added at the end (ids checked)."""
+    """`train_tokenizer_json`'s BPE with Gemma 4's special tokens added at the end (ids checked)."""
     from tokenizers import AddedToken, Tokenizer
 
     tok = Tokenizer.from_str(train_tokenizer_json(text_vocab))
@@ -179,7 +179,7 @@ def _tokenizer_config(text_vocab: int, max_len: int) -> dict:
         "padding_side": "left",
         "processor_class": "Gemma4Processor",
         "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",  # the BPE's pipeline (see model_builder)
+        "tokenizer_class": "Qwen2Tokenizer",  # the BPE's pipeline (see `train_tokenizer_json`)
         "unk_token": None,
     }
 

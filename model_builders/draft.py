@@ -48,7 +48,7 @@ def build_truncated_draft(model_dir: str | Path, out_dir: str | Path, layers: in
         raise ValueError(f"layers must be in [1, {total}], got {layers}")
     config["num_hidden_layers"] = layers
     config["mlx_engined_draft_of"] = {"model": str(model_dir), "layers": layers}
-    config.pop("mlx_engined_build", None)  # not a model_builder build: its manifest no longer applies
+    config.pop("mlx_engined_build", None)  # not a `write_build` build: its manifest no longer applies
     if (out_dir / "config.json").is_file() and json.loads((out_dir / "config.json").read_text()) == config:
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)

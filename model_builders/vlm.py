@@ -80,7 +80,7 @@ QWEN2_VL_CHAT_TEMPLATE = (
 
 _PATCHES = {"patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
             "in_channels": 3}
-# Shapes per size. "tiny" (tests): model_builder's tiny text model, a 2-block vision tower and a
+# Shapes per size. "tiny" (tests): the tiny text model (`PRESETS`), a 2-block vision tower and a
 # 56x56..112x112 pixel budget (in 28-pixel steps: 4 to 16 image tokens after the 2x2 merge), so a
 # request takes milliseconds on CPU. "bench" (benchmarks): a vision tower and pixel budget big
 # enough (up to 448x448: 256 image tokens) that encoding an image costs what it costs in practice.
@@ -124,13 +124,13 @@ def _text_token_ids(text_vocab: int) -> dict[str, int]:
 
 
 def _tokenizer_json(text_vocab: int) -> str:
-    """model_builder's BPE with Qwen2-VL's vision markers added as special tokens at the end."""
+    """`train_tokenizer_json`'s BPE with Qwen2-VL's vision markers added as special tokens at the end."""
     from tokenizers import AddedToken, Tokenizer
 
     tok = Tokenizer.from_str(train_tokenizer_json(text_vocab))
     tok.add_special_tokens([AddedToken(c, special=True, normalized=False) for c in VISION_TOKENS])
     data = json.loads(tok.to_str())
-    # add_special_tokens marks every added token special: keep model_builder's flags for the rest.
+    # add_special_tokens marks every added token special: keep `ADDED_TOKENS`' flags for the rest.
     flags = {**dict(ADDED_TOKENS), **{c: True for c in VISION_TOKENS}}
     for entry in data["added_tokens"]:
         entry["special"] = flags.get(entry["content"], False)
@@ -273,7 +273,7 @@ def _random_weights(config: dict, seed: int) -> dict:
     The module tree of the mlx-vlm class names and shapes every tensor, so the layout can
     never drift from what the loader wants. std = 1/sqrt(fan_in) (a conv's fan-in is its
     whole kernel volume), norms 1, biases 0, residual projections scaled by
-    1/sqrt(2 * layers), as in model_builder: logits with unit spread, neither flat nor exploding.
+    1/sqrt(2 * layers), as in `model_builders.text`: logits with unit spread, neither flat nor exploding.
     """
     import math
 

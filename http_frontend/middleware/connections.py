@@ -5,15 +5,18 @@ Partial requests (slowloris) were never timed out and connections were not cappe
 out, and asyncio logged `accept() ... Errno 24` millions of times. This worker class
 (`GuardedASGIWorker`, gunicorn's `asgi` worker plus these guards) closes a connection whose
 request headers have not all arrived `--header-timeout` seconds after it opened (on a kept-alive
-connection gunicorn's keep-alive timer already does this), refuses connections past gunicorn's
-`worker_connections` (`MLX_FRONTEND_WORKER_CONNECTIONS`) per worker with a 503, and
-lets each repeated log message through at most once per `LOG_REPEAT_SECONDS`.
+connection gunicorn's keep-alive timer already does this), keeps at most gunicorn's
+`worker_connections` (`MLX_FRONTEND_WORKER_CONNECTIONS`, held under the open-file limit, which it
+raises to the hard limit) per worker — at the cap a new connection evicts the longest-idle one, and
+gets a 503 only when every connection is serving a request — and lets each repeated log message
+through at most once per `LOG_REPEAT_SECONDS`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from typing import Any
 
@@ -23,6 +26,12 @@ from gunicorn.workers import gasgi
 from http_frontend.gunicorn_settings import DEFAULT_HEADER_TIMEOUT, HEADER_TIMEOUT_ENV
 
 DEFAULT_MAX_CONNECTIONS = 1000
+OPEN_FILES_WANTED = 65536  # as the deploy units' LimitNOFILE
+# Descriptors the cap leaves free: asyncio accepts up to 100 connections per wake-up before any of them
+# reaches `GuardedProtocol.connection_made` (`create_server`'s default backlog), plus the engine
+# socket, image fetches and logs.
+RESERVED_FILES = 192
+MIN_CONNECTIONS = 16
 LOG_REPEAT_SECONDS = 10.0
 BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
                  b"connection: close\r\ncontent-length: 96\r\n\r\n"
@@ -53,7 +62,13 @@ class RepeatFilter(logging.Filter):
 
 
 class GuardedProtocol(ASGIProtocol):
-    """gunicorn's ASGI protocol with a header deadline and a connection cap."""
+    """gunicorn's ASGI protocol with a header deadline and a connection cap.
+
+    At the cap a new connection evicts the one idle longest — waiting for its request's headers
+    (half-open, slowloris) or kept alive between requests — so connections that send nothing can
+    never lock a good client out; only when every connection is serving a request does the newcomer
+    get the 503. `idle` (oldest first) and `live` are the worker's own (`GuardedASGIWorker`).
+    """
 
     header_timeout = DEFAULT_HEADER_TIMEOUT
     max_connections = DEFAULT_MAX_CONNECTIONS
@@ -61,11 +76,31 @@ class GuardedProtocol(ASGIProtocol):
     def connection_made(self, transport: Any) -> None:
         self._header_handle = None
         super().connection_made(transport)
-        if self.worker.nr_conns > self.max_connections:
-            transport.write(BUSY_RESPONSE)
-            self._close_transport()
+        if self._closed:
             return
+        idle, live = _tables(self.worker)
+        live.add(self)
+        if len(live) > self.max_connections:
+            victim = next((other for other in idle if other is not self), None)
+            if victim is None:
+                transport.write(BUSY_RESPONSE)
+                self._drop()
+                return
+            victim._drop()
+        idle[self] = None  # waiting for its first request
         self._arm_header_deadline()
+
+    def _drop(self) -> None:
+        """Close from our side; the connection loop (if it waits for a request) sees it and exits."""
+        self._close_transport()
+        if self._request_ready is not None:
+            self._request_ready.set()
+
+    def _close_transport(self) -> None:
+        idle, live = _tables(self.worker)
+        idle.pop(self, None)
+        live.discard(self)
+        super()._close_transport()
 
     def _arm_header_deadline(self) -> None:
         if getattr(self, "_header_handle", None) is not None:
@@ -76,21 +111,56 @@ class GuardedProtocol(ASGIProtocol):
 
     def _header_deadline(self) -> None:
         self._header_handle = None
-        self._close_transport()
-        if self._request_ready is not None:
-            self._request_ready.set()  # the connection loop sees the close and exits
+        self._drop()
 
     def _on_headers_complete(self) -> Any:
         if self._header_handle is not None:
             self._header_handle.cancel()
             self._header_handle = None
+        _tables(self.worker)[0].pop(self, None)  # serving a request: never evicted
         return super()._on_headers_complete()
+
+    def _arm_keepalive_timer(self) -> None:
+        """Its response is done and nothing runs for it: idle again, now the newest idle connection."""
+        super()._arm_keepalive_timer()
+        idle = _tables(self.worker)[0]
+        idle.pop(self, None)
+        if not self._closed:
+            idle[self] = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if getattr(self, "_header_handle", None) is not None:
             self._header_handle.cancel()
             self._header_handle = None
+        idle, live = _tables(self.worker)
+        idle.pop(self, None)
+        live.discard(self)
         super().connection_lost(exc)
+
+
+def _tables(worker: Any) -> tuple[dict[GuardedProtocol, None], set[GuardedProtocol]]:
+    """The worker's idle connections (oldest first) and its open ones (`GuardedASGIWorker` makes them)."""
+    if not hasattr(worker, "idle_connections"):
+        worker.idle_connections, worker.live_connections = {}, set()
+    return worker.idle_connections, worker.live_connections
+
+
+def raise_open_file_limit(log: Any) -> int:
+    """Raise this process's soft open-file limit to its hard limit (systemd's default soft limit is 1024)
+    and return the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = [hard] if hard != resource.RLIM_INFINITY else [OPEN_FILES_WANTED, 10240]  # 10240: macOS' OPEN_MAX
+    for limit in wanted:
+        if limit <= soft:
+            break
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            return limit
+        except (ValueError, OSError):
+            continue
+    if soft < OPEN_FILES_WANTED:
+        log.info("open-file limit %d (raise it with LimitNOFILE / ulimit -n)", soft)
+    return soft
 
 
 class GuardedASGIWorker(gasgi.ASGIWorker):
@@ -98,7 +168,14 @@ class GuardedASGIWorker(gasgi.ASGIWorker):
 
     def init_process(self) -> None:
         GuardedProtocol.header_timeout = float(os.environ.get(HEADER_TIMEOUT_ENV) or DEFAULT_HEADER_TIMEOUT)
-        GuardedProtocol.max_connections = self.cfg.worker_connections or DEFAULT_MAX_CONNECTIONS
+        cap = self.cfg.worker_connections or DEFAULT_MAX_CONNECTIONS
+        # Past the open-file limit accept() fails (EMFILE) and nobody is served: the cap stays under it.
+        room = max(raise_open_file_limit(self.log) - RESERVED_FILES, MIN_CONNECTIONS)
+        if cap > room:
+            self.log.warning("worker connections capped at %d (not %d): the open-file limit is too low", room, cap)
+            cap = room
+        GuardedProtocol.max_connections = cap
+        _tables(self)
         # The worker builds its connections with the name `ASGIProtocol` of its own module.
         gasgi.ASGIProtocol = GuardedProtocol
         flood = RepeatFilter()

@@ -5,7 +5,9 @@ Loopback only; every loop is bounded in count and time, and every socket is clos
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Frontend, running_stack
+from tests.helpers import Frontend, Proc, free_port, running_stack
 
 SLOWLORIS, IDLE = 200, 500
 
@@ -68,27 +70,74 @@ def test_slowloris_and_idle_connections_do_not_stop_a_good_client(guarded: Front
     assert len(lines) < 2000, f"{len(lines)} log lines"
 
 
-def test_connections_past_the_cap_get_a_503(tmp_path: Path) -> None:
-    """Past --worker-connections a worker answers new connections 503 and closes them (no engine needed)."""
+def listening(frontend: Proc, port: int) -> None:
+    """Wait (bounded) until the front-end accepts connections; the probe connection is gone again after."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and frontend.popen.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    time.sleep(1.0)
+
+
+def answer_to(port: int, request: bytes = b"GET /no-such-route HTTP/1.1\r\nHost: x\r\n\r\n") -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.settimeout(5)
+        sock.sendall(request)
+        return sock.recv(4096)
+
+
+def test_idle_connections_make_room_and_only_busy_ones_refuse(tmp_path: Path) -> None:
+    """At --worker-connections a new client evicts the connection idle longest; only when every connection
+    is serving a request (here: bodies still arriving) does it get 503 `too_many_conns` (no engine needed)."""
     frontend = Frontend(f"ipc://{tmp_path}/no-engine.sock", tmp_path / "frontend.log", workers=1,
                         args=["--worker-connections", "20"])
     held: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and frontend.popen.poll() is None:
-            try:
-                socket.create_connection(("127.0.0.1", frontend.port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.2)
-        time.sleep(1.0)  # that probe connection is gone again
-        for _ in range(30):
-            held.append(open_socket(frontend))
-            held[-1].sendall(b"GET /no-such-route HTTP/1.1\r\nHost: x\r\n\r\n")
-        answers = [sock.recv(4096) for sock in held]
-        assert sum(b"too_many_conns" in answer for answer in answers) >= 5
-        assert sum(answer.startswith(b"HTTP/1.1 404") for answer in answers) >= 15
+        listening(frontend, frontend.port)
+        held = [open_socket(frontend) for _ in range(20)]  # idle: connected, nothing sent
+        time.sleep(0.5)
+        assert answer_to(frontend.port).startswith(b"HTTP/1.1 404")
+        assert closed_by_server(held[0])  # the oldest idle connection made room
+        for sock in held:
+            sock.close()
+        time.sleep(0.5)
+        held = [open_socket(frontend) for _ in range(20)]  # busy: headers sent, the body still coming
+        for sock in held:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 1000\r\n\r\n{\"model\"")
+        time.sleep(1.0)
+        assert b"too_many_conns" in answer_to(frontend.port)
     finally:
         for sock in held:
             sock.close()
         frontend.stop()
+
+
+def test_a_low_open_file_limit_lowers_the_cap_instead_of_failing_accept(tmp_path: Path) -> None:
+    """Under `ulimit -n 256` (hard limit too) a cap of 1000 would run accept() into EMFILE: the worker holds
+    its cap under the limit, so 300 idle connections leave a good client answered at once and no Errno 24."""
+    port = free_port()
+    limited = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)); "
+               "os.execv(sys.executable, [sys.executable, '-m', 'http_frontend.cli', *sys.argv[1:]])")
+    frontend = Proc([sys.executable, "-c", limited, "--endpoint", f"ipc://{tmp_path}/no-engine.sock",
+                     "--port", str(port), "--workers", "1", "--worker-connections", "1000"],
+                    tmp_path / "frontend.log", dict(os.environ))
+    held: list[socket.socket] = []
+    try:
+        listening(frontend, port)
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            held.append(sock)
+        started = time.monotonic()
+        assert answer_to(port).startswith(b"HTTP/1.1 404")
+        assert time.monotonic() - started < 3.0
+    finally:
+        for sock in held:
+            sock.close()
+        frontend.stop()
+    log = frontend.log()
+    assert "worker connections capped at 64" in log
+    assert "Errno 24" not in log and "out of system resource" not in log

@@ -32,7 +32,8 @@ def keyed(tiny_model: Path, ipc_dir: Path,
 
 @pytest.mark.parametrize("method,path,body", [
     ("POST", "/unload", None), ("POST", "/v1/adapters", {"name": "x", "path": "y"}),
-    ("POST", "/adapters", {"name": "x", "path": "y"}), ("DELETE", "/v1/adapters/x", None)])
+    ("POST", "/adapters", {"name": "x", "path": "y"}), ("DELETE", "/v1/adapters/x", None),
+    ("POST", "//unload", None), ("DELETE", "//v1/adapters/x", None)])  # falcon routes `//unload` to /unload too
 def test_ordinary_keys_get_403_on_admin_routes(keyed: tuple[Engine, Frontend], method: str, path: str,
                                                body: dict | None) -> None:
     """Attack 11: any key could unload the model (ending every client's streams) or change adapters."""
