@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="let requests send their own chat template (chat_template_kwargs.chat_template), "
                              "rendered in Jinja's sandbox under a line, time and size budget; refused with a 400 "
                              "otherwise. [MLX_ENGINE_ALLOW_REQUEST_CHAT_TEMPLATE=1]")
+    parser.add_argument("--max-stop-strings", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_MAX_STOP_STRINGS", "16")),
+                        help="most stop strings in one request (400 beyond). [MLX_ENGINE_MAX_STOP_STRINGS] "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-stop-length", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_MAX_STOP_LENGTH", "1024")),
+                        help="most characters in one stop string (400 beyond); matching is linear in the text. "
+                             "[MLX_ENGINE_MAX_STOP_LENGTH] (default: %(default)s)")
     parser.add_argument("--max-slots-per-key", type=int,
                         default=int(os.environ.get("MLX_ENGINE_MAX_SLOTS_PER_KEY", "0")),
                         help="most decode slots one client (API key, else `user`) may hold at once; 0: no ceiling. "
@@ -298,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         interleave_prefill_tokens=args.interleave_prefill_tokens,
         decode_concurrency=args.decode_concurrency,
         max_slots_per_key=max(0, args.max_slots_per_key),
+        max_stop_strings=max(1, args.max_stop_strings),
+        max_stop_length=max(1, args.max_stop_length),
         prompt_concurrency=args.prompt_concurrency,
         max_queued=args.max_queued,
         prompt_cache_size=args.prompt_cache_size,

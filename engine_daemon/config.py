@@ -27,6 +27,9 @@ class SchedulerConfig:
     # Prompt tokens per step while other requests decode; 0 = paced by measurement (PrefillPacer).
     interleave_prefill_tokens: int = 0
     decode_concurrency: int = 32
+    # Stop strings per request and characters per stop string (--max-stop-strings, --max-stop-length).
+    max_stop_strings: int = 16
+    max_stop_length: int = 1024
     # Most decode slots one client may hold (--max-slots-per-key); 0: no ceiling.
     max_slots_per_key: int = 0
     prompt_concurrency: int = 8

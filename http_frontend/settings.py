@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 API_KEY_ENV = "MLX_ENGINE_API_KEY"
+MAX_STOP_STRINGS_ENV = "MLX_FRONTEND_MAX_STOP_STRINGS"
+MAX_STOP_LENGTH_ENV = "MLX_FRONTEND_MAX_STOP_LENGTH"
 ADMIN_API_KEY_ENV = "MLX_FRONTEND_ADMIN_API_KEY"
 ALLOWED_ORIGINS_ENV = "MLX_FRONTEND_ALLOWED_ORIGINS"
 MAX_BODY_BYTES_ENV = "MLX_FRONTEND_MAX_BODY_BYTES"
@@ -89,6 +91,9 @@ class FrontendSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
     max_tokens_limit: int | None = None  # None: no ceiling beyond the engine's own checks
+    # Stop strings per request and characters per stop string (every token is matched against them).
+    max_stop_strings: int = 16
+    max_stop_length: int = 1024
     # Output one stream may hold unread (estimated bytes) before its client is cut off and its request aborted.
     max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
@@ -113,6 +118,8 @@ class FrontendSettings:
             max_body_bytes=_positive_int(env, MAX_BODY_BYTES_ENV, DEFAULT_MAX_BODY_BYTES),
             max_messages=_positive_int(env, MAX_MESSAGES_ENV, DEFAULT_MAX_MESSAGES),
             max_tokens_limit=_positive_int(env, MAX_TOKENS_LIMIT_ENV, None),
+            max_stop_strings=_positive_int(env, MAX_STOP_STRINGS_ENV, 16),
+            max_stop_length=_positive_int(env, MAX_STOP_LENGTH_ENV, 1024),
             max_pending_bytes=_positive_int(env, MAX_PENDING_BYTES_ENV, DEFAULT_MAX_PENDING_BYTES),
             request_timeout=request_timeout,
             log_level=env.get(LOG_LEVEL_ENV, "info").strip() or "info",
@@ -179,6 +186,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-limit", type=_limit_arg, default=env(MAX_TOKENS_LIMIT_ENV, "0"),
                         help="ceiling on a request's max_tokens / max_completion_tokens; over it gets 400 "
                              f"max_tokens_exceeded. 0 = no ceiling. [{MAX_TOKENS_LIMIT_ENV}] (default: %(default)s)")
+    parser.add_argument("--max-stop-strings", type=_limit_arg, default=env(MAX_STOP_STRINGS_ENV, "16"),
+                        help="most stop strings in one request; more gets 400 (0 = the default). Keep it at or "
+                             f"under the engine's --max-stop-strings. [{MAX_STOP_STRINGS_ENV}] (default: %(default)s)")
+    parser.add_argument("--max-stop-length", type=_limit_arg, default=env(MAX_STOP_LENGTH_ENV, "1024"),
+                        help="most characters in one stop string; longer gets 400 (0 = the default). "
+                             f"[{MAX_STOP_LENGTH_ENV}] (default: %(default)s)")
     parser.add_argument("--max-pending-bytes", type=_limit_arg,
                         default=env(MAX_PENDING_BYTES_ENV, str(DEFAULT_MAX_PENDING_BYTES)),
                         help="most output (estimated bytes) one stream may leave unread; a client that stops "
@@ -232,6 +245,8 @@ def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
         MAX_BODY_BYTES_ENV: str(args.max_body_bytes or DEFAULT_MAX_BODY_BYTES),
         MAX_MESSAGES_ENV: str(args.max_messages or DEFAULT_MAX_MESSAGES),
         MAX_TOKENS_LIMIT_ENV: str(args.max_tokens_limit or ""),
+        MAX_STOP_STRINGS_ENV: str(getattr(args, "max_stop_strings", 0) or 16),
+        MAX_STOP_LENGTH_ENV: str(getattr(args, "max_stop_length", 0) or 1024),
         MAX_PENDING_BYTES_ENV: str(getattr(args, "max_pending_bytes", 0) or DEFAULT_MAX_PENDING_BYTES),
         ALLOW_PRIVATE_IMAGE_URLS_ENV: "true" if getattr(args, "allow_private_image_urls", False) else "",
         MAX_IMAGE_BYTES_ENV: str(getattr(args, "max_image_bytes", 0) or DEFAULT_MAX_IMAGE_BYTES),

@@ -107,17 +107,18 @@ def check_params(params: dict[str, Any]) -> None:
                                param=name)
 
 
-def check_stops(stops: list[Any] | None) -> None:
+def check_stops(stops: list[Any] | None, max_count: int = MAX_STOP_STRINGS,
+                max_length: int = MAX_STOP_LENGTH) -> None:
     """Stop strings are matched on every token of the request: their number and length are bounded."""
     if not stops:
         return
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(400, "invalid_value", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got "
+    if len(stops) > max_count:
+        raise RequestError(400, "invalid_value", f"at most {max_count} stop strings are allowed, got "
                            f"{len(stops)}", param="stop")
     for stop in stops:
-        if not isinstance(stop, str) or len(stop) > MAX_STOP_LENGTH:
+        if not isinstance(stop, str) or len(stop) > max_length:
             raise RequestError(400, "invalid_value", f"each stop string must be a string of at most "
-                               f"{MAX_STOP_LENGTH} characters", param="stop")
+                               f"{max_length} characters", param="stop")
 
 
 def check_token_ids(tokens: list[int], vocab_size: int) -> None:
@@ -137,11 +138,12 @@ def prepared_tokens(request: EngineRequest, loaded: LoadedModel) -> list[int]:
 
 
 def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int,
-            server_defaults: dict[str, Any]) -> None:
+            server_defaults: dict[str, Any],
+            stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_LENGTH)) -> None:
     """Fills in prompt, limits, sampling and decoding state; raises RequestError to refuse."""
     request.model_id = loaded.ref.id
     check_params(request.params)
-    check_stops(request.params.get("stop"))
+    check_stops(request.params.get("stop"), *stop_limits)
     request.prompt_tokens = prepared_tokens(request, loaded)
     if isinstance(request.body.get("prompt"), list):
         check_token_ids(request.prompt_tokens, loaded.vocab_size)

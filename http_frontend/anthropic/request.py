@@ -17,7 +17,7 @@ from http_frontend.parsing.body import get_field
 from http_frontend.parsing.generation_fields import parse_response_format, parse_tool_choice, parse_tools
 from http_frontend.parsing.media import MediaCollector
 from http_frontend.parsing.messages import check_message_count, parse_messages
-from http_frontend.parsing.sampling import MAX_STOP_STRINGS, check_max_tokens, check_stop_lengths
+from http_frontend.parsing.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, check_max_tokens, check_stop_lengths
 from http_frontend.settings import FrontendSettings
 
 # Block types a client may send back unchanged but that carry nothing a local model can use.
@@ -274,24 +274,26 @@ def parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
         "name": "output", "schema": spec["schema"], "strict": True}}})
 
 
-def parse_stop_sequences(body: dict[str, Any]) -> list[str] | None:
+def parse_stop_sequences(body: dict[str, Any], max_count: int = MAX_STOP_STRINGS,
+                         max_length: int = MAX_STOP_LENGTH) -> list[str] | None:
     stops = get_field(body, "stop_sequences", (list,))
     if stops is None:
         return None
-    if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
-        raise bad_request(f"stop_sequences: expected at most {MAX_STOP_STRINGS} strings", param="stop_sequences")
-    check_stop_lengths(stops, "stop_sequences")
+    if len(stops) > max_count or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"stop_sequences: expected at most {max_count} strings", param="stop_sequences")
+    check_stop_lengths(stops, "stop_sequences", max_length)
     return [s for s in stops if s] or None
 
 
-def parse_params(body: dict[str, Any], limit: int | None) -> dict[str, Any]:
+def parse_params(body: dict[str, Any], limit: int | None,
+                 stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_LENGTH)) -> dict[str, Any]:
     """`max_tokens` (required, as Anthropic requires it), sampling fields and stop sequences."""
     params = {
         "max_tokens": get_field(body, "max_tokens", (int,), required=True, minimum=1),
         "temperature": get_field(body, "temperature", (float,), minimum=0, maximum=1),
         "top_p": get_field(body, "top_p", (float,), minimum=0, maximum=1),
         "top_k": get_field(body, "top_k", (int,), minimum=0),
-        "stop": parse_stop_sequences(body),
+        "stop": parse_stop_sequences(body, *stop_limits),
     }
     check_max_tokens(body, params, limit)
     return {key: value for key, value in params.items() if value is not None}
@@ -307,7 +309,8 @@ def engine_request(body: dict[str, Any], settings: FrontendSettings, *, generati
         if body.get(name):
             raise bad_request(message, param=name, code="unsupported_parameter")
     check_message_count(body, settings.max_messages)
-    params = parse_params(body, settings.max_tokens_limit) if generation else {}
+    params = (parse_params(body, settings.max_tokens_limit, (settings.max_stop_strings, settings.max_stop_length))
+              if generation else {})
     template_kwargs, budget = parse_thinking(body, params.get("max_tokens"))
     if budget is not None:
         params["thinking_budget"] = budget

@@ -44,7 +44,8 @@ class ChatCompletions(GenerationRoute):
         media = MediaCollector.for_request(body, self.settings)
         messages = parse_messages(body, media)
         check_unsupported(body, logprobs_supported=True)
-        params = {**parse_sampling(body), **parse_logprobs(body)}
+        params = {**parse_sampling(body, self.settings.max_stop_strings, self.settings.max_stop_length),
+                  **parse_logprobs(body)}
         check_max_tokens(body, params, self.settings.max_tokens_limit)
         model = get_field(body, "model", (str,))
         stream_requested = get_field(body, "stream", (bool,), default=False)

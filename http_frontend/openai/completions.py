@@ -71,7 +71,7 @@ class Completions(GenerationRoute):
         body = await read_json_object(req, self.settings.max_body_bytes)
         prompt = parse_prompt(body)
         check_completion_unsupported(body)
-        params = parse_sampling(body)
+        params = parse_sampling(body, self.settings.max_stop_strings, self.settings.max_stop_length)
         params.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         check_max_tokens(body, params, self.settings.max_tokens_limit)
         model = get_field(body, "model", (str,))

@@ -74,7 +74,7 @@ class ResponsesRequest:
 
 
 def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | None,
-                  media: MediaCollector | None = None) -> ResponsesRequest:
+                  media: MediaCollector | None = None, stop_limits: tuple[int, int] = (16, 1024)) -> ResponsesRequest:
     """Checks every field before anything reaches the engine; a bad one is a 400 naming it.
 
     Image and audio parts are registered with `media` (fetched later, after every check).
@@ -89,7 +89,7 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
     if value is None and previous is None:
         raise bad_request("Missing required parameter: 'input'", param="input", code="missing_required_parameter")
     messages = parse_input(value, max_items, media) if value is not None else []
-    params = parse_sampling(body)
+    params = parse_sampling(body, *stop_limits)
     max_output = get_field(body, "max_output_tokens", (int,), minimum=1, maximum=2**31 - 1)
     if max_output is not None:
         params["max_tokens"] = max_output
@@ -189,7 +189,8 @@ class Responses(GenerationRoute):
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
         collector = MediaCollector.for_request(body, self.settings)
-        request = parse_request(body, self.settings.max_messages, self.settings.max_tokens_limit, collector)
+        request = parse_request(body, self.settings.max_messages, self.settings.max_tokens_limit, collector,
+                                (self.settings.max_stop_strings, self.settings.max_stop_length))
         request = replace(request, owner=caller_of(req).client)
         history: list[dict[str, Any]] = []
         media: list[dict[str, Any]] = []  # the conversation's images and audio, earlier turns' included

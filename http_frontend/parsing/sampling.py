@@ -13,9 +13,9 @@ from typing import Any
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
 
-# The engine's bounds on stop strings (`engine_daemon.output.stop_strings.MAX_STOP_STRINGS` and
-# `MAX_STOP_LENGTH`), repeated here since the front-end never imports the daemon: refused before any
-# engine work, with the same numbers.
+# Default bounds on stop strings, the same as the engine's (`engine_daemon.output.stop_strings`), repeated
+# since the front-end never imports the daemon; an operator sets both with --max-stop-strings and
+# --max-stop-length (`FrontendSettings`), refused here before any engine work.
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters of one stop string
 MAX_CHOICES = 16  # most `n`: each choice is an engine request of its own (`choice_requests`)
@@ -28,26 +28,28 @@ UNSUPPORTED = {
 }
 
 
-def parse_stop(body: dict[str, Any]) -> list[str] | None:
+def parse_stop(body: dict[str, Any], max_count: int = MAX_STOP_STRINGS,
+               max_length: int = MAX_STOP_LENGTH) -> list[str] | None:
     stop = get_field(body, "stop", (str, list))
     if stop is None:
         return None
     stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stops):
-        raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
-    check_stop_lengths(stops, "stop")
+    if len(stops) > max_count or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"'stop' must be a string or a list of at most {max_count} strings", param="stop")
+    check_stop_lengths(stops, "stop", max_length)
     return [s for s in stops if s]
 
 
-def check_stop_lengths(stops: list[str], param: str) -> None:
-    """Each stop string is matched against every token's text: longer than MAX_STOP_LENGTH is a 400."""
+def check_stop_lengths(stops: list[str], param: str, max_length: int = MAX_STOP_LENGTH) -> None:
+    """Each stop string is matched against every token's text: longer than `max_length` is a 400."""
     longest = max((len(s) for s in stops), default=0)
-    if longest > MAX_STOP_LENGTH:
-        raise bad_request(f"Invalid '{param}': each stop string may be at most {MAX_STOP_LENGTH} characters, got "
+    if longest > max_length:
+        raise bad_request(f"Invalid '{param}': each stop string may be at most {max_length} characters, got "
                           f"one of {longest}", param=param)
 
 
-def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
+def parse_sampling(body: dict[str, Any], max_stops: int = MAX_STOP_STRINGS,
+                   max_stop_length: int = MAX_STOP_LENGTH) -> dict[str, Any]:
     """Sampling and limit fields shared by the generation routes; omitted ones stay unset."""
     max_tokens = get_field(body, "max_completion_tokens", (int,), minimum=1)
     if max_tokens is None:
@@ -61,7 +63,7 @@ def parse_sampling(body: dict[str, Any]) -> dict[str, Any]:
         "min_p": get_field(body, "min_p", (float,), minimum=0, maximum=1),
         "repetition_penalty": get_field(body, "repetition_penalty", (float,), minimum=0.01),
         "seed": get_field(body, "seed", (int,)),
-        "stop": parse_stop(body),
+        "stop": parse_stop(body, max_stops, max_stop_length),
         "ignore_eos": get_field(body, "ignore_eos", (bool,)),
     }
     for name in ("presence_penalty", "frequency_penalty"):

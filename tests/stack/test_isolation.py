@@ -312,3 +312,18 @@ def test_responses_metadata_is_bounded_like_openai(frontend: Frontend, model_id:
     ok = httpx.post(f"{frontend.base_url}/v1/responses", timeout=60, json={
         "model": model_id, "input": "hi", "max_output_tokens": 4, "metadata": {f"k{i}": "v" * 512 for i in range(16)}})
     assert ok.status_code == 200 and ok.json()["metadata"]["k15"] == "v" * 512
+
+
+def test_stop_limits_are_the_operators_to_set(tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    with running_stack(f"ipc://{ipc_dir}/stops.sock", tmp_path, model=str(tiny_model),
+                       engine_args=["--max-stop-strings", "2", "--max-stop-length", "64"],
+                       frontend_args=["--max-stop-strings", "32", "--max-stop-length", "8"]) as (_, frontend):
+        ask = {"model": str(tiny_model), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        by_engine = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60,
+                               json={**ask, "stop": ["a", "b", "c"]})
+        assert by_engine.status_code == 400 and "at most 2 stop strings" in by_engine.json()["error"]["message"]
+        by_frontend = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60,
+                                 json={**ask, "stop": ["123456789"]})
+        assert by_frontend.status_code == 400 and "at most 8 characters" in by_frontend.json()["error"]["message"]
+        fine = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60, json={**ask, "stop": ["a", "b"]})
+        assert fine.status_code == 200
