@@ -20,24 +20,11 @@ import pytest
 from model_builders.text import derive_model
 from model_builders.tokenizer import thinking_chat_template
 from tests.helpers import Engine, Frontend, client_for, data_url, png
+from tests.unit.test_responses_translation import TEXT_DONE, TEXT_EVENTS, collapse
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": True,
           "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}},
                          "required": ["unit"], "additionalProperties": False}}]
-TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
-TEXT_DONE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-
-
-def collapse(types: list[str]) -> list[str]:
-    """Event types with runs of the same delta event folded into one."""
-    folded: list[str] = []
-    for kind in types:
-        if not (kind.endswith(".delta") and folded and folded[-1] == kind):
-            folded.append(kind)
-    return folded
-
-
-# -- the store, without processes --------------------------------------------------------
 
 
 # -- through the real stack -------------------------------------------------------------------

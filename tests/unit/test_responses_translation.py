@@ -23,8 +23,6 @@ from http_frontend.settings import FrontendSettings
 from tests.helpers import data_url, png
 
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta"]
-
-
 TEXT_DONE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
 
