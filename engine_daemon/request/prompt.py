@@ -34,13 +34,37 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
             tokens = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
                                                    **kwargs)
         except Exception as exc:  # jinja raises its own exception types for template errors
-            raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {describe(exc)}",
-                               param="messages") from None
+            folded = fold_late_system_turns(messages)
+            if folded is None:
+                raise RequestError(400, "invalid_messages", "The chat template rejected the messages: "
+                                   f"{describe(exc)}", param="messages") from None
+            return build_prompt(loaded, {**body, "messages": folded})
         return list(tokens)
     prompt = body["prompt"]
     if isinstance(prompt, list):
         return prompt
     return list(tokenizer.encode(prompt))
+
+
+def fold_late_system_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Messages with every system turn after the first message folded into the next user turn (or the
+    previous turn when none follows), for templates that take a system turn only at the start; None
+    when there is none to fold. Clients such as Claude Code send system turns mid-conversation."""
+    if not any(m.get("role") == "system" for m in messages[1:]):
+        return None
+    folded: list[dict[str, Any]] = []
+    pending: list[str] = []
+    for index, message in enumerate(messages):
+        if index > 0 and message.get("role") == "system":
+            pending.append(str(message.get("content") or ""))
+            continue
+        if pending and message.get("role") == "user" and isinstance(message.get("content"), str):
+            message = {**message, "content": "\n\n".join(pending + [message["content"]])}
+            pending = []
+        folded.append(message)
+    if pending and folded and isinstance(folded[-1].get("content"), str):
+        folded[-1] = {**folded[-1], "content": "\n\n".join([folded[-1]["content"], *pending])}
+    return folded
 
 
 def template_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:

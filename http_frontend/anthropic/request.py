@@ -171,14 +171,24 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise bad_request(f"{param}: expected an object", param=param, code="invalid_type")
         role = message.get("role")
+        if role == "system":
+            # Claude Code (beta `mid-conversation-system-…`) puts system turns inside `messages`: the client
+            # users run wins over the documented shape. They reach the template as system turns (the engine
+            # folds them into the next user turn where a template takes no system turn there).
+            text = parse_system({"system": message.get("content")})
+            if text:
+                converted.append({"role": "system", "content": text})
+            continue
         if role not in ("user", "assistant"):
-            raise bad_request(f"{param}.role: expected 'user' or 'assistant', got {role!r} (a system prompt goes in "
-                              "the top-level 'system' field)", param=f"{param}.role")
+            raise bad_request(f"{param}.role: expected 'user', 'assistant' or 'system', got {role!r}",
+                              param=f"{param}.role")
         blocks = _blocks(message.get("content"), f"{param}.content")
         if role == "user":
             converted.extend(_user_turn(blocks, f"{param}.content"))
         else:
             converted.append(_assistant_turn(blocks, f"{param}.content"))
+    if not any(turn["role"] == "user" for turn in converted):
+        raise bad_request("messages: at least one 'user' message is required", param="messages")
     if messages[-1].get("role") == "assistant":
         # A final assistant turn asks the model to continue it; the engine always opens a new turn.
         raise bad_request("Prefilling the assistant's response (a final 'assistant' message) is not supported; "

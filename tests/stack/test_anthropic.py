@@ -239,3 +239,17 @@ def test_thinking_blocks(frontend: Frontend, thinking_model: str) -> None:
 # -- translation and rendering ----------------------------------------------------------------------
 
 
+
+
+def test_system_turns_inside_messages_are_accepted(frontend: Frontend, model_id: str) -> None:
+    """Claude Code sends `{"role": "system"}` turns inside `messages` (beta mid-conversation-system): not a 400."""
+    client = client_for(frontend)
+    turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+             {"role": "system", "content": [{"type": "text", "text": "Agents available: explorer, planner."}]},
+             {"role": "user", "content": "plan it"}]
+    plain = [turn for turn in turns if turn["role"] != "system"]
+    result = client.messages.create(model=model_id, max_tokens=4, messages=turns,
+                                    extra_headers={"anthropic-beta": "mid-conversation-system-2026-04-07"})
+    with_system = client.messages.count_tokens(model=model_id, messages=turns).input_tokens  # the loaded model
+    assert result.usage.input_tokens + result.usage.cache_read_input_tokens == with_system
+    assert with_system > client.messages.count_tokens(model=model_id, messages=plain).input_tokens
