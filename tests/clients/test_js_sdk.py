@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 
 from tests.helpers import Frontend
+from tests.unit.test_responses_translation import collapse
 
 log = logging.getLogger(__name__)
 
@@ -74,15 +75,6 @@ def check(results: dict[str, Any], name: str) -> dict[str, Any]:
     result = results[name]
     assert "error" not in result, f"{name} threw in the JS SDK:\n{result['error']}"
     return result
-
-
-def collapse(types: list[str]) -> list[str]:
-    """Event types with runs of the same delta event folded into one."""
-    folded: list[str] = []
-    for kind in types:
-        if not (kind.endswith(".delta") and folded and folded[-1] == kind):
-            folded.append(kind)
-    return folded
 
 
 def test_chat_create_and_for_await_stream_agree(results: dict[str, Any]) -> None:
