@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", default=os.environ.get("MLX_ENGINE_SERVED_MODEL_NAME"),
                         help="the name the --model is known by in /v1/models and in responses' 'model' field; "
                              "requests may use it, its own id or its path. [MLX_ENGINE_SERVED_MODEL_NAME]")
+    parser.add_argument("--model-fallback", default=os.environ.get("MLX_ENGINE_MODEL_FALLBACK") or None,
+                        metavar="NAME|loaded",
+                        help="a request naming a model the engine does not know (an agent's hard-coded "
+                             "'claude-sonnet-…' or 'gpt-…') is served by this model instead of a 404: 'loaded' "
+                             "for whatever model is loaded (else --model), or a model name. Off by default. "
+                             "[MLX_ENGINE_MODEL_FALLBACK]")
     parser.add_argument("--models-config", type=Path, default=_path_or_none("MLX_ENGINE_MODELS_CONFIG"),
                         help="YAML file of model aliases: per entry 'alias', 'path' or 'repo', and per-model "
                              "defaults (temperature, top_p, top_k, min_p, ..., max_tokens, context_length, "
@@ -299,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("memory budget %.1f GB: MLX memory limit set", args.memory_budget)
     config = SchedulerConfig(
         default_model=args.model,
+        model_fallback=args.model_fallback,
         allow_download=args.allow_download,
         default_max_tokens=args.default_max_tokens,
         sampling_defaults=defaults,

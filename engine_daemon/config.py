@@ -20,6 +20,8 @@ MAX_NAME_BYTES = 255
 @dataclass
 class SchedulerConfig:
     default_model: str | None = None
+    # Unknown model names reach this model instead of a 404 (--model-fallback): a name, or `loaded`.
+    model_fallback: str | None = None
     allow_download: bool = False
     default_max_tokens: int = 4096
     sampling_defaults: dict[str, Any] = field(default_factory=dict)

@@ -137,7 +137,8 @@ GENERATION_DEFAULTS: dict[str, Any] = {
 # --------------------------------------------------------------------------------------
 
 
-def _model_config(size: str, seed: int, arch: str, ends_after: int | None = None) -> dict:
+def _model_config(size: str, seed: int, arch: str, ends_after: int | None = None,
+                  context_window: int | None = None) -> dict:
     """The full config.json (minus the file manifest) for a build; also the idempotency key."""
     if size not in PRESETS:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(PRESETS)}")
@@ -176,6 +177,10 @@ def _model_config(size: str, seed: int, arch: str, ends_after: int | None = None
             raise ValueError(f"ends_after must be an int in 1..47, got {ends_after!r}")
         config["tie_word_embeddings"] = False
         config[BUILD_INFO_KEY]["ends_after"] = ends_after
+    if context_window is not None:  # RoPE models have no position table: only the advertised window changes
+        if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 256:
+            raise ValueError(f"context_window must be an int >= 256, got {context_window!r}")
+        config["max_position_embeddings"] = context_window
     return dict(sorted(config.items()))
 
 
@@ -268,7 +273,7 @@ Rebuild with:
 
 
 def build_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: str = "qwen2",
-                ends_after: int | None = None) -> Path:
+                ends_after: int | None = None, context_window: int | None = None) -> Path:
     """Writes the model dir and returns its path.
 
     Idempotent: if out_dir already holds a complete build with the same size/seed/arch, it returns
@@ -277,7 +282,7 @@ def build_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: st
     Why idempotent: tests, benchmarks and CI call this on every run (see `write_build`).
     """
     out_dir = Path(out_dir).expanduser().resolve()
-    config = _model_config(size, seed, arch, ends_after)
+    config = _model_config(size, seed, arch, ends_after, context_window)
 
     def write_payload(out: Path) -> None:
         t0 = time.perf_counter()
@@ -336,6 +341,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ends-after", type=int, metavar="N",
                         help="make the model end every reply after N word tokens (greedy or sampled), for clients "
                              "that wait for the end of a turn (agents); default: never ends, like random weights")
+    parser.add_argument("--context-window", type=int, metavar="TOKENS",
+                        help="the context window the model advertises (max_position_embeddings; default 32768): "
+                             "agents' first prompts run to 40-55k tokens with the tiny tokenizer")
     parser.add_argument("--hf-repo-id", help="also place the model in a Hugging Face cache under this repo id")
     parser.add_argument("--hf-cache-dir", type=Path, help="cache dir for --hf-repo-id (default: huggingface_hub's)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -355,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    path = build_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch, ends_after=args.ends_after)
+    path = build_model(args.out_dir, size=args.size, seed=args.seed, arch=args.arch, ends_after=args.ends_after,
+                       context_window=args.context_window)
     if args.hf_repo_id:
         cache_dir = args.hf_cache_dir
         if cache_dir is None:

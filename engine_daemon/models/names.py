@@ -23,10 +23,13 @@ models.yaml:
         tool_parser: json_tools          # an mlx_lm.tool_parsers module, or `none`
         reasoning_parser: qwen3          # think markers: qwen3 / deepseek_r1 / think / longcat / none
         context_overflow: truncate       # error / truncate / summarize
+      - alias: "claude-*"                # a glob (fnmatch: * ? [...]): every name it matches reaches this model
+        path: /models/qwen               #   (agents hard-code their vendor's model names)
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import importlib.util
 import json
@@ -52,6 +55,7 @@ REASONING_MARKERS: dict[str, tuple[str, str] | None] = {
     "think": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"), "deepseek_r1": ("<think>", "</think>"),
     "longcat": ("<longcat_think>", "</longcat_think>"), "none": None,
 }
+GLOB_CHARACTERS = frozenset("*?[")  # an alias with one of these is an fnmatch pattern (`ModelNames.resolve`)
 MODEL_OWN_TEMPLATE = "model"  # `chat_template: model` in an entry: the model's own, not --chat-template-file
 _ENTRY_KEYS = {"alias", "name", "path", "repo", "max_tokens", "context_length", "chat_template", "tool_parser",
                "reasoning_parser", "context_overflow", "defaults", *SAMPLING_KEYS}
@@ -82,6 +86,11 @@ class ModelEntry:
     name: str
     source: str
     profile: ModelProfile
+
+    @property
+    def is_pattern(self) -> bool:
+        """`claude-*`: a glob that names every model name it matches, not a name of its own."""
+        return not GLOB_CHARACTERS.isdisjoint(self.name)
 
 
 def read_chat_template(path: str | Path) -> str:
@@ -147,6 +156,9 @@ def _entry(raw: Any, base: Path, defaults: ModelProfile, index: int) -> ModelEnt
     if not isinstance(name, str) or not name.strip():
         raise ModelsConfigError(f"{where}: needs an 'alias' (the name requests use)")
     where = f"models-config entry '{name}'"
+    if not GLOB_CHARACTERS.isdisjoint(name) and set(raw) - {"alias", "name", "path", "repo"}:
+        raise ModelsConfigError(f"{where}: a pattern only says where its names go ('path' or 'repo'); settings "
+                                "belong to the model's own name")
     if ("path" in raw) == ("repo" in raw):
         raise ModelsConfigError(f"{where}: give exactly one of 'path' (a model directory) or 'repo' (an HF repo id)")
     if "path" in raw:
@@ -236,7 +248,11 @@ class ModelNames:
         return cls(entries, defaults)
 
     def names(self) -> list[str]:
-        return list(self.entries)
+        return [name for name, entry in self.entries.items() if not entry.is_pattern]
+
+    def _pattern_for(self, name: str) -> ModelEntry | None:
+        """The first glob alias (in file order) that matches `name` case-sensitively, if any."""
+        return next((e for e in self.entries.values() if e.is_pattern and fnmatch.fnmatchcase(name, e.name)), None)
 
     def source_of(self, name: str) -> str:
         """What to fetch at start for `--model NAME`: an alias's directory or repo, else the name itself."""
@@ -261,6 +277,8 @@ class ModelNames:
     def _owner_of(self, path: Path) -> ModelEntry | None:
         """The first name whose model is the directory `path`: it is served under that name, with its settings."""
         for entry in self.entries.values():
+            if entry.is_pattern:
+                continue
             try:
                 if self._path_of(entry, allow_download=False) == path:
                     return entry
@@ -280,6 +298,13 @@ class ModelNames:
         entry = self.entries.get(name)
         if entry is not None:
             return ModelRef(entry.name, self._path_of(entry, allow_download))
+        pattern = self._pattern_for(name)
+        if pattern is not None:
+            # Served under the first name of its directory (the served name when it is the loaded model), so
+            # `claude-opus-…` and `claude-haiku-…` share one load and the answer names the model that ran.
+            path = self._path_of(pattern, allow_download)
+            owner = self._owner_of(path)
+            return ModelRef(owner.name, path) if owner else ModelRef(pattern.source, path)
         ref = resolve(name, allow_download=allow_download, roots=None if name == default_model else roots)
         owner = self._owner_of(ref.path)
         return ModelRef(owner.name, ref.path) if owner else ref
@@ -289,6 +314,8 @@ class ModelNames:
         """The named models that are on disk, as /v1/models entries (the profile's context length wins)."""
         listed = []
         for entry in self.entries.values():
+            if entry.is_pattern:
+                continue  # a pattern is not a name: the names it matches reach a listed model
             try:
                 path = self._path_of(entry, allow_download=False)
             except ModelNotFound:

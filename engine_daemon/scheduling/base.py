@@ -75,6 +75,7 @@ class BaseScheduler:
                                        config.default_model)
         # --draft-model's decoder, where the scheduler decodes lone requests speculatively.
         self.speculative: SpeculativeDecoder | None = None
+        self._fallback_logged: set[str] = set()  # unknown names already logged by `_fallback_for`
 
     # -- what the worker asks ------------------------------------------------------
     def has_work(self) -> bool:
@@ -116,7 +117,9 @@ class BaseScheduler:
         except InvalidModelName as exc:
             raise RequestError(400, "invalid_model_name", str(exc), param="model") from None
         except ModelNotFound as exc:
-            raise RequestError(404, "model_not_found", str(exc), param="model") from None
+            if not self.config.model_fallback:
+                raise RequestError(404, "model_not_found", str(exc), param="model") from None
+            ref = self._fallback_for(name, exc)
         # The loaded directory under another spelling (its --model path vs. a name under --model-dir) is the
         # loaded model, not a reason to load the same weights again. Operator names keep their own
         # settings (a profile), so only unnamed spellings are folded together.
@@ -124,6 +127,34 @@ class BaseScheduler:
         if (current is not None and ref.path == current.ref.path and ref.id not in named
                 and current.ref.id not in named):
             return current.ref
+        return ref
+
+    def _fallback_for(self, name: str, not_found: ModelNotFound) -> ModelRef:
+        """`--model-fallback`: an unknown name (an agent's hard-coded `claude-…`) reaches the fallback model.
+
+        `loaded` means whatever is loaded (else `--model`); any other value is a model name the
+        operator typed, trusted like `--model`. Each unknown name is logged once (up to a bound).
+        """
+        fallback = self.config.model_fallback
+        current = self.models.current
+        if fallback == "loaded":
+            if current is not None:
+                ref = current.ref
+            elif self.config.default_model:
+                ref = self.models.names.resolve(self.config.default_model, default_model=self.config.default_model,
+                                                roots=self.config.model_dirs, allow_download=False)
+            else:
+                raise RequestError(404, "model_not_found", str(not_found), param="model") from None
+        else:
+            try:
+                ref = self.models.names.resolve(fallback, default_model=fallback, roots=self.config.model_dirs,
+                                                allow_download=self.config.allow_download)
+            except (ModelNotFound, InvalidModelName) as exc:
+                raise RequestError(404, "model_not_found", f"{not_found} (and --model-fallback: {exc})",
+                                   param="model") from None
+        if name not in self._fallback_logged and len(self._fallback_logged) < 1024:
+            self._fallback_logged.add(name)
+            log.info("model %r is not known: served by %s (--model-fallback %s)", name[:255], ref.id, fallback)
         return ref
 
     def submit(self, peer: bytes, body: dict[str, Any], prepared: PreparedPrompt | None = None) -> list[Event]:

@@ -95,6 +95,8 @@ models:
     path: thinker
     chat_template: model
     reasoning_parser: none
+  - alias: "claude-*"
+    repo: {TEXT_REPO}
 """)
     return {"base": base, "cache": cache, "root": root}
 
@@ -176,6 +178,10 @@ def test_served_name_and_aliases(served: Frontend) -> None:
     # Its repo id is the same model under the served name: no second load.
     reply = client.chat.completions.create(model=TEXT_REPO, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert reply.model == SERVED and health(served)["engine"]["model_loads"] == loads
+    # A glob alias: an agent's hard-coded name reaches the served model under its name, no second load.
+    for name in ("claude-sonnet-4-5-20250929", "claude-haiku-4-5"):
+        reply = client.chat.completions.create(model=name, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        assert reply.model == SERVED and health(served)["engine"]["model_loads"] == loads
 
     # An alias with its own settings: temperature 0 and max_tokens 3 by default, a 1024-token window.
     def small(**extra: object):

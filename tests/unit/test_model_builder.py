@@ -216,7 +216,7 @@ def test_refuses_to_overwrite_a_foreign_model(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"size": "huge"}, {"arch": "gpt2"}, {"seed": -1}, {"seed": "0"}],
+    [{"size": "huge"}, {"arch": "gpt2"}, {"seed": -1}, {"seed": "0"}, {"context_window": 100}],
 )
 def test_rejects_bad_arguments(tmp_path, kwargs):
     with pytest.raises(ValueError):
@@ -451,6 +451,14 @@ def test_cli_main(tmp_path, capsys):
     assert printed.parent == cache / "models--org--cli" / "snapshots"
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and config["mlx_engined_build"]["seed"] == 2
+
+
+def test_context_window_is_what_the_model_advertises(tmp_path):
+    """Agents' first prompts exceed the default 32k window; the window is a build option (RoPE: no table)."""
+    out = tmp_path / "wide"
+    assert model_builder.main([str(out), "--context-window", "131072"]) == 0
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 131072
+    assert json.loads((out / "tokenizer_config.json").read_text())["model_max_length"] == 131072
 
 
 def test_cli_rejects_unknown_size(tmp_path):

@@ -1,0 +1,55 @@
+"""`--model-fallback loaded`: agents' hard-coded model names reach the loaded model (real engined + gunicorn).
+
+Claude Code asks for `claude-sonnet-…`, Codex for `gpt-5-codex`: without the fallback those are
+404 `model_not_found` and the agent stops on its first request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import pytest
+
+from tests.helpers import Engine, Frontend, client_for, running_stack
+
+SERVED = "local-model"
+
+
+@pytest.fixture(scope="module")
+def fallback_stack(tiny_model: Path, ipc_dir: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Frontend]]:
+    with running_stack(f"ipc://{ipc_dir}/fallback.sock", tmp_path_factory.mktemp("fallback"), model=str(tiny_model),
+                       engine_args=["--served-model-name", SERVED],
+                       env={"MLX_ENGINE_MODEL_FALLBACK": "loaded"}) as stack:
+        yield stack
+
+
+def loads(frontend: Frontend) -> int:
+    return httpx.get(f"{frontend.base_url}/health", timeout=10).json()["engine"]["model_loads"]
+
+
+def test_unknown_names_reach_the_loaded_model(fallback_stack: tuple[Engine, Frontend]) -> None:
+    engine, frontend = fallback_stack
+    before = loads(frontend)
+    openai_client = client_for(frontend)
+    for name in ("gpt-5-codex", "claude-sonnet-4-5-20250929"):
+        reply = openai_client.chat.completions.create(model=name, max_tokens=2,
+                                                      messages=[{"role": "user", "content": "hi"}])
+        assert reply.model == SERVED  # the answer names the model that ran
+    message = anthropic.Anthropic(base_url=frontend.base_url, api_key="unused", max_retries=0).messages.create(
+        model="claude-opus-4-1-20250805", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert message.model == SERVED and message.usage.output_tokens == 2
+    assert loads(frontend) == before  # no load: the loaded model served every name
+    assert "'gpt-5-codex' is not known: served by local-model (--model-fallback loaded)" in engine.log()
+
+
+def test_models_lists_the_served_names_and_bad_names_are_still_refused(fallback_stack: tuple[Engine, Frontend]) -> None:
+    _, frontend = fallback_stack
+    listed = [m["id"] for m in httpx.get(f"{frontend.base_url}/v1/models", timeout=10).json()["data"]]
+    assert listed[0] == SERVED and "claude-sonnet-4-5-20250929" not in listed
+    refused = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=30, json={
+        "model": "../../etc", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_model_name"
