@@ -107,6 +107,19 @@ class GroupedGenerator:
             found.update({ours[local_uid]: value for local_uid, value in removed.items()})
         return found if return_prompt_caches else {}
 
+    def extract_cache(self, uids: list[int]) -> dict[int, Any]:
+        """Copies of the KV (and tokens) of sequences still running; the lane's sequence is left out."""
+        found: dict[int, Any] = {}
+        by_group: dict[str | None, dict[int, int]] = {}
+        for uid in uids:
+            where = self._where.get(uid)
+            if where is not None and where[0] != LANE:
+                by_group.setdefault(where[0], {})[where[1]] = uid
+        for key, ours in by_group.items():
+            extracted = self._groups[key].extract_cache(list(ours))
+            found.update({ours[local_uid]: value for local_uid, value in extracted.items()})
+        return found
+
     def next(self) -> tuple[list[Any], list[Any]]:
         if self.lane is not None and any(self._live.values()):
             self._migrate()

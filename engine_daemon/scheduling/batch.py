@@ -31,6 +31,7 @@ from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
 from engine_daemon.scheduling.prefill_pacer import PrefillPacer
+from engine_daemon.scheduling.prefix_sharing import PrefillSharing
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ class BatchScheduler(BaseScheduler):
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size)
         self._prefill_progress: dict[int, int] = {}
+        # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
+        self.sharing = PrefillSharing()
         # --draft-model: lone requests decode speculatively (SpeculativeDecoder)
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)
@@ -73,7 +76,7 @@ class BatchScheduler(BaseScheduler):
 
     def prompt_cache_stats(self) -> dict[str, int]:
         return {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_bytes": self.prompt_cache.nbytes,
-                **vision_cache_stats(self.models.current)}
+                **self.sharing.stats(), **vision_cache_stats(self.models.current)}
 
     # -- admission ------------------------------------------------------------------
     def accept(self, request: EngineRequest) -> None:
@@ -103,10 +106,13 @@ class BatchScheduler(BaseScheduler):
         """
         held = Counter(request.client for request in self.by_uid.values())
         ceiling = self.config.max_slots_per_key
+        text = self.models.current is not None and self.models.current.kind == "text"
         best: EngineRequest | None = None
         for request in self.pending:
             if ceiling and held[request.client] >= ceiling:
                 continue
+            if text and self.sharing.should_wait(request, self.by_uid):
+                continue  # a prompt in flight is computing its prefix: take it from the cache next step
             if best is None or held[request.client] < held[best.client]:
                 best = request
         if best is not None:
@@ -119,6 +125,7 @@ class BatchScheduler(BaseScheduler):
             request = self._next_pending()
             if request is None:
                 break  # every waiting client is at its --max-slots-per-key ceiling
+            self.sharing.admitted(request.rid)
             try:
                 self._ensure_generator()
                 self._insert(request)
@@ -194,6 +201,7 @@ class BatchScheduler(BaseScheduler):
         self.by_uid.clear()
         self.uid_of.clear()
         self._prefill_progress.clear()
+        self.sharing.clear()
 
     def on_unload(self) -> None:
         self._close_generator()
@@ -245,12 +253,15 @@ class BatchScheduler(BaseScheduler):
         self.waiting = deque(item for item in self.waiting if item[0].rid not in rids)
         found += before - len(self.waiting)
         before = len(self.pending)
+        for rid in rids:
+            self.sharing.admitted(rid)  # no longer waiting for anyone's prefill
         self.pending = deque(request for request in self.pending if request.rid not in rids)
         found += before - len(self.pending)
         uids = [self.uid_of.pop(rid) for rid in rids if rid in self.uid_of]
         for uid in uids:
             del self.by_uid[uid]
             self._prefill_progress.pop(uid, None)
+        self.sharing.forget(uids)
         if uids:
             self.generator.remove(uids)
         found += len(uids)
@@ -276,9 +287,12 @@ class BatchScheduler(BaseScheduler):
             self.by_uid.clear()
             self.uid_of.clear()
             self._prefill_progress.clear()
+            self.sharing.clear()
             self._close_generator()
             return events
         self.pacer.observe(time.perf_counter() - started, decoding > 0, self._prompt_tokens_done(progress))
+        if self.models.current.kind == "text":
+            self.sharing.publish(progress, self.by_uid, generator, self._remember)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(responses))
         stopped_early: dict[int, str | None] = {}  # uid -> adapter key
         for response in responses:
@@ -292,6 +306,7 @@ class BatchScheduler(BaseScheduler):
                 continue
             del self.by_uid[response.uid]
             del self.uid_of[request.rid]
+            self.sharing.forget((response.uid,))
             if response.finish_reason is not None:
                 self._remember(response.all_tokens, response.prompt_cache, request.body.get("adapter"))
             else:
