@@ -175,6 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_BYTES")),
                         help="byte cap of the prefix cache, e.g. 2GB or 512MB (default: a quarter of "
                              "--memory-budget, else unbounded). [MLX_ENGINE_PROMPT_CACHE_BYTES]")
+    parser.add_argument("--prompt-cache-dir", default=os.environ.get("MLX_ENGINE_PROMPT_CACHE_DIR") or None,
+                        metavar="DIR",
+                        help="a disk tier for the prefix cache: prefixes evicted from memory, and all of them on a "
+                             "model switch or a clean stop, are written here (safetensors, checked by hash) and "
+                             "loaded again after a switch back or a restart when reading beats prefilling. Several "
+                             "engines may share it. Default: off. [MLX_ENGINE_PROMPT_CACHE_DIR]")
+    parser.add_argument("--prompt-cache-disk-bytes", type=_size,
+                        default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_DISK_BYTES")) or 10 << 30,
+                        help="byte cap of --prompt-cache-dir, e.g. 20GB; least recently used files go first "
+                             "(default: 10 GiB). [MLX_ENGINE_PROMPT_CACHE_DISK_BYTES]")
     parser.add_argument("--max-kv-size", type=int, default=_int_or_none(os.environ.get("MAX_KV_SIZE")),
                         help="rotating KV cache of this many tokens per request (default: off). [MAX_KV_SIZE]")
     parser.add_argument("--kv-bits", type=int, default=_int_or_none(os.environ.get("KV_BITS")),
@@ -319,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         max_queued=args.max_queued,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes or (budget // 4 if budget else None),
+        prompt_cache_dir=args.prompt_cache_dir,
+        prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
         max_kv_size=args.max_kv_size,
         kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size,

@@ -38,6 +38,9 @@ class SchedulerConfig:
     max_queued: int = 256
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
+    # --prompt-cache-dir: the disk tier of the prefix cache (DiskTier) and its byte cap.
+    prompt_cache_dir: str | None = None
+    prompt_cache_disk_bytes: int = 10 << 30
     max_kv_size: int | None = None
     kv_bits: int | None = None
     kv_group_size: int = 64

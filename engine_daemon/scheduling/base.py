@@ -273,6 +273,9 @@ class BaseScheduler:
     def on_unload(self) -> None:
         """The model is about to be freed: drop whatever holds on to it."""
 
+    def on_shutdown(self) -> None:
+        """The engine stops cleanly: keep what should outlive it (the batch scheduler's disk prefixes)."""
+
     def abort(self, rids: set[str]) -> int:
         raise NotImplementedError
 

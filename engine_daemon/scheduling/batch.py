@@ -15,7 +15,6 @@ from collections import Counter, deque
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError, engine_failure
@@ -27,6 +26,8 @@ from engine_daemon.models.manager import ModelManager
 from engine_daemon.models.store import ModelRef
 from engine_daemon.models.vision_support import cache_stats as vision_cache_stats
 from engine_daemon.multimodal import inputs as vision
+from engine_daemon.prefix_cache.disk import DiskTier
+from engine_daemon.prefix_cache.tiered import PrefixCache, model_identity
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
@@ -46,8 +47,11 @@ class BatchScheduler(BaseScheduler):
         self.generator_ref: ModelRef | None = None
         self.by_uid: dict[int, EngineRequest] = {}
         self.uid_of: dict[str, int] = {}
-        self.prompt_cache = LRUPromptCache(max_size=config.prompt_cache_size,
-                                           max_bytes=config.prompt_cache_bytes or 1 << 62)
+        # --prompt-cache-dir: prefixes outlive model switches and restarts (DiskTier).
+        self.disk_cache = (DiskTier(config.prompt_cache_dir, config.prompt_cache_disk_bytes)
+                           if config.prompt_cache_dir else None)
+        self.prompt_cache = self._new_prefix_cache()
+        self._identities: dict[str, str] = {}  # model directory -> model_identity
         # Accepted for the loaded model, waiting for a free slot (at most decode_concurrency run).
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size)
@@ -75,8 +79,7 @@ class BatchScheduler(BaseScheduler):
         return [r for r, _ in self.waiting] + list(self.pending) + list(self.by_uid.values())
 
     def prompt_cache_stats(self) -> dict[str, int]:
-        return {"prompt_cache_entries": len(self.prompt_cache), "prompt_cache_bytes": self.prompt_cache.nbytes,
-                **self.sharing.stats(), **vision_cache_stats(self.models.current)}
+        return {**self.prompt_cache.stats(), **self.sharing.stats(), **vision_cache_stats(self.models.current)}
 
     # -- admission ------------------------------------------------------------------
     def accept(self, request: EngineRequest) -> None:
@@ -136,8 +139,15 @@ class BatchScheduler(BaseScheduler):
             events.append(self.accepted_event(request))
         return events
 
+    def _new_prefix_cache(self) -> PrefixCache:
+        return PrefixCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes or 1 << 62, self.disk_cache)
+
     def _cache_key(self, adapter: str | None = None) -> tuple[str, str | None]:
-        return (self.models.current.ref.id, adapter)  # (model, adapter key: `AdapterManager`)
+        """(the loaded weights' identity, adapter key: `AdapterManager`): names do not matter, files do."""
+        path = str(self.models.current.ref.path)
+        if path not in self._identities:
+            self._identities[path] = model_identity(path)
+        return (self._identities[path], adapter)
 
     def _insert(self, request: EngineRequest) -> None:
         """Reuses the longest cached prefix of the prompt, then queues the rest for prefill."""
@@ -149,17 +159,9 @@ class BatchScheduler(BaseScheduler):
             self.stats.prompt_tokens += len(prompt)
             return
         adapter = request.body.get("adapter")  # the adapter key admission settled (BaseScheduler.accept)
-        cache, rest = self.prompt_cache.fetch_nearest_cache(self._cache_key(adapter), prompt)
-        if cache is not None and not rest:
-            # An exact hit: the generator still needs one token to compute the first logits.
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                rest = prompt[-1:]
-            else:
-                cache, rest = None, prompt
-        if cache is None:
-            rest = prompt
-        cached = len(prompt) - len(rest)
+        # Memory, then disk; the prompt's last token is always computed (its logits give the first token).
+        cache, cached = self.prompt_cache.fetch(self._cache_key(adapter), prompt)
+        rest = prompt[cached:]
         request.cached_tokens = cached
         if cached:
             self.stats.prompt_cache_hits += 1
@@ -205,8 +207,12 @@ class BatchScheduler(BaseScheduler):
 
     def on_unload(self) -> None:
         self._close_generator()
-        self.prompt_cache = LRUPromptCache(max_size=self.config.prompt_cache_size,
-                                           max_bytes=self.config.prompt_cache_bytes or 1 << 62)
+        self.prompt_cache.spill_all()  # with --prompt-cache-dir, a switch back finds the prefixes on disk
+        self.prompt_cache = self._new_prefix_cache()
+
+    def on_shutdown(self) -> None:
+        """A clean stop: the hot prefixes go to disk for the next start (--prompt-cache-dir)."""
+        self.prompt_cache.spill_all()
 
     def _start_waiting(self) -> list[Event]:
         """Admits queued requests, switching models once the batch of the old one drained."""
@@ -290,7 +296,10 @@ class BatchScheduler(BaseScheduler):
             self.sharing.clear()
             self._close_generator()
             return events
-        self.pacer.observe(time.perf_counter() - started, decoding > 0, self._prompt_tokens_done(progress))
+        seconds, prompt_done = time.perf_counter() - started, self._prompt_tokens_done(progress)
+        self.pacer.observe(seconds, decoding > 0, prompt_done)
+        if not decoding:
+            self.prompt_cache.observe_prefill(prompt_done, seconds)
         if self.models.current.kind == "text":
             self.sharing.publish(progress, self.by_uid, generator, self._remember)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(responses))
@@ -333,4 +342,4 @@ class BatchScheduler(BaseScheduler):
         """Keeps a finished request's KV for the next turn of its conversation (with the same adapter)."""
         if not tokens or not cache:
             return
-        self.prompt_cache.insert_cache(self._cache_key(adapter), list(tokens), cache)
+        self.prompt_cache.insert(self._cache_key(adapter), tokens, cache)

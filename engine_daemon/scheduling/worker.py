@@ -102,6 +102,10 @@ class MlxWorker(threading.Thread):
                 self._update_status()
                 self._unload_if_idle()
                 self.status.busy_since = 0.0
+            try:
+                self.scheduler.on_shutdown()
+            except Exception:
+                log.exception("saving the prompt cache at shutdown failed")
         except BaseException:
             # The io thread sees the thread gone and stops the engine with a non-zero exit, so a
             # supervisor restarts it (a live process with a dead mlx thread would hang every stream).

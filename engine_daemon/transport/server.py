@@ -146,7 +146,7 @@ class EngineServer:
         finally:
             self.preprocessor.close()
             self.worker.stop()
-            self.worker.join(timeout=5)
+            self.worker.join(timeout=60)  # a clean stop writes the hot prefixes to --prompt-cache-dir
             router.close()
             outbox.close()
             if self._auth is not None:

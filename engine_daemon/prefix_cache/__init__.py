@@ -1,0 +1,1 @@
+"""The prefix cache: prompts' KV kept in memory (`memory.MemoryTier`) and on disk (`disk.DiskTier`)."""

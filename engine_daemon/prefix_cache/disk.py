@@ -1,0 +1,224 @@
+"""The disk tier: prefixes' KV in safetensors files that outlive a model switch and a restart.
+
+Why: an agent's 20k-token system prompt and tools take minutes to prefill on a laptop for a
+large model; a model switch or an engine restart used to forget it. Entries leave memory for
+disk when the memory tier evicts them, and all of them on a model switch or a clean
+shutdown; a later request loads the longest stored prefix when reading it is faster than
+prefilling it (measured read speed against measured prefill speed).
+
+A file is `<entry digest>-<content sha256>.safetensors`: the entry digest covers the model
+identity (path and weight files' sizes and mtimes), the adapter and the tokens; the content
+hash is checked on every load, so a corrupt or truncated file is skipped (and deleted) with
+a log line, never served. Writes go to a temporary name and are renamed into place, so two
+engines sharing a directory see whole files or none; each keeps the directory under the
+byte cap by deleting the least recently used files (a load refreshes a file's mtime).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from engine_daemon.prefix_cache.memory import common_prefix
+
+log = logging.getLogger(__name__)
+
+FORMAT = "mlx-engined-prefix-1"
+SUFFIX = ".safetensors"
+MAX_HEADER_BYTES = 64 << 20  # a header past this is not one of ours
+
+
+@dataclass
+class DiskEntry:
+    path: Path
+    key: str  # digest of (model identity, adapter)
+    tokens: np.ndarray
+    trimmable: bool
+    nbytes: int
+
+
+def key_digest(model_identity: str, adapter: str | None) -> str:
+    return hashlib.sha256(json.dumps([model_identity, adapter]).encode()).hexdigest()
+
+
+def _entry_digest(key: str, tokens: np.ndarray) -> str:
+    return hashlib.sha256(key.encode() + tokens.astype("<i4").tobytes()).hexdigest()[:32]
+
+
+def _file_sha(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:32]
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    """The safetensors header's `__metadata__`, read without touching the tensors."""
+    with path.open("rb") as handle:
+        (size,) = struct.unpack("<Q", handle.read(8))
+        if size > MAX_HEADER_BYTES:
+            raise ValueError(f"header of {size} bytes")
+        header = json.loads(handle.read(size))
+    return header.get("__metadata__") or {}
+
+
+class DiskTier:
+    def __init__(self, directory: str | Path, max_bytes: int, min_tokens: int = 256):
+        self.directory = Path(directory).expanduser()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.min_tokens = min_tokens
+        self.read_bytes_per_second = 500e6  # a cautious first guess, then measured on every load
+        self.hits = self.writes = self.corrupt = self.skipped_slower = 0
+        self.tokens_loaded = 0
+        self._index: dict[str, DiskEntry] = {}
+        self._listing_mtime = -1
+        self.refresh()
+
+    # -- the index ------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Re-reads the directory when it changed (another engine may share it); only new files' headers."""
+        try:
+            mtime = self.directory.stat().st_mtime_ns
+        except OSError:
+            return
+        if mtime == self._listing_mtime:
+            return
+        self._listing_mtime = mtime
+        names = {p.name for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".")}
+        for gone in set(self._index) - names:
+            del self._index[gone]
+        for name in names - set(self._index):
+            path = self.directory / name
+            try:
+                meta = _read_metadata(path)
+                if meta.get("0.format") != FORMAT:
+                    continue
+                tokens = np.frombuffer(base64.b64decode(meta["0.tokens"]), dtype="<i4")
+                self._index[name] = DiskEntry(path, meta["0.key"], tokens, meta["0.trimmable"] == "1",
+                                              path.stat().st_size)
+            except FileNotFoundError:
+                continue
+            except Exception as exc:  # a foreign or broken file: never ours to serve
+                log.warning("prompt cache: skipping %s: %s", path, exc)
+
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in self._index.values())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # -- reading --------------------------------------------------------------------------------
+    def best_match(self, key: str, tokens: np.ndarray, at_least: int) -> tuple[DiskEntry, int] | None:
+        """The stored entry covering the most of `tokens`, if it covers more than `at_least` + min_tokens."""
+        self.refresh()
+        best: tuple[DiskEntry, int] | None = None
+        for entry in self._index.values():
+            if entry.key != key:
+                continue
+            shared = common_prefix(entry.tokens, tokens)
+            if shared < len(entry.tokens) and not entry.trimmable:
+                continue
+            if shared >= at_least + self.min_tokens and (best is None or shared > best[1]):
+                best = (entry, shared)
+        return best
+
+    def worth_loading(self, entry: DiskEntry, saved_tokens: int, prefill_tokens_per_second: float | None) -> bool:
+        """Reading the file beats prefilling `saved_tokens`, by the speeds measured so far."""
+        if not prefill_tokens_per_second:
+            return True  # nothing measured yet: a prefix worth storing is worth trying
+        if entry.nbytes / self.read_bytes_per_second < saved_tokens / prefill_tokens_per_second:
+            return True
+        self.skipped_slower += 1
+        return False
+
+    def load(self, entry: DiskEntry) -> list[Any] | None:
+        """The entry's KV, after checking its content hash; None (and the file deleted) when it is damaged."""
+        started = time.perf_counter()
+        try:
+            if _file_sha(entry.path) != entry.path.stem.rsplit("-", 1)[-1]:
+                raise ValueError("content hash mismatch")
+            cache = load_prompt_cache(str(entry.path))
+        except FileNotFoundError:
+            self._index.pop(entry.path.name, None)  # another engine evicted it meanwhile
+            return None
+        except Exception as exc:
+            self.corrupt += 1
+            log.warning("prompt cache: %s is damaged (%s): skipped and deleted", entry.path.name, exc)
+            self._delete(entry)
+            return None
+        seconds = max(time.perf_counter() - started, 1e-6)
+        self.read_bytes_per_second += 0.5 * (entry.nbytes / seconds - self.read_bytes_per_second)
+        self.hits += 1
+        self.tokens_loaded += len(entry.tokens)
+        try:
+            os.utime(entry.path)  # most recently used: the last to go under the byte cap
+        except OSError:
+            pass
+        return cache
+
+    # -- writing --------------------------------------------------------------------------------
+    def store(self, key: str, tokens: np.ndarray, cache: list[Any], trimmable: bool) -> bool:
+        """Writes an entry (unless stored already or too short); atomic, then the cap is enforced."""
+        if len(tokens) < self.min_tokens or not cache:
+            return False
+        digest = _entry_digest(key, tokens)
+        if any(name.startswith(digest) for name in self._index):
+            return False
+        temporary = self.directory / f".{digest}-{uuid.uuid4().hex}.tmp{SUFFIX}"
+        meta = {"format": FORMAT, "key": key, "trimmable": "1" if trimmable else "0",
+                "tokens": base64.b64encode(tokens.astype("<i4").tobytes()).decode()}
+        try:
+            save_prompt_cache(str(temporary), cache, meta)
+            final = self.directory / f"{digest}-{_file_sha(temporary)}{SUFFIX}"
+            os.replace(temporary, final)
+        except Exception as exc:
+            log.warning("prompt cache: could not write an entry of %d tokens: %s", len(tokens), exc)
+            temporary.unlink(missing_ok=True)
+            return False
+        self._index[final.name] = DiskEntry(final, key, tokens.copy(), trimmable, final.stat().st_size)
+        self.writes += 1
+        self._enforce_cap()
+        return final.name in self._index
+
+    def _enforce_cap(self) -> None:
+        """Deletes least recently used files (by mtime, which loads refresh) until the directory fits."""
+        self._listing_mtime = -1
+        self.refresh()
+        if self.nbytes() <= self.max_bytes:
+            return
+        def last_used(entry: DiskEntry) -> float:
+            try:
+                return entry.path.stat().st_mtime
+            except OSError:
+                return 0.0
+        for entry in sorted(self._index.values(), key=last_used):
+            if self.nbytes() <= self.max_bytes:
+                break
+            self._delete(entry)
+
+    def _delete(self, entry: DiskEntry) -> None:
+        self._index.pop(entry.path.name, None)
+        try:
+            entry.path.unlink()
+        except FileNotFoundError:
+            pass
+
+    def stats(self) -> dict[str, int]:
+        return {"prompt_cache_disk_entries": len(self._index), "prompt_cache_disk_bytes": self.nbytes(),
+                "prompt_cache_disk_hits": self.hits, "prompt_cache_disk_writes": self.writes,
+                "prompt_cache_disk_corrupt": self.corrupt, "prompt_cache_disk_tokens_loaded": self.tokens_loaded,
+                "prompt_cache_disk_skipped_slower": self.skipped_slower}

@@ -1,0 +1,116 @@
+"""The in-memory tier: KV caches of token prefixes, longest-prefix reuse, LRU within a byte cap.
+
+Why our own and not mlx-lm's `LRUPromptCache`: evicted entries must go somewhere (the disk
+tier) and every entry must be listable (spilled on a model switch or a clean shutdown),
+which mlx-lm's class keeps private. Lookups compare token arrays with numpy: entries are
+few (tens) and prompts long, so a scan is microseconds and needs no trie.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two int32 token arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def as_tokens(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32)
+
+
+@dataclass
+class Entry:
+    key: Hashable  # (model, adapter)
+    tokens: np.ndarray
+    cache: list[Any]
+    nbytes: int
+
+
+@dataclass
+class Match:
+    """The best reuse for a prompt: `length` prompt tokens covered by `entry`'s KV (trimmed when longer)."""
+
+    entry: Entry
+    length: int
+
+
+class MemoryTier:
+    def __init__(self, max_entries: int, max_bytes: int, on_evict: Callable[[Entry], None] | None = None):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.on_evict = on_evict
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[Hashable, bytes], Entry] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[Entry]:
+        """Most recently used first."""
+        return list(reversed(self._entries.values()))
+
+    def best_match(self, key: Hashable, tokens: np.ndarray) -> Match | None:
+        """The entry covering the most of `tokens`: a prefix of them, or a longer entry that can be trimmed."""
+        best: Match | None = None
+        for entry in self._entries.values():
+            if entry.key != key:
+                continue
+            shared = common_prefix(entry.tokens, tokens)
+            if shared < len(entry.tokens) and not can_trim_prompt_cache(entry.cache):
+                continue  # a longer or diverging entry helps only if its KV can be cut back
+            if shared and (best is None or shared > best.length):
+                best = Match(entry, shared)
+        return best
+
+    def take(self, match: Match) -> list[Any]:
+        """A private copy of the match's KV, cut to the matched length; the entry becomes most recent."""
+        entry = match.entry
+        self._entries.move_to_end((entry.key, entry.tokens.tobytes()))
+        cache = copy.deepcopy(entry.cache)
+        if match.length < len(entry.tokens):
+            trim_prompt_cache(cache, len(entry.tokens) - match.length)
+        return cache
+
+    def insert(self, key: Hashable, tokens: Sequence[int], cache: list[Any]) -> None:
+        """Adds an entry; trimmable entries that are prefixes of it are dropped (it serves them all)."""
+        array = as_tokens(tokens)
+        if not len(array) or not cache:
+            return
+        entry = Entry(key, array, cache, sum(c.nbytes for c in cache))
+        self._drop((key, array.tobytes()))
+        if can_trim_prompt_cache(cache):
+            for other in [e for e in self._entries.values() if e.key == key and len(e.tokens) < len(array)]:
+                if common_prefix(other.tokens, array) == len(other.tokens):
+                    self._drop((key, other.tokens.tobytes()))
+        self._entries[(key, array.tobytes())] = entry
+        self.nbytes += entry.nbytes
+        while self._entries and (len(self._entries) > self.max_entries or self.nbytes > self.max_bytes):
+            _, evicted = self._entries.popitem(last=False)
+            self.nbytes -= evicted.nbytes
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+
+    def clear(self) -> list[Entry]:
+        """Empties the tier and returns what it held, most recent first."""
+        held = self.entries()
+        self._entries.clear()
+        self.nbytes = 0
+        return held
+
+    def _drop(self, slot: tuple[Hashable, bytes]) -> None:
+        old = self._entries.pop(slot, None)
+        if old is not None:
+            self.nbytes -= old.nbytes

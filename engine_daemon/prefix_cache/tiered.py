@@ -1,0 +1,101 @@
+"""The prefix cache the scheduler asks: memory first, then disk, with counters per tier.
+
+Keys are (model identity, adapter): the identity (`model_identity`) names the weights on
+disk, not the name a request used, so a prefix stored under one alias serves another alias
+of the same files, and a file stored before the weights changed is never served after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+from engine_daemon.prefix_cache.disk import DiskTier, key_digest
+from engine_daemon.prefix_cache.memory import Entry, MemoryTier, as_tokens
+
+log = logging.getLogger(__name__)
+
+CacheKey = tuple[str, "str | None"]  # (model identity, adapter key)
+
+
+def model_identity(path: str | Path) -> str:
+    """The weights a directory holds: its real path and each weight file's size and mtime."""
+    root = Path(path).resolve()
+    parts = [str(root)]
+    for weights in sorted(root.glob("*.safetensors")):
+        stat = weights.stat()
+        parts.append(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
+
+
+class PrefixCache:
+    def __init__(self, max_entries: int, max_bytes: int, disk: DiskTier | None = None):
+        self.disk = disk
+        self.memory = MemoryTier(max_entries, max_bytes, on_evict=self._spill)
+        self.hits = {"memory": 0, "disk": 0}
+        self.prefill_tokens_per_second: float | None = None  # measured by the scheduler
+
+    def __len__(self) -> int:
+        return len(self.memory)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.nbytes
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill-only step's speed: what a disk load must beat."""
+        if tokens >= 64 and seconds > 0:
+            rate, old = tokens / seconds, self.prefill_tokens_per_second
+            self.prefill_tokens_per_second = rate if old is None else old + 0.3 * (rate - old)
+
+    def fetch(self, key: CacheKey, prompt: Sequence[int]) -> tuple[list[Any] | None, int]:
+        """A private copy of the KV of the longest known prefix of `prompt`, and its length.
+
+        At least the prompt's last token is left to compute (its logits give the first token).
+        """
+        tokens = as_tokens(prompt[:-1])
+        match = self.memory.best_match(key, tokens)
+        in_memory = match.length if match is not None else 0
+        if self.disk is not None:
+            stored = self.disk.best_match(key_digest(*key), tokens, in_memory)
+            if stored is not None and self.disk.worth_loading(stored[0], stored[1] - in_memory,
+                                                               self.prefill_tokens_per_second):
+                cache = self.disk.load(stored[0])
+                if cache is not None:
+                    entry, shared = stored
+                    if shared < len(entry.tokens):
+                        trim_prompt_cache(cache, len(entry.tokens) - shared)
+                    self.hits["disk"] += 1
+                    return cache, shared
+        if match is None:
+            return None, 0
+        self.hits["memory"] += 1
+        return self.memory.take(match), match.length
+
+    def insert(self, key: CacheKey, tokens: Sequence[int], cache: list[Any]) -> None:
+        self.memory.insert(key, tokens, cache)
+
+    def spill_all(self) -> int:
+        """Empties memory into the disk tier (a model switch, a clean shutdown); returns files written."""
+        held = self.memory.clear()
+        if self.disk is None:
+            return 0
+        written = sum(1 for entry in held if self._spill(entry))
+        if written:
+            log.info("prompt cache: %d of %d entries written to %s", written, len(held), self.disk.directory)
+        return written
+
+    def _spill(self, entry: Entry) -> bool:
+        if self.disk is None:
+            return False
+        return self.disk.store(key_digest(*entry.key), entry.tokens, entry.cache, can_trim_prompt_cache(entry.cache))
+
+    def stats(self) -> dict[str, int]:
+        found = {"prompt_cache_entries": len(self.memory), "prompt_cache_bytes": self.memory.nbytes,
+                 "prompt_cache_memory_hits": self.hits["memory"], "prompt_cache_disk_loads": self.hits["disk"]}
+        return {**found, **(self.disk.stats() if self.disk is not None else {})}

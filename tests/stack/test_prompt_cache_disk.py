@@ -1,0 +1,89 @@
+"""`--prompt-cache-dir`: prefixes survive an engine restart and a model switch (real engined + gunicorn).
+
+A ~4,000-token conversation is answered, the engine stops (SIGTERM) and starts again on the
+same directory: the next turn takes ≥ 95% of its prompt from disk, and its greedy answer is
+exactly a cold engine's. A damaged file is skipped with a log line, never served.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from model_builders.text import build_model
+from tests.helpers import client_for, running_stack
+
+SYSTEM = "You maintain a large service. Runbook: " + " ".join(
+    f"step {i}: check the {w} and write down what you saw." for i, w in
+    enumerate(["disk", "queue", "latency", "errors", "memory", "network", "cache", "replicas"] * 12))
+
+
+def turns(model: str) -> tuple[list[dict], list[dict]]:
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What comes first?"}]
+    return first, first + [{"role": "assistant", "content": "The disk."}, {"role": "user", "content": "Then?"}]
+
+
+def ask(frontend, model: str, messages: list[dict]):
+    return client_for(frontend).chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+
+
+def stats(frontend) -> dict:
+    return httpx.get(f"{frontend.base_url}/stats", timeout=10).json()
+
+
+def test_prefixes_survive_a_restart_and_damaged_files_are_skipped(tiny_model: Path, ipc_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    cache_dir, model = tmp_path / "kv", str(tiny_model)
+    for run in "abcd":
+        (tmp_path / run).mkdir()
+    first, second = turns(model)
+    args = ["--prompt-cache-dir", str(cache_dir)]
+    with running_stack(f"ipc://{ipc_dir}/disk-a.sock", tmp_path / "a", model=model, engine_args=args) as (_, fe):
+        opening = ask(fe, model, first)
+        assert opening.usage.prompt_tokens >= 1000
+    assert list(cache_dir.glob("*.safetensors"))  # the clean stop wrote the hot prefixes
+
+    with running_stack(f"ipc://{ipc_dir}/disk-b.sock", tmp_path / "b", model=model, engine_args=args) as (_, fe):
+        restored = ask(fe, model, second)
+        assert restored.usage.prompt_tokens_details.cached_tokens >= 0.95 * opening.usage.prompt_tokens
+        assert stats(fe)["prompt_cache_disk_loads"] == 1
+
+    for path in cache_dir.glob("*.safetensors"):  # damage every file in the middle
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    with running_stack(f"ipc://{ipc_dir}/disk-c.sock", tmp_path / "c", model=model, engine_args=args) as (engine, fe):
+        recovered = ask(fe, model, second)
+        assert recovered.usage.prompt_tokens_details.cached_tokens == 0
+        assert stats(fe)["prompt_cache_disk_corrupt"] >= 1
+        assert "is damaged" in engine.log()
+
+    with running_stack(f"ipc://{ipc_dir}/disk-d.sock", tmp_path / "d", model=model) as (_, fe):
+        cold = ask(fe, model, second)  # no disk tier: the reference
+    assert restored.choices[0].message.content == cold.choices[0].message.content
+    assert recovered.choices[0].message.content == cold.choices[0].message.content
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("other") / "tiny-seed1", size="tiny", seed=1)
+
+
+def test_a_switch_back_finds_the_prefixes_on_disk(tiny_model: Path, other_model: Path, ipc_dir: Path,
+                                                  tmp_path: Path) -> None:
+    model_a, model_b = str(tiny_model), str(other_model)
+    first, second = turns(model_a)
+    with running_stack(f"ipc://{ipc_dir}/disk-s.sock", tmp_path, model=model_a,
+                       engine_args=["--prompt-cache-dir", str(tmp_path / "kv"), "--model-switch-delay", "0",
+                                    "--model-dir", str(other_model.parent)]) as (_, fe):
+        opening = ask(fe, model_a, first)
+        ask(fe, model_b, first)  # A's prefixes go to disk as B loads
+        back = ask(fe, model_a, second)
+        assert back.usage.prompt_tokens_details.cached_tokens >= 0.95 * opening.usage.prompt_tokens
+        assert stats(fe)["prompt_cache_disk_loads"] >= 1
+        assert stats(fe)["model_loads"] == 3  # A, B, A again: the KV came from disk, not from memory
+        metrics = httpx.get(f"{fe.base_url}/metrics", timeout=10).text
+        assert 'mlx_engine_prefix_cache_hits_total{tier="disk"' in metrics
+        assert "mlx_engine_prompt_cache_disk_bytes" in metrics

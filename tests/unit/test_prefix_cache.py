@@ -1,0 +1,133 @@
+"""The prefix cache's tiers without processes: real mlx KV caches, a temporary directory."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from engine_daemon.prefix_cache.disk import DiskTier, key_digest
+from engine_daemon.prefix_cache.memory import MemoryTier
+from engine_daemon.prefix_cache.tiered import PrefixCache, model_identity
+
+KEY = ("model-identity", None)
+
+
+def kv(tokens: int, seed: int = 0, layers: int = 2) -> list[KVCache]:
+    """A two-layer KV cache holding `tokens` positions of seeded random keys/values."""
+    caches = []
+    for layer in range(layers):
+        cache = KVCache()
+        keys = mx.random.normal((1, 2, tokens, 32), key=mx.random.key(seed * 10 + layer))
+        cache.update_and_fetch(keys, keys * 2)
+        caches.append(cache)
+    return caches
+
+
+def same(a: list[KVCache], b: list[KVCache], length: int) -> bool:
+    return all(x.offset == y.offset == length and mx.array_equal(x.state[0], y.state[0]).item() for x, y in zip(a, b))
+
+
+def test_memory_tier_reuses_the_longest_prefix_and_trims_longer_entries() -> None:
+    tier = MemoryTier(max_entries=8, max_bytes=1 << 40)
+    tier.insert(KEY, list(range(100)), kv(100))
+    tier.insert(KEY, list(range(300)), kv(300, seed=1))  # its prefixes are dropped: it serves them
+    assert len(tier) == 1
+    match = tier.best_match(KEY, np.arange(200, dtype=np.int32))
+    assert match is not None and match.length == 200
+    cache = tier.take(match)
+    assert cache[0].offset == 200 and tier.entries()[0].cache[0].offset == 300  # a copy was cut, not the entry
+    assert tier.best_match(("other model", None), np.arange(200, dtype=np.int32)) is None
+
+
+def test_memory_tier_evicts_least_recently_used_into_the_callback() -> None:
+    evicted: list[int] = []
+    tier = MemoryTier(max_entries=2, max_bytes=1 << 40, on_evict=lambda e: evicted.append(int(e.tokens[0])))
+    for start in (1000, 2000, 3000):
+        tier.insert(KEY, list(range(start, start + 10)), kv(10))
+    assert evicted == [1000] and len(tier) == 2
+
+
+def test_disk_round_trip_and_stale_keys(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    original = kv(400)
+    assert disk.store(key_digest("weights-a", None), np.arange(400, dtype=np.int32), original, trimmable=True)
+    fresh = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)  # another process, later
+    prompt = np.arange(1000, dtype=np.int32)
+    found = fresh.best_match(key_digest("weights-a", None), prompt, at_least=0)
+    assert found is not None and found[1] == 400
+    assert same(fresh.load(found[0]), original, 400)
+    # Other weights (changed files: another identity) or another adapter never match.
+    assert fresh.best_match(key_digest("weights-b", None), prompt, at_least=0) is None
+    assert fresh.best_match(key_digest("weights-a", "/adapters/x"), prompt, at_least=0) is None
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_file_is_skipped_and_deleted(tmp_path: Path, damage: str) -> None:
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    disk.store(key_digest("w", None), np.arange(300, dtype=np.int32), kv(300), trimmable=True)
+    (path,) = tmp_path.glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[: len(data) - 100]
+    path.write_bytes(bytes(data))
+    found = disk.best_match(key_digest("w", None), np.arange(500, dtype=np.int32), at_least=0)
+    assert found is not None and disk.load(found[0]) is None
+    assert disk.corrupt == 1 and not path.exists() and len(disk) == 0
+
+
+def test_the_byte_cap_holds(tmp_path: Path) -> None:
+    one = DiskTier(tmp_path / "probe", max_bytes=1 << 30, min_tokens=16)
+    one.store("k", np.arange(300, dtype=np.int32), kv(300), trimmable=True)
+    size = one.nbytes()
+    disk = DiskTier(tmp_path / "capped", max_bytes=int(size * 3.5), min_tokens=16)
+    for i in range(8):
+        disk.store("k", np.arange(i * 1000, i * 1000 + 300, dtype=np.int32), kv(300, seed=i), trimmable=True)
+        assert disk.nbytes() <= disk.max_bytes
+        assert sum(p.stat().st_size for p in (tmp_path / "capped").iterdir()) <= disk.max_bytes
+    assert len(disk) == 3
+
+
+def test_two_engines_sharing_a_directory_do_not_corrupt_each_other(tmp_path: Path) -> None:
+    tiers = [DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16) for _ in range(2)]
+    originals = {i: kv(200, seed=i) for i in range(6)}
+    mx.eval([c.state for caches in originals.values() for c in caches])
+
+    def write(tier: DiskTier, ids: range) -> None:
+        for i in ids:
+            tier.store("k", np.arange(i * 500, i * 500 + 200, dtype=np.int32), originals[i], trimmable=True)
+
+    threads = [threading.Thread(target=write, args=(tiers[0], range(0, 6))),
+               threading.Thread(target=write, args=(tiers[1], range(3, 6)))]  # the same entries, at once
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    reader = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    assert not list(tmp_path.glob(".*"))  # no temporary file left behind
+    for i, original in originals.items():
+        found = reader.best_match("k", np.arange(i * 500, i * 500 + 400, dtype=np.int32), at_least=0)
+        assert found is not None and same(reader.load(found[0]), original, 200)
+    assert reader.corrupt == 0
+
+
+def test_tiers_together_and_the_identity_of_weights(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    identity = model_identity(model)
+    cache = PrefixCache(max_entries=1, max_bytes=1 << 40, disk=DiskTier(tmp_path / "disk", 1 << 30, min_tokens=16))
+    key = (identity, None)
+    cache.insert(key, list(range(300)), kv(300))
+    cache.insert(key, list(range(5000, 5300)), kv(300, seed=3))  # evicts the first one to disk
+    found, length = cache.fetch(key, list(range(400)))
+    assert length == 300 and found[0].offset == 300 and cache.hits["disk"] == 1
+    assert cache.spill_all() == 1 and len(cache) == 0
+    (model / "model.safetensors").write_bytes(b"new weights!")
+    assert model_identity(model) != identity  # changed weights: their old prefixes are never served
