@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "system messages and the last 6 messages and has the model summarise the rest. "
                              "Reported in the X-Context-Overflow header and usage.context_overflow. "
                              "[MLX_ENGINE_CONTEXT_OVERFLOW] (default: %(default)s)")
+    parser.add_argument("--max-tokens-overflow", choices=("clamp", "error"),
+                        default=os.environ.get("MLX_ENGINE_MAX_TOKENS_OVERFLOW", "clamp"),
+                        help="a request whose max_tokens does not fit in the context window after its prompt: "
+                             "'clamp' lowers it to what the window has left (agents such as Claude Code ask for "
+                             "128000 whatever the model), 'error' answers 400 context_length_exceeded as OpenAI "
+                             "does. A prompt that alone fills the window follows --context-overflow. "
+                             "[MLX_ENGINE_MAX_TOKENS_OVERFLOW] (default: %(default)s)")
     parser.add_argument("--idle-unload", type=float, default=_env_float("MLX_ENGINE_IDLE_UNLOAD"), metavar="SECONDS",
                         help="unload the model after this many seconds without requests (frees its memory; the "
                              "next request loads it again). Default: never. [MLX_ENGINE_IDLE_UNLOAD]")
@@ -318,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         model_fallback=args.model_fallback,
         allow_download=args.allow_download,
         default_max_tokens=args.default_max_tokens,
+        max_tokens_overflow=args.max_tokens_overflow,
         sampling_defaults=defaults,
         prefill_step_size=args.prefill_step_size,
         interleave_prefill_tokens=args.interleave_prefill_tokens,

@@ -24,6 +24,8 @@ class SchedulerConfig:
     model_fallback: str | None = None
     allow_download: bool = False
     default_max_tokens: int = 4096
+    # A max_tokens past the context window: `clamp` to what is left (agents' habit) or `error` (OpenAI's).
+    max_tokens_overflow: str = "clamp"
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     prefill_step_size: int = 2048
     # Prompt tokens per step while other requests decode; 0 = paced by measurement (PrefillPacer).

@@ -9,6 +9,7 @@ surface before the first token.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -23,6 +24,7 @@ from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.structured import constraint_for
 from engine_daemon.sampling.thinking import make_thinking_budget, prompt_in_thinking
 
+log = logging.getLogger(__name__)
 
 def settle_max_tokens(loaded: LoadedModel, prompt_len: int, requested: int | None, default: int) -> int:
     """max_tokens for a request, or RequestError when the context window cannot hold it."""
@@ -45,6 +47,22 @@ def settle_max_tokens(loaded: LoadedModel, prompt_len: int, requested: int | Non
                            f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, "
                            f"{requested} in the completion)", param="max_tokens")
     return requested
+
+
+def clamp_to_window(request: EngineRequest, loaded: LoadedModel) -> None:
+    """`--max-tokens-overflow clamp`: a max_tokens past the window becomes what the window has left.
+
+    Why: agents ask for their vendor model's whole output budget whatever model answers (Claude
+    Code sends `max_tokens: 128000` with every request), which no local window holds; OpenAI
+    would refuse, but the client users run wins. A prompt that alone fills the window is still
+    refused (or truncated / summarized per --context-overflow).
+    """
+    window, requested, prompt_len = loaded.context_window, request.params.get("max_tokens"), len(request.prompt_tokens)
+    if not window or not isinstance(requested, int) or prompt_len >= window or prompt_len + requested <= window:
+        return
+    request.body["params"] = {**request.params, "max_tokens": window - prompt_len}
+    log.info("rid=%s max_tokens %d clamped to %d: the %d-token window holds a %d-token prompt", request.rid,
+             requested, window - prompt_len, window, prompt_len)
 
 
 def resolve_sampling(loaded: LoadedModel, params: dict[str, Any], server_defaults: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +157,7 @@ def prepared_tokens(request: EngineRequest, loaded: LoadedModel) -> list[int]:
 
 def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int,
             server_defaults: dict[str, Any],
-            stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_LENGTH)) -> None:
+            stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_LENGTH), clamp_max_tokens: bool = True) -> None:
     """Fills in prompt, limits, sampling and decoding state; raises RequestError to refuse."""
     request.model_id = loaded.ref.id
     check_params(request.params)
@@ -149,6 +167,8 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
         check_token_ids(request.prompt_tokens, loaded.vocab_size)
     # models-config max_tokens default; --context-overflow truncate/summarize (fit_context)
     default_max_tokens = loaded.profile.max_tokens or default_max_tokens
+    if clamp_max_tokens:
+        clamp_to_window(request, loaded)
     fit_context(request, loaded, default_max_tokens)
     try:
         request.max_tokens = settle_max_tokens(loaded, len(request.prompt_tokens),

@@ -196,7 +196,8 @@ class BaseScheduler:
         """Tokenises and checks the request against the loaded model; raises RequestError to refuse."""
         loaded = self.models.current
         prepare(request, loaded, self.config.default_max_tokens, self.config.sampling_defaults,
-                (self.config.max_stop_strings, self.config.max_stop_length))
+                (self.config.max_stop_strings, self.config.max_stop_length),
+                clamp_max_tokens=self.config.max_tokens_overflow == "clamp")
         # The adapter (a name, a path under --model-dir, or --adapter-path's) settles into its cache key here.
         request.body["adapter"] = self.adapters.admit(request.body.get("adapter"), loaded)
         budget = self.config.memory_budget_bytes

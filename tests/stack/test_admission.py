@@ -19,7 +19,7 @@ def strict_stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempP
     logs = tmp_path_factory.mktemp("strict")
     with running_stack(f"ipc://{ipc_dir}/strict.sock", logs, model=str(tiny_model), workers=2,
                        engine_args=["--decode-concurrency", "1", "--prompt-concurrency", "1", "--max-queued", "1",
-                                    "--memory-budget", "0.01"]) as (_, frontend):
+                                    "--memory-budget", "0.01", "--max-tokens-overflow", "error"]) as (_, frontend):
         yield frontend
 
 

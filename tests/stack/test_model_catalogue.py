@@ -193,8 +193,11 @@ def test_served_name_and_aliases(served: Frontend) -> None:
     assert first.usage.completion_tokens == 3 and first.choices[0].finish_reason == "length"
     assert first.choices[0].message.content == second.choices[0].message.content  # greedy by the alias' default
     assert small(max_tokens=6).usage.completion_tokens == 6  # a request's own value still wins
+    clamped = small(max_tokens=2000)  # past the 1024-token window: lowered to what it has left (agents' habit)
+    assert clamped.usage.prompt_tokens + clamped.usage.completion_tokens == 1024
+    assert clamped.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError) as refused:
-        small(max_tokens=2000)
+        client.chat.completions.create(model="small", messages=[{"role": "user", "content": "word " * 1100}])
     assert refused.value.body["code"] == "context_length_exceeded" and "1024" in refused.value.body["message"]
     tokenized = httpx.post(f"{served.base_url}/v1/tokenize", json={"prompt": "hi"}, timeout=30).json()
     assert tokenized["max_model_len"] == 1024
