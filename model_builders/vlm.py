@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from model_builders.ending import chain_tokens, make_it_end
 from model_builders.files import (
     BUILD_INFO_KEY,
     MARKER_KEY,
@@ -197,7 +198,7 @@ def _preprocessor_config(size: str) -> dict:
     }
 
 
-def _model_config(size: str, seed: int) -> dict:
+def _model_config(size: str, seed: int, ends_after: int | None = None, context_window: int | None = None) -> dict:
     """The full config.json (minus the file manifest); also the idempotency key."""
     if size not in VLM_PRESETS:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(VLM_PRESETS)}")
@@ -245,7 +246,25 @@ def _model_config(size: str, seed: int) -> dict:
             "note": "RANDOM WEIGHTS, NOT A TRAINED MODEL. Built by model_builders.vlm.",
         },
     }
+    if ends_after is not None:  # replies end after `ends_after` words (`model_builders.ending`): an untied output
+        if isinstance(ends_after, bool) or not isinstance(ends_after, int) or not 1 <= ends_after < 48:
+            raise ValueError(f"ends_after must be an int in 1..47, got {ends_after!r}")
+        config["tie_word_embeddings"] = False
+        config[BUILD_INFO_KEY]["ends_after"] = ends_after
+    if context_window is not None:  # mRoPE has no position table: only the advertised window changes
+        if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 256:
+            raise ValueError(f"context_window must be an int >= 256, got {context_window!r}")
+        config["max_position_embeddings"] = context_window
     return dict(sorted(config.items()))
+
+
+def _make_language_model_end(weights: dict, config: dict, tokenizer_json: str, ends_after: int, seed: int) -> None:
+    """`model_builders.ending.make_it_end` applied to the VLM's language model (its weights under `language_model.`)."""
+    prefix = "language_model."
+    text = {name[len(prefix):]: w for name, w in weights.items() if name.startswith(prefix)}
+    end_token = next(t["id"] for t in json.loads(tokenizer_json)["added_tokens"] if t["content"] == IM_END)
+    make_it_end(text, config, chain_tokens(tokenizer_json, ends_after), end_token, seed)
+    weights.update({prefix + name: w for name, w in text.items()})
 
 
 def _generation_config(config: dict) -> dict:
@@ -328,19 +347,25 @@ Rebuild with:
 """
 
 
-def build_vlm(out_dir: str | Path, size: str = "tiny", seed: int = 0) -> Path:
+def build_vlm(out_dir: str | Path, size: str = "tiny", seed: int = 0, ends_after: int | None = None,
+              context_window: int | None = None) -> Path:
     """Writes the model directory and returns its path (idempotent, like ``build_model``).
 
     A directory that already holds a complete build of the same seed and builder version
     is returned as is; a config.json not written by a builder is never overwritten.
+    `ends_after` and `context_window` mean what they mean for `model_builders.text.build_model`.
     """
     out_dir = Path(out_dir).expanduser().resolve()
-    config = _model_config(size, seed)
+    config = _model_config(size, seed, ends_after, context_window)
 
     def write_payload(out: Path) -> None:
-        n_params = save_weights(out, _random_weights(config, seed))
         text_vocab = VLM_PRESETS[size]["text"]["vocab_size"]
-        atomic_write_bytes(out / "tokenizer.json", _tokenizer_json(text_vocab).encode())
+        tokenizer_json = _tokenizer_json(text_vocab)
+        weights = _random_weights(config, seed)
+        if ends_after is not None:
+            _make_language_model_end(weights, config, tokenizer_json, ends_after, seed)
+        n_params = save_weights(out, weights)
+        atomic_write_bytes(out / "tokenizer.json", tokenizer_json.encode())
         atomic_write_json(out / "tokenizer_config.json",
                            _tokenizer_config(text_vocab, config["max_position_embeddings"]))
         atomic_write_json(out / "special_tokens_map.json", _special_tokens_map())
@@ -363,10 +388,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(VLM_PRESETS), default="tiny",
                         help="tiny (tests) or bench (benchmarks) (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: %(default)s)")
+    parser.add_argument("--ends-after", type=int, metavar="N",
+                        help="end every reply after N word tokens (as engined-build-model --ends-after)")
+    parser.add_argument("--context-window", type=int, metavar="TOKENS",
+                        help="the context window the model advertises (default 32768)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        path = build_vlm(args.out_dir, size=args.size, seed=args.seed)
+        path = build_vlm(args.out_dir, size=args.size, seed=args.seed, ends_after=args.ends_after,
+                         context_window=args.context_window)
     except (ValueError, FileExistsError) as exc:
         parser.error(str(exc))
     print(path)
