@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import falcon.asgi
@@ -31,9 +31,10 @@ from http_frontend.openai.responses_items import (
     parse_reasoning,
     parse_text_format,
     parse_tool_choice,
-    parse_tools,
+    tools_of,
 )
 from http_frontend.openai.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
+from http_frontend.openai.responses_tools import ToolCatalog
 from http_frontend.parsing.body import get_field, read_json_object
 from http_frontend.parsing.generation_fields import parse_reasoning as chat_reasoning
 from http_frontend.parsing.media import MediaCollector
@@ -71,6 +72,7 @@ class ResponsesRequest:
     store: bool
     input_items: list[dict[str, Any]]  # this request's input as Responses items, for GET …/input_items
     owner: str | None = None  # the caller's key digest (`Caller.client`): only it may read the stored response
+    tools: ToolCatalog = field(default_factory=ToolCatalog)  # offered tools' origins (namespaces, custom)
 
 
 def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | None,
@@ -88,7 +90,8 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
     value = body.get("input")
     if value is None and previous is None:
         raise bad_request("Missing required parameter: 'input'", param="input", code="missing_required_parameter")
-    messages = parse_input(value, max_items, media) if value is not None else []
+    catalog = tools_of(body)
+    messages = parse_input(value, max_items, media, catalog) if value is not None else []
     params = parse_sampling(body, *stop_limits)
     max_output = get_field(body, "max_output_tokens", (int,), minimum=1, maximum=2**31 - 1)
     if max_output is not None:
@@ -98,8 +101,8 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
             "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         raise bad_request(f"Invalid value for '{name}': {params['max_tokens']} is greater than this server's "
                           f"limit of {max_tokens_limit}", param=name, code="max_tokens_exceeded")
-    tools = parse_tools(body.get("tools"))
-    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    tools = catalog.tools or None
+    tool_choice = parse_tool_choice(body.get("tool_choice"), catalog)
     parallel = get_field(body, "parallel_tool_calls", (bool,))
     response_format = parse_text_format(body.get("text"))
     effort = parse_reasoning(body.get("reasoning"))
@@ -128,7 +131,7 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
     }
     return ResponsesRequest(messages, instructions, previous, {k: v for k, v in engine.items() if v is not None},
                             echo, get_field(body, "stream", (bool,), default=False), echo["store"],
-                            input_item_list(value))
+                            input_item_list(value), tools=catalog)
 
 
 def packed_size(value: Any) -> int:
@@ -192,6 +195,8 @@ class Responses(GenerationRoute):
         request = parse_request(body, self.settings.max_messages, self.settings.max_tokens_limit, collector,
                                 (self.settings.max_stop_strings, self.settings.max_stop_length))
         request = replace(request, owner=caller_of(req).client)
+        if request.tools.ignored:  # hosted tools the engine cannot run: left out, and said so
+            resp.set_header("X-Ignored-Tools", ",".join(dict.fromkeys(request.tools.ignored)))
         history: list[dict[str, Any]] = []
         media: list[dict[str, Any]] = []  # the conversation's images and audio, earlier turns' included
         if request.previous_response_id is not None:
@@ -219,7 +224,7 @@ class Responses(GenerationRoute):
     def _builder(meta: dict[str, Any], request: ResponsesRequest) -> ResponseBuilder:
         response_id = "resp_" + meta["id"].split("-", 1)[1]
         return ResponseBuilder({"id": response_id, "created_at": meta["created"], "model": meta["model"],
-                                **request.echo})
+                                **request.echo}, request.tools.origins)
 
     async def _store(self, builder: ResponseBuilder, request: ResponsesRequest, conversation: list[dict[str, Any]],
                      media: list[dict[str, Any]]) -> None:

@@ -8,17 +8,31 @@ and `reasoning.effort` steers the template's thinking switch. Every refusal is a
 
 from __future__ import annotations
 
+import json
+import logging
 import uuid
 from typing import Any
 
 from http_frontend.errors import bad_request
-from http_frontend.parsing.generation_fields import REASONING_EFFORTS, check_tool_count, function_tool, unique_tools
+from http_frontend.openai.responses_tools import ToolCatalog, build_catalog
+from http_frontend.parsing.generation_fields import REASONING_EFFORTS
 from http_frontend.parsing.media import MediaCollector
+
+log = logging.getLogger(__name__)
 
 MESSAGE_ROLES = {"user", "assistant", "system", "developer"}
 TEXT_PARTS = {"input_text", "output_text"}
 MEDIA_PARTS = {"input_image", "input_audio"}  # Responses' names for what MediaCollector takes
 TOOL_CHOICE_MODES = {"none", "auto", "required"}
+# Items agents replay that carry nothing the model could use here: hosted tools' calls (their
+# results live at the provider), encrypted compaction summaries, searches of tool catalogues,
+# references to items stored at OpenAI, Codex's local snapshots. Skipped, with a debug line.
+SKIPPED_ITEMS = frozenset({
+    "web_search_call", "compaction", "compaction_summary", "tool_search_call", "tool_search_output",
+    "image_generation_call", "code_interpreter_call", "file_search_call", "computer_call", "computer_call_output",
+    "mcp_list_tools", "mcp_call", "mcp_approval_request", "mcp_approval_response", "item_reference",
+    "ghost_snapshot",
+})
 # Efforts that ask for no thinking: templates that can switch it off get enable_thinking=false.
 NO_THINKING_EFFORTS = {"none", "minimal"}
 
@@ -74,7 +88,10 @@ def _content(content: Any, param: str, role: str = "", media: MediaCollector | N
 
 
 def _output_text(output: Any, param: str) -> str:
-    """A function_call_output's `output`: a string or input_text parts."""
+    """A function_call_output's `output`: a string or input_text parts (an image part is named, not shown)."""
+    if isinstance(output, list):
+        output = [{"type": "input_text", "text": "[image]"} if isinstance(p, dict) and p.get("type") in MEDIA_PARTS
+                  else p for p in output]
     return _content(output, param)
 
 
@@ -118,8 +135,23 @@ class _Conversation:
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
 
 
-def parse_input(value: Any, max_items: int, media: MediaCollector | None = None) -> list[dict[str, Any]]:
-    """`input` (a string or a list of items) as chat messages; images and audio go to `media`."""
+def tools_of(body: dict[str, Any]) -> ToolCatalog:
+    """`tools` and every `additional_tools` input item (Codex's "Responses lite") as one catalogue."""
+    lists: list[tuple[Any, str]] = [(body.get("tools"), "tools")]
+    items = body.get("input")
+    if isinstance(items, list):
+        lists += [(item.get("tools"), f"input[{i}].tools") for i, item in enumerate(items)
+                  if isinstance(item, dict) and item.get("type") == "additional_tools"]
+    return build_catalog(lists)
+
+
+def parse_input(value: Any, max_items: int, media: MediaCollector | None = None,
+                catalog: ToolCatalog | None = None) -> list[dict[str, Any]]:
+    """`input` (a string or a list of items) as chat messages; images and audio go to `media`.
+
+    Replayed calls are named as the model was offered them (`ToolCatalog.offered_name`).
+    """
+    catalog = catalog or ToolCatalog()
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
@@ -141,14 +173,29 @@ def parse_input(value: Any, max_items: int, media: MediaCollector | None = None)
                                   f"{sorted(MESSAGE_ROLES)}", param=f"{where}.role")
             conversation.add_message(role, _content(item.get("content"), f"{where}.content", role, media))
         elif kind == "function_call":
+            namespace = _string(item.get("namespace"), f"{where}.namespace", required=False)
             conversation.add_call(_string(item.get("call_id"), f"{where}.call_id"),
-                                  _string(item.get("name"), f"{where}.name"),
+                                  catalog.offered_name(_string(item.get("name"), f"{where}.name"), namespace),
                                   _string(item.get("arguments"), f"{where}.arguments"))
-        elif kind == "function_call_output":
+        elif kind == "custom_tool_call":
+            namespace = _string(item.get("namespace"), f"{where}.namespace", required=False)
+            conversation.add_call(_string(item.get("call_id"), f"{where}.call_id"),
+                                  catalog.offered_name(_string(item.get("name"), f"{where}.name"), namespace),
+                                  json.dumps({"input": _string(item.get("input"), f"{where}.input")},
+                                             ensure_ascii=False))
+        elif kind == "local_shell_call":
+            call_id = item.get("call_id") or item.get("id")
+            conversation.add_call(_string(call_id, f"{where}.call_id"), "local_shell",
+                                  json.dumps(item.get("action") or {}, ensure_ascii=False))
+        elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
             conversation.add_result(_string(item.get("call_id"), f"{where}.call_id"),
                                     _output_text(item.get("output"), f"{where}.output"))
         elif kind == "reasoning":
             conversation.pending_reasoning = _reasoning_text(item)
+        elif kind == "additional_tools":
+            continue  # its tools joined the request's (`tools_of`)
+        elif isinstance(kind, str) and kind in SKIPPED_ITEMS:
+            log.debug("%s: a %s item carries nothing for the model here: skipped", where, kind)
         else:
             raise bad_request(f"Input items of type {kind!r} are not supported", param=f"{where}.type",
                               code="unsupported_parameter")
@@ -166,48 +213,38 @@ def name_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def parse_tools(value: Any) -> list[dict[str, Any]] | None:
-    """Responses function tools -> chat function tools; other tool types are refused.
+def parse_tool_choice(value: Any, catalog: ToolCatalog) -> str | dict[str, Any] | None:
+    """A Responses `tool_choice` in chat's shape: a mode, or the one function (or custom tool) to call.
 
-    Names follow the chat route's rules (generation_fields), so both routes accept the same tools.
+    Objects name a mode too (`{"type": "required"}` from LiteLLM; `any` is Anthropic's
+    `required`); `allowed_tools` keeps its mode (the tool list stays whole); a hosted
+    tool's type (`{"type": "web_search_preview"}`) is `auto`: that tool is not offered.
     """
     if value is None:
         return None
-    if not isinstance(value, list):
-        raise _invalid_type("tools", "an array of tools")
-    check_tool_count(value)
-    tools = []
-    for index, tool in enumerate(value):
-        where = f"tools[{index}]"
-        if not isinstance(tool, dict):
-            raise _invalid_type(where, "an object")
-        if tool.get("type") != "function":
-            raise bad_request(f"Invalid '{where}': tools of type {tool.get('type')!r} are not supported; only "
-                              f"'function' tools are", param=where, code="unsupported_parameter")
-        tools.append(function_tool(tool, where))
-    return unique_tools(tools)
-
-
-def parse_tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:
-    """"none" | "auto" | "required" | {"type": "function", "name"} in chat's shape."""
-    if value is None:
-        return None
+    tools = catalog.tools
+    kind = value.get("type") if isinstance(value, dict) else None
+    if isinstance(kind, str) and kind in (*TOOL_CHOICE_MODES, "any"):
+        value = "required" if kind == "any" else kind
+    elif kind == "allowed_tools":
+        mode = value.get("mode")
+        value = mode if isinstance(mode, str) and mode in TOOL_CHOICE_MODES else "auto"
+    elif isinstance(kind, str) and kind not in ("function", "custom"):
+        value = "auto"  # a hosted tool's type: that tool is not offered
     if isinstance(value, str):
         if value not in TOOL_CHOICE_MODES:
             raise bad_request(f"Invalid value for 'tool_choice': {value!r}; expected one of "
                               f"{sorted(TOOL_CHOICE_MODES)} or a function", param="tool_choice")
         choice: str | dict[str, Any] = value
-    elif isinstance(value, dict) and value.get("type") == "function":
+    elif isinstance(value, dict):
         name = value.get("name")
         if not isinstance(name, str) or not name:
-            raise bad_request("'tool_choice' of type 'function' needs a 'name'", param="tool_choice")
-        if name not in {t["function"]["name"] for t in tools or ()}:
-            raise bad_request(f"'tool_choice' names the function {name!r}, which is not in 'tools'",
-                              param="tool_choice")
-        choice = {"type": "function", "function": {"name": name}}
-    elif isinstance(value, dict):
-        raise bad_request(f"tool_choice of type {value.get('type')!r} is not supported", param="tool_choice",
-                          code="unsupported_parameter")
+            raise bad_request(f"'tool_choice' of type {value.get('type')!r} needs a 'name'", param="tool_choice")
+        offered = catalog.offered_name(name, value.get("namespace") if isinstance(value.get("namespace"), str)
+                                       else None)
+        if offered not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"'tool_choice' names the tool {name!r}, which is not in 'tools'", param="tool_choice")
+        choice = {"type": "function", "function": {"name": offered}}
     else:
         raise _invalid_type("tool_choice", "a string or an object")
     if choice == "required" and not tools:

@@ -18,6 +18,7 @@ from typing import Any
 
 from http_frontend.engine.client import Update
 from http_frontend.errors import APIError
+from http_frontend.openai.responses_tools import ToolOrigin, custom_input
 
 Event = dict[str, Any]
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
@@ -41,9 +42,11 @@ def response_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
 class ResponseBuilder:
     """Feeds on merged engine updates; returns the events each one causes."""
 
-    def __init__(self, base: dict[str, Any]):
+    def __init__(self, base: dict[str, Any], origins: dict[str, ToolOrigin] | None = None):
         # `base`: the response object's fixed fields (id, model, echoed request settings).
         self.base = base
+        # Offered tool name -> what it is to the client (a namespace's function, a custom tool).
+        self.origins = origins or {}
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message item receiving text
@@ -147,19 +150,47 @@ class ResponseBuilder:
     def _call(self, call: dict[str, Any]) -> list[Event]:
         """A complete tool call from the engine: its item, arguments in one delta, and its `.done`s."""
         arguments = call.get("arguments") or ""
+        offered = call.get("name", "")
+        origin = self.origins.get(offered)
+        if origin is not None and origin.kind == "custom":
+            return self._custom_call(call, origin, arguments)
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
-                "call_id": call.get("id") or new_id("call"), "name": call.get("name", "")}
+                "call_id": call.get("id") or new_id("call"), "name": origin.name if origin else offered}
+        if origin is not None and origin.namespace:
+            item["namespace"] = origin.namespace  # Codex runs {"name", "namespace"}, not a joined name
+        item["_offered"] = offered
         self.output.append(item)
         self.calls.append(item)
         index = len(self.output) - 1
-        events = [self._event("response.output_item.added", output_index=index, item=dict(item)),
+        events = [self._event("response.output_item.added", output_index=index, item=_public(item)),
                   self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                               delta=arguments),
                   self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                               arguments=arguments)]
         item["arguments"] = arguments
         item["status"] = "completed"
-        events.append(self._event("response.output_item.done", output_index=index, item=item))
+        events.append(self._event("response.output_item.done", output_index=index, item=_public(item)))
+        return events
+
+    def _custom_call(self, call: dict[str, Any], origin: ToolOrigin, arguments: str) -> list[Event]:
+        """A custom tool's call: a `custom_tool_call` item whose `input` is the raw text, with its events."""
+        text = custom_input(arguments)
+        item = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress", "input": "",
+                "call_id": call.get("id") or new_id("call"), "name": origin.name}
+        if origin.namespace:
+            item["namespace"] = origin.namespace
+        item["_offered"], item["_arguments"] = call.get("name", ""), arguments
+        self.output.append(item)
+        self.calls.append(item)
+        index = len(self.output) - 1
+        events = [self._event("response.output_item.added", output_index=index, item=_public(item)),
+                  self._event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
+                              delta=text),
+                  self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                              input=text)]
+        item["input"] = text
+        item["status"] = "completed"
+        events.append(self._event("response.output_item.done", output_index=index, item=_public(item)))
         return events
 
     def _finish(self, finish_reason: str, usage: dict[str, int] | None) -> list[Event]:
@@ -191,6 +222,12 @@ class ResponseBuilder:
             message["reasoning_content"] = self.reasoning
         if self.calls:
             message["tool_calls"] = [{"id": c["call_id"], "type": "function",
-                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                      "function": {"name": c["_offered"],
+                                                   "arguments": c.get("_arguments", c.get("arguments", ""))}}
                                      for c in self.calls]
         return message
+
+
+def _public(item: dict[str, Any]) -> dict[str, Any]:
+    """An item as clients see it: without the builder's own `_` fields."""
+    return {k: v for k, v in item.items() if not k.startswith("_")}

@@ -89,6 +89,9 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) 
     choice = get_field(body, "tool_choice", (str, dict))
     if choice is None:
         return None
+    if isinstance(choice, dict) and choice.get("type") in ("none", "auto", "required", "any"):
+        # The object form of a mode (LiteLLM sends {"type": "required"}); `any` is Anthropic's `required`.
+        choice = "required" if choice["type"] == "any" else choice["type"]
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise bad_request(f"Invalid value for 'tool_choice': {choice!r}; expected 'none', 'auto', 'required' "

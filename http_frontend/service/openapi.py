@@ -60,7 +60,8 @@ TOOL = obj({"type": {"type": "string", "enum": ["function"]},
             "function": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
                              "description": STRING, "parameters": ANY_OBJECT, "strict": BOOLEAN}, ("name",))},
            ("type", "function"))
-TOOL_CHOICE = {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+TOOL_CHOICE_MODE = obj({"type": {"type": "string", "enum": ["none", "auto", "required", "any"]}}, ("type",))
+TOOL_CHOICE = {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, TOOL_CHOICE_MODE,
                          obj({"type": {"type": "string", "enum": ["function"]},
                               "function": obj({"name": STRING}, ("name",))}, ("type", "function"))]}
 RESPONSE_FORMAT = obj({"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
@@ -150,7 +151,24 @@ TEXT_COMPLETION = obj({
 }, ("id", "object", "created", "model", "choices"))
 
 RESPONSES_INPUT_ITEM = obj({"type": STRING, "role": STRING, "content": {"oneOf": [STRING, arr(ANY_OBJECT)]},
-                            "call_id": STRING, "name": STRING, "arguments": STRING, "output": STRING})
+                            "call_id": STRING, "name": STRING, "namespace": STRING, "arguments": STRING,
+                            "input": STRING, "output": {"oneOf": [STRING, arr(ANY_OBJECT)]},
+                            "tools": arr(ANY_OBJECT), "action": ANY_OBJECT, "encrypted_content": STRING})
+RESPONSES_FUNCTION_TOOL = obj({"type": {"type": "string", "enum": ["function"]}, "name": STRING,
+                               "description": STRING, "parameters": ANY_OBJECT, "strict": BOOLEAN}, ("type", "name"))
+RESPONSES_CUSTOM_TOOL = obj({"type": {"type": "string", "enum": ["custom"]}, "name": STRING, "description": STRING,
+                             "format": obj({"type": {"type": "string", "enum": ["text", "grammar"]},
+                                            "syntax": {"type": "string", "enum": ["lark", "regex"]},
+                                            "definition": STRING}, ("type",))}, ("type", "name"))
+RESPONSES_TOOL = {"oneOf": [
+    RESPONSES_FUNCTION_TOOL, RESPONSES_CUSTOM_TOOL,
+    obj({"type": {"type": "string", "enum": ["namespace"]}, "name": STRING, "description": STRING,
+         "tools": arr({"oneOf": [RESPONSES_FUNCTION_TOOL, RESPONSES_CUSTOM_TOOL]})}, ("type", "name", "tools")),
+    {**obj({"type": {"type": "string", "enum": [
+        "web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+        "local_shell", "image_generation", "mcp", "tool_search"]}}, ("type",)),
+     "description": "Hosted tools: left out of the prompt and named in the X-Ignored-Tools header"},
+]}
 RESPONSES_REQUEST = obj({
     "model": STRING,
     "input": {"oneOf": [STRING, arr(RESPONSES_INPUT_ITEM, minItems=1)]},
@@ -161,12 +179,13 @@ RESPONSES_REQUEST = obj({
     "stream": nullable(BOOLEAN),
     "store": nullable(BOOLEAN),
     "previous_response_id": nullable(STRING),
-    "tools": nullable(arr(obj({"type": {"type": "string", "enum": ["function"]}, "name": STRING,
-                               "description": STRING, "parameters": ANY_OBJECT, "strict": BOOLEAN},
-                              ("type", "name")))),
-    "tool_choice": nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
-                                       obj({"type": {"type": "string", "enum": ["function"]}, "name": STRING},
-                                           ("type", "name"))]}),
+    "tools": nullable(arr(RESPONSES_TOOL)),
+    "tool_choice": nullable({"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, TOOL_CHOICE_MODE,
+                                       obj({"type": {"type": "string", "enum": ["function", "custom"]},
+                                            "name": STRING, "namespace": STRING}, ("type", "name")),
+                                       obj({"type": {"type": "string", "enum": ["allowed_tools"]},
+                                            "mode": {"type": "string", "enum": ["auto", "required"]},
+                                            "tools": arr(ANY_OBJECT)}, ("type",))]}),
     "text": nullable(obj({"format": obj({"type": {"type": "string",
                                                   "enum": ["text", "json_object", "json_schema"]},
                                          "name": STRING, "schema": ANY_OBJECT, "strict": BOOLEAN}, ("type",))})),

@@ -36,14 +36,6 @@ pytestmark = needs_node
 
 CODEX_VERSION = "0.169.0"
 
-# TODO(issue #14): remove once the Responses API accepts Codex's request: today 400
-# "Input items of type 'additional_tools' are not supported" (default model, Responses lite); with
-# other models "tools of type 'custom' / 'namespace' are not supported" and `web_search`/`tool_search` tools.
-PENDING_CODEX_TOOLS = pytest.mark.xfail(
-    reason="server-side: Codex's additional_tools input item / namespace, custom, web_search tools are refused (400)",
-    strict=False)
-
-
 @pytest.fixture(scope="module")
 def codex_stack(ipc_dir: Path, ending_model: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: F811
                 ) -> Iterator[tuple[Engine, Frontend]]:
@@ -79,7 +71,6 @@ def turn_usage(evts: list[dict]) -> dict:
     return usage
 
 
-@PENDING_CODEX_TOOLS
 def test_codex_exec_then_resume_reuses_the_cached_prefix(agent_bin: Path, codex_stack: tuple[Engine, Frontend],  # noqa: F811
                                                          ending_model: Path, tmp_path: Path) -> None:  # noqa: F811
     engine, frontend = codex_stack
@@ -104,3 +95,20 @@ def test_codex_exec_then_resume_reuses_the_cached_prefix(agent_bin: Path, codex_
     assert turn_usage(evts)["cached_input_tokens"] > 0, second.describe()
     resumed = engine_cached_tokens(engine.log())[before:]
     assert resumed and resumed[0][1] > 0, engine.log()
+
+
+def test_codex_exec_with_custom_and_hosted_tools(agent_bin: Path, codex_stack: tuple[Engine, Frontend],  # noqa: F811
+                                                 ending_model: Path, tmp_path: Path) -> None:  # noqa: F811
+    """`-m gpt-5.5`: top-level tools with a `custom` apply_patch (Lark grammar), `tool_search` and `web_search`."""
+    engine, frontend = codex_stack
+    expected = reply_of(frontend, ending_model)
+    work = tmp_path / "work"
+    work.mkdir()
+    home = tmp_path / "home"
+    env = agent_env(home, CODEX_HOME=str(codex_home(home, frontend)))
+    done = run_cli([str(agent_bin / "codex"), "exec", "-m", "gpt-5.5", "--skip-git-repo-check", "--json", "Say hello"],
+                   work, env)
+    assert done.returncode == 0, done.describe()
+    assert expected in agent_text(events(done.stdout)), done.describe()
+    # The hosted tools were left out of the prompt, and said so (the route also sets X-Ignored-Tools).
+    assert "tools the engine cannot run were left out: tool_search, web_search" in frontend.log()

@@ -1,0 +1,146 @@
+"""Agents' Responses tools and replayed items, through the app with a fake engine (falcon.testing).
+
+The shapes are Codex CLI 0.169's: `namespace`, `custom` (Lark / regex grammars) and hosted
+tools, tools in an `additional_tools` input item, replayed `custom_tool_call`,
+`local_shell_call`, `web_search_call`, `compaction` items, and `tool_choice` objects.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.unit.fake_engine import FakeEngine, client_for, say, sse_events, usage
+
+NAMESPACE = {"type": "namespace", "name": "clock", "description": "", "tools": [
+    {"type": "function", "name": "sleep", "parameters": {"type": "object", "properties": {"ms": {"type": "number"}}}},
+    {"type": "custom", "name": "exec", "description": "Runs code",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: /[a-z ]+/"}}]}
+HOSTED = [{"type": "web_search", "external_web_access": False}, {"type": "tool_search", "execution": "client"},
+          {"type": "web_search_preview"}, {"type": "image_generation"}, {"type": "mcp", "server_label": "x"}]
+
+
+def calls_of(*calls: tuple[str, str]) -> list[dict[str, Any]]:
+    """DELTAS items: the engine's tool calls (offered name, arguments), then the finish."""
+    return [{"tool_calls": [{"id": f"call_{i}", "name": name, "arguments": arguments}
+                            for i, (name, arguments) in enumerate(calls)]},
+            {"finish_reason": "tool_calls", "usage": usage(4)}]
+
+
+def post(engine: FakeEngine, **body: Any):
+    return client_for(engine).simulate_post("/v1/responses", json={"model": "m", **body})
+
+
+def test_namespace_tools_are_flattened_and_their_calls_name_the_namespace() -> None:
+    engine = FakeEngine(script=lambda request: calls_of(("sleep", '{"ms": 1}')))
+    result = post(engine, input="hi", tools=[NAMESPACE, *HOSTED])
+    assert result.status_code == 200, result.text
+    offered = engine.added[-1]["tools"]
+    assert [t["function"]["name"] for t in offered] == ["sleep", "exec"]
+    assert offered[1]["function"]["parameters"]["properties"]["input"]["type"] == "string"
+    assert "start: /[a-z ]+/" in offered[1]["function"]["description"]  # the Lark grammar, shown to the model
+    (call,) = result.json["output"]
+    assert (call["type"], call["name"], call["namespace"], call["arguments"]) == (
+        "function_call", "sleep", "clock", '{"ms": 1}')
+    # Hosted tools are left out of the prompt and named in a header, never a 400.
+    assert result.headers["X-Ignored-Tools"] == "web_search,tool_search,web_search_preview,image_generation,mcp"
+
+
+def test_a_custom_tool_call_comes_back_with_its_raw_input_streamed_and_not() -> None:
+    engine = FakeEngine(script=lambda request: calls_of(("exec", json.dumps({"input": "print hi\nexit"}))))
+    result = post(engine, input="hi", tools=[NAMESPACE])
+    (call,) = result.json["output"]
+    assert (call["type"], call["name"], call["namespace"], call["input"]) == (
+        "custom_tool_call", "exec", "clock", "print hi\nexit")
+    assert "_offered" not in call and "arguments" not in call
+    streamed = post(engine, input="hi", tools=[NAMESPACE], stream=True)
+    events = [(name, json.loads(data)) for name, data in sse_events(streamed.text)]
+    names = [name for name, _ in events]
+    assert "response.custom_tool_call_input.delta" in names and "response.custom_tool_call_input.done" in names
+    done = next(data for name, data in events if name == "response.output_item.done")
+    assert done["item"]["type"] == "custom_tool_call" and done["item"]["input"] == "print hi\nexit"
+    assert not any(key.startswith("_") for key in done["item"])
+
+
+def test_a_regex_grammar_becomes_the_input_pattern() -> None:
+    engine = FakeEngine()
+    tool = {"type": "custom", "name": "pick", "format": {"type": "grammar", "syntax": "regex", "definition": "a|b"}}
+    assert post(engine, input="hi", tools=[tool], tool_choice={"type": "custom", "name": "pick"}).status_code == 200
+    (offered,) = engine.added[-1]["tools"]
+    assert offered["function"]["parameters"]["properties"]["input"]["pattern"] == "a|b"
+    assert engine.added[-1]["tool_choice"] == {"type": "function", "function": {"name": "pick"}}
+
+
+def test_tools_in_an_additional_tools_item_and_replayed_codex_items() -> None:
+    engine = FakeEngine()
+    replay = [
+        {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": [NAMESPACE, HOSTED[0]]},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "be brief"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+        {"type": "function_call", "name": "sleep", "namespace": "clock", "arguments": "{}", "call_id": "c1"},
+        {"type": "function_call_output", "call_id": "c1", "output": "Sleep completed."},
+        {"type": "custom_tool_call", "name": "exec", "namespace": "clock", "input": "ls", "call_id": "c2",
+         "status": "completed"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "file.txt"},
+        {"type": "local_shell_call", "call_id": "c3", "status": "completed",
+         "action": {"type": "exec", "command": ["ls"]}},
+        {"type": "local_shell_call_output", "call_id": "c3", "output": "ok"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}},
+        {"type": "compaction", "encrypted_content": "opaque"},
+        {"type": "compaction_summary", "encrypted_content": "opaque"},
+    ]
+    result = post(engine, input=replay, tool_choice={"type": "required"})
+    assert result.status_code == 200, result.text
+    sent = engine.added[-1]
+    assert [t["function"]["name"] for t in sent["tools"]] == ["sleep", "exec"] and sent["tool_choice"] == "required"
+    messages = sent["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant",
+                                             "tool"]
+    assert messages[2]["tool_calls"][0]["function"]["name"] == "sleep"
+    assert json.loads(messages[4]["tool_calls"][0]["function"]["arguments"]) == {"input": "ls"}
+    assert messages[6]["tool_calls"][0]["function"]["name"] == "local_shell"
+    assert result.headers["X-Ignored-Tools"] == "web_search"
+
+
+def test_a_name_two_namespaces_share_is_offered_qualified() -> None:
+    engine = FakeEngine(script=lambda request: calls_of(("b.wait", "{}")))
+    tools = [{"type": "namespace", "name": ns, "tools": [{"type": "function", "name": "wait"}]} for ns in "ab"]
+    result = post(engine, input="hi", tools=tools)
+    assert [t["function"]["name"] for t in engine.added[-1]["tools"]] == ["a.wait", "b.wait"]
+    (call,) = result.json["output"]
+    assert (call["name"], call["namespace"]) == ("wait", "b")
+
+
+@pytest.mark.parametrize(("choice", "expected"), [
+    ({"type": "required"}, "required"), ({"type": "any"}, "required"), ({"type": "auto"}, "auto"),
+    ({"type": "none"}, "none"), ({"type": "allowed_tools", "mode": "required", "tools": []}, "required"),
+    ({"type": "web_search_preview"}, "auto"), ({"type": "function", "name": "sleep"},
+                                               {"type": "function", "function": {"name": "sleep"}}),
+])
+def test_tool_choice_objects_on_responses(choice: dict[str, Any], expected: Any) -> None:
+    engine = FakeEngine()
+    assert post(engine, input="hi", tools=[NAMESPACE], tool_choice=choice).status_code == 200
+    assert engine.added[-1]["tool_choice"] == expected
+
+
+@pytest.mark.parametrize(("choice", "expected"), [
+    ({"type": "required"}, "required"), ({"type": "any"}, "required"), ({"type": "auto"}, "auto"),
+])
+def test_tool_choice_objects_on_chat(choice: dict[str, Any], expected: str) -> None:
+    engine = FakeEngine(script=lambda request: say("ok"))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    result = client_for(engine).simulate_post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": choice})
+    assert result.status_code == 200, result.text
+    assert engine.added[-1]["tool_choice"] == expected
+
+
+def test_unknown_tool_and_item_types_are_still_refused_clearly() -> None:
+    engine = FakeEngine()
+    result = post(engine, input="hi", tools=[{"type": "teleport"}])
+    assert result.status_code == 400 and result.json["error"]["param"] == "tools[0]"
+    result = post(engine, input=[{"type": "teleport_call"}])
+    assert result.status_code == 400 and result.json["error"]["param"] == "input[0].type"
