@@ -206,5 +206,25 @@ def png(seed: int, width: int = 112, height: int | None = None) -> bytes:
     return out.getvalue()
 
 
+def pdf(text: str) -> bytes:
+    """A real one-page PDF (cross-reference table and all, written by pypdf) showing `text` in Helvetica."""
+    from pypdf import PdfWriter
+    from pypdf.generic import DecodedStreamObject, DictionaryObject, NameObject
+
+    writer = PdfWriter()
+    page = writer.add_blank_page(300, 100)
+    font = writer._add_object(DictionaryObject({NameObject("/Type"): NameObject("/Font"),
+                                                NameObject("/Subtype"): NameObject("/Type1"),
+                                                NameObject("/BaseFont"): NameObject("/Helvetica")}))
+    fonts = DictionaryObject({NameObject("/F1"): font})
+    page[NameObject("/Resources")] = DictionaryObject({NameObject("/Font"): fonts})
+    content = DecodedStreamObject()
+    content.set_data(f"BT /F1 12 Tf 10 50 Td ({text}) Tj ET".encode())
+    page[NameObject("/Contents")] = writer._add_object(content)
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"

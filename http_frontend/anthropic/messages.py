@@ -10,6 +10,7 @@ Anthropic's envelope (`is_anthropic_path` switches on the path). The
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +30,7 @@ from http_frontend.anthropic.stream import (
 from http_frontend.engine.calls import TOKENIZE_TIMEOUT, call_engine
 from http_frontend.engine.client import EngineClient, RequestStream, Update
 from http_frontend.parsing.body import get_field, read_json_object
+from http_frontend.parsing.documents import has_pdf_documents
 from http_frontend.parsing.media import MediaCollector
 from http_frontend.relay.generation import GenerationRoute, relay, serve_generation
 from http_frontend.service.metrics import TokenTimer
@@ -41,13 +43,20 @@ def _anthropic_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return {**meta, "id": "msg_" + meta["id"].split("-", 1)[-1]}
 
 
+
+async def translated(body: dict[str, Any], settings: FrontendSettings, **kwargs: Any) -> dict[str, Any]:
+    """`engine_request`, off the event loop when PDFs must be read (CPU work other streams must not wait on)."""
+    if has_pdf_documents(body):
+        return await asyncio.to_thread(engine_request, body, settings, **kwargs)
+    return engine_request(body, settings, **kwargs)
+
 class Messages(GenerationRoute):
     """POST /v1/messages: validates, submits a chat request, answers a message or its event stream."""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
         media = MediaCollector.for_request(body, self.settings)
-        request = engine_request(body, self.settings, media=media)
+        request = await translated(body, self.settings, media=media)
         resolved = await media.resolve()  # fetches http(s) images: after every other check
         if resolved:
             request["media"] = resolved
@@ -100,7 +109,7 @@ class CountTokens:
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
-        request = engine_request(body, self.settings, generation=False)
+        request = await translated(body, self.settings, generation=False)
         args = {key: request.get(key) for key in ("model", "messages", "chat_template_kwargs", "tools")}
         if request.get("tool_choice") == "none":
             args["tools"] = None  # as for generation: a model told to use no tool is not shown any

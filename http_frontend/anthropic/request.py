@@ -14,14 +14,20 @@ from typing import Any
 
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
+from http_frontend.parsing.documents import document_text
 from http_frontend.parsing.generation_fields import parse_response_format, parse_tool_choice, parse_tools
 from http_frontend.parsing.media import MediaCollector
 from http_frontend.parsing.messages import check_message_count, parse_messages
 from http_frontend.parsing.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, check_max_tokens, check_stop_lengths
 from http_frontend.settings import FrontendSettings
 
-# Block types a client may send back unchanged but that carry nothing a local model can use.
-IGNORED_BLOCKS = {"redacted_thinking"}
+# Block types a client may send back unchanged but that carry nothing a local model can use: encrypted
+# thinking, and Anthropic-hosted tools' calls and results (web search, code execution, …) replayed by
+# Claude Code; dropped rather than refused, so a conversation that used them goes on.
+IGNORED_BLOCKS = {"redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                  "code_execution_tool_result", "bash_code_execution_tool_result",
+                  "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                  "container_upload", "search_result"}
 # Request fields of Anthropic's hosted features: refused rather than silently dropped.
 UNSUPPORTED_FIELDS = {
     "mcp_servers": "MCP connectors are not supported by this server",
@@ -64,18 +70,30 @@ def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _tool_result_text(block: dict[str, Any], param: str) -> str:
-    """A tool_result's content (a string or text blocks) as the text of a `tool` message."""
+def _tool_result(block: dict[str, Any], param: str) -> tuple[str, list[dict[str, Any]]]:
+    """A tool_result's content as the text of a `tool` message, and the images it carried.
+
+    Text and documents become the tool message's text. Images go to a user turn right after
+    the tool results (`_user_turn`): chat templates render images in user turns, and a model
+    that takes no images refuses them there with the same 400 as any user image.
+    """
     content = block.get("content")
     if content is None:
-        return ""
-    texts = []
+        return "", []
+    texts, images = [], []
     for index, part in enumerate(_blocks(content, f"{param}.content")):
-        if part["type"] != "text":
-            raise bad_request(f"{param}.content.{index}: '{part['type']}' blocks in a tool_result are not "
-                              "supported; send text", param=f"{param}.content.{index}", code="unsupported_content")
-        texts.append(_text(part, f"{param}.content.{index}"))
-    return "\n".join(texts)
+        where = f"{param}.content.{index}"
+        if part["type"] == "text":
+            texts.append(_text(part, where))
+        elif part["type"] == "document":
+            texts.append(document_text(part, where))
+        elif part["type"] == "image":
+            images.append(_image_part(part, where))
+            texts.append(f"[image {len(images)}: shown in the next user turn]")
+        elif part["type"] not in IGNORED_BLOCKS:
+            raise bad_request(f"{where}: '{part['type']}' blocks in a tool_result are not supported",
+                              param=where, code="unsupported_content")
+    return "\n".join(texts), images
 
 
 def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
@@ -89,11 +107,15 @@ def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]
     """One Anthropic user turn -> `tool` messages for its tool results and `user` messages for the rest."""
     messages: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
+    attachments: list[dict[str, Any]] = []  # tool results' images: after the run of tool results
 
-    def flush() -> None:
-        if parts:
-            messages.append({"role": "user", "content": _user_content(list(parts))})
-            parts.clear()
+    def flush(with_attachments: bool = True) -> None:
+        content = (attachments if with_attachments else []) + parts
+        if content:
+            messages.append({"role": "user", "content": _user_content(list(content))})
+        parts.clear()
+        if with_attachments:
+            attachments.clear()
 
     for index, block in enumerate(blocks):
         where, kind = f"{param}.{index}", block["type"]
@@ -101,13 +123,19 @@ def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]
             parts.append({"type": "text", "text": _text(block, where)})
         elif kind == "image":
             parts.append(_image_part(block, where))
+        elif kind == "document":
+            parts.append({"type": "text", "text": document_text(block, where)})
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
                 raise bad_request(f"{where}.tool_use_id: expected a string", param=f"{where}.tool_use_id",
                                   code="invalid_type")
-            flush()
-            messages.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                             "content": _tool_result_text(block, where)})
+            flush(with_attachments=False)
+            text, images = _tool_result(block, where)
+            messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+            if images:
+                attachments.append({"type": "text", "text": f"Images from the result of tool call "
+                                                            f"{block['tool_use_id']}:"})
+                attachments.extend(images)
         elif kind not in IGNORED_BLOCKS:
             raise bad_request(f"{where}: content blocks of type '{kind}' are not supported in a user turn",
                               param=where, code="unsupported_content")

@@ -36,15 +36,14 @@ from tests.clients.agent_stack import (
     run_cli,
     serve,
 )
-from tests.helpers import Engine, Frontend, png
+from tests.helpers import Engine, Frontend, pdf, png
 
 pytestmark = needs_node
 
 CLAUDE_VERSION = "2.1.330"
 
-# A tiny but valid one-page PDF (what the Read tool would base64 as is).
-PDF = (b"%PDF-1.4\n1 0 obj<</Type/Catalog/Pages 2 0 R>>endobj\n2 0 obj<</Type/Pages/Kids[3 0 R]/Count 1>>endobj\n"
-       b"3 0 obj<</Type/Page/Parent 2 0 R/MediaBox[0 0 72 72]>>endobj\ntrailer<</Root 1 0 R>>\n%%EOF\n")
+# A real one-page PDF (what the Read tool would base64 as is).
+PDF = pdf("Quarterly report: revenue up")
 
 
 def claude_env(home: Path, frontend: Frontend, **extra: str) -> dict[str, str]:
@@ -115,14 +114,6 @@ def write_read_session(home: Path, work: Path) -> str:
     return session
 
 
-# TODO(issue #14): remove this mark once the Messages API accepts `image` and `document` blocks inside a
-# tool_result (today: 400 "messages.3.content.0.content.0: 'image' blocks in a tool_result are not
-# supported; send text", and the same for 'document').
-PENDING_TOOL_RESULT_MEDIA = pytest.mark.xfail(
-    reason="server-side: image/document blocks in a Messages tool_result are refused (400)", strict=False)
-
-
-@PENDING_TOOL_RESULT_MEDIA
 def test_claude_sends_read_results_with_an_image_and_a_pdf(agent_bin: Path, ipc_dir: Path, tiny_model: Path,  # noqa: F811
                                                            tmp_path: Path) -> None:
     vlm = build_ending_vlm(tiny_model.parent / "tiny-qwen2-vl-ends-after-4")

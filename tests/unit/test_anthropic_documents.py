@@ -1,0 +1,100 @@
+"""Claude Code's Messages shapes through the app with a fake engine (falcon.testing).
+
+Documents (text, content, base64 PDF) become text; images inside a tool_result reach the
+model in a user turn right after the tool results; replayed hosted-tool blocks, betas and
+the fields Claude Code 2.1 sends are accepted, never a 400.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from tests.helpers import pdf, png
+from tests.unit.fake_engine import FakeEngine, client_for
+
+B64 = lambda data: base64.b64encode(data).decode()  # noqa: E731
+
+
+def post(engine: FakeEngine, messages: list[dict[str, Any]], **extra: Any):
+    return client_for(engine).simulate_post("/v1/messages", params={"beta": "true"}, headers={
+        "anthropic-beta": "mid-conversation-system-2026-04-07,some-future-beta-2099-01-01"},
+        json={"model": "claude-opus-5-5", "max_tokens": 64, "messages": messages, **extra})
+
+
+def read_turns(result_content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": "Read them"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "Read", "input": {"file_path": "b.pdf"}}]},
+            {"role": "user", "content": result_content}]
+
+
+def test_pdf_and_text_documents_become_text() -> None:
+    engine = FakeEngine()
+    result = post(engine, [{"role": "user", "content": [
+        {"type": "document", "title": "Report", "source": {"type": "base64", "media_type": "application/pdf",
+                                                           "data": B64(pdf("Revenue grew nine percent"))}},
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "plain notes"},
+         "context": "from the wiki", "citations": {"enabled": True}, "cache_control": {"type": "ephemeral"}},
+        {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "block text"}]}},
+        {"type": "text", "text": "Summarise."}]}])
+    assert result.status_code == 200, result.text
+    text = engine.added[-1]["messages"][-1]["content"]
+    assert "[Document: Report]" in text and "Revenue grew nine percent" in text
+    assert "from the wiki\nplain notes" in text and "block text" in text and text.endswith("Summarise.")
+
+
+def test_images_and_pdfs_in_tool_results_reach_the_model() -> None:
+    engine = FakeEngine()
+    result = post(engine, read_turns([
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64(png(1, 32))}}]},
+        {"type": "tool_result", "tool_use_id": "toolu_2", "content": [
+            {"type": "text", "text": "PDF file read: b.pdf"},
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                            "data": B64(pdf("Invoice total 42"))}}]},
+        {"type": "text", "text": "What do they show?"}]))
+    assert result.status_code == 200, result.text
+    sent = engine.added[-1]
+    roles = [m["role"] for m in sent["messages"]]
+    assert roles == ["user", "assistant", "tool", "tool", "user"]  # the image follows the run of results
+    first, second, after = sent["messages"][2:]
+    assert "shown in the next user turn" in first["content"] and "Invoice total 42" in second["content"]
+    assert "toolu_1" in after["content"] and after["content"].endswith("What do they show?")
+    assert len(sent["media"]) == 1  # the image travels as media, like any user image
+
+
+def test_fields_and_replayed_blocks_claude_code_sends_are_accepted() -> None:
+    engine = FakeEngine()
+    messages = [
+        {"role": "user", "content": "search it"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "x"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []},
+            {"type": "text", "text": "Found it."}]},
+        {"role": "system", "content": [{"type": "text", "text": "Agents: none",
+                                        "cache_control": {"type": "ephemeral"}}]},
+        {"role": "system", "content": []},
+        {"role": "user", "content": [{"type": "text", "text": "thanks", "cache_control": {"type": "ephemeral"}}]}]
+    result = post(engine, messages, thinking={"type": "adaptive", "display": "omitted"},
+                  context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                  output_config={"effort": "medium"}, metadata={"user_id": "u"},
+                  system=[{"type": "text", "text": "You are Claude Code", "cache_control": {"type": "ephemeral"}}])
+    assert result.status_code == 200, result.text
+    sent = engine.added[-1]
+    assert sent["chat_template_kwargs"] == {"enable_thinking": True}
+    assert [m["role"] for m in sent["messages"]] == ["system", "user", "assistant", "system", "user"]
+
+
+def test_a_broken_pdf_or_a_url_document_is_a_clear_400() -> None:
+    engine = FakeEngine()
+    broken = post(engine, [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": B64(b"%PDF-")}}]}])
+    assert broken.status_code == 400 and broken.json["type"] == "error"
+    assert "could not be read" in broken.json["error"]["message"]
+    url = post(engine, [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}]}])
+    assert url.status_code == 400 and "not fetched" in url.json["error"]["message"]
