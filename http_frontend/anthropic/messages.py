@@ -11,13 +11,14 @@ Anthropic's envelope (`is_anthropic_path` switches on the path). The
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import falcon.asgi
 from falcon.asgi import SSEvent
 
-from http_frontend.anthropic.request import engine_request
+from http_frontend.anthropic.request import engine_request, hosted_tools
 from http_frontend.anthropic.stream import (
     BlockBuilder,
     anthropic_sse,
@@ -44,6 +45,8 @@ def _anthropic_meta(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 
+log = logging.getLogger(__name__)
+
 async def translated(body: dict[str, Any], settings: FrontendSettings, **kwargs: Any) -> dict[str, Any]:
     """`engine_request`, off the event loop when PDFs must be read (CPU work other streams must not wait on)."""
     if has_pdf_documents(body):
@@ -57,6 +60,10 @@ class Messages(GenerationRoute):
         body = await read_json_object(req, self.settings.max_body_bytes)
         media = MediaCollector.for_request(body, self.settings)
         request = await translated(body, self.settings, media=media)
+        ignored = hosted_tools(body)
+        if ignored:
+            log.info("Anthropic-hosted tools the engine cannot run were left out: %s", ", ".join(ignored))
+            resp.set_header("X-Ignored-Tools", ",".join(ignored))
         resolved = await media.resolve()  # fetches http(s) images: after every other check
         if resolved:
             request["media"] = resolved

@@ -225,8 +225,21 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return converted
 
 
+def hosted_tools(body: dict[str, Any]) -> list[str]:
+    """The Anthropic-hosted tools of a request (`web_search_20250305`, `code_execution_…`, …): left out."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return []
+    return [str(t.get("name") or t.get("type")) for t in tools
+            if isinstance(t, dict) and t.get("type", "custom") != "custom" and isinstance(t.get("type"), str)]
+
+
 def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Custom tools `{name, description, input_schema}` as chat function tools."""
+    """Custom tools `{name, description, input_schema}` as chat function tools.
+
+    Anthropic-hosted tools (a versioned `type` such as `web_search_20250305`) cannot run here:
+    they are left out of the prompt (the route names them in `X-Ignored-Tools`), never a 400.
+    """
     tools = get_field(body, "tools", (list,))
     if not tools:
         return None
@@ -235,10 +248,8 @@ def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         param = f"tools.{index}"
         if not isinstance(tool, dict):
             raise bad_request(f"{param}: expected an object", param=param, code="invalid_type")
-        if tool.get("type", "custom") != "custom":
-            raise bad_request(f"{param}: tools of type {tool.get('type')!r} (Anthropic-hosted tools) are not "
-                              "supported; define a custom tool with 'name' and 'input_schema'", param=param,
-                              code="unsupported_parameter")
+        if tool.get("type", "custom") != "custom" and isinstance(tool.get("type"), str):
+            continue  # hosted: see hosted_tools
         if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
             raise bad_request(f"{param}: a tool needs a string 'name' and an 'input_schema' object", param=param,
                               code="invalid_type")
@@ -246,7 +257,7 @@ def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         converted.append({"type": "function", "function": function})
-    return parse_tools({"tools": converted})
+    return parse_tools({"tools": converted}) if converted else None
 
 
 def parse_anthropic_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None

@@ -98,3 +98,13 @@ def test_a_broken_pdf_or_a_url_document_is_a_clear_400() -> None:
     url = post(engine, [{"role": "user", "content": [
         {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}]}])
     assert url.status_code == 400 and "not fetched" in url.json["error"]["message"]
+
+
+def test_anthropic_hosted_tools_are_left_out_and_named() -> None:
+    engine = FakeEngine()
+    tools = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+             {"name": "Read", "description": "reads a file", "input_schema": {"type": "object", "properties": {}}}]
+    result = post(engine, [{"role": "user", "content": "hi"}], tools=tools)
+    assert result.status_code == 200, result.text
+    assert [t["function"]["name"] for t in engine.added[-1]["tools"]] == ["Read"]
+    assert result.headers["X-Ignored-Tools"] == "web_search"

@@ -83,7 +83,6 @@ def test_image_blocks_become_image_url_parts() -> None:
     {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
     {"messages": [*PROMPT, {"role": "assistant", "content": "Once upon"}]},
     {"messages": PROMPT, "stop_sequences": "END"},
-    {"messages": PROMPT, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
     {"messages": PROMPT, "tools": [{"name": "f"}]},
     {"messages": PROMPT, "tool_choice": {"type": "any"}},
     {"messages": PROMPT, "tool_choice": {"type": "sometimes"}, "tools": TOOLS},
