@@ -166,7 +166,8 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
 
 # One item of a DELTAS message (documented here; the front-end reads these keys).
 # `text` is answer text; `reasoning` is text inside the model's thinking block; `tool_calls`
-# holds complete parsed calls: [{"index", "id", "name", "arguments" (a JSON string)}].
+# holds complete parsed calls: [{"index", "id", "name", "arguments" (a JSON string)}]; a call cut by
+# max_tokens comes with `"partial": true` and its arguments as far as they got (not valid JSON).
 # `stop_sequence` on the last item names the stop string that ended the request, if one did.
 DELTA_ITEM_KEYS = ("rid", "seq", "text", "reasoning", "tool_calls", "token_ids", "logprobs", "finish_reason",
                    "stop_sequence", "usage")

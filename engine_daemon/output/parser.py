@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CONTENT, REASONING, TOOL, JSON_TOOL = "content", "reasoning", "tool", "json_tool"
+# A call cut short (max_tokens): its name once complete, then whatever arguments text followed.
+_JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
+_JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_XML_NAME = re.compile(r"<function=([^>\s]+)>")
 
 
 @dataclass
@@ -61,6 +66,24 @@ def parse_json_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) 
     return _call_dict(json.loads(text.strip()))
 
 
+def partial_call(text: str) -> dict[str, Any] | None:
+    """The call a cut-off tool-call text was writing: its name, and its arguments as written so far.
+
+    OpenAI returns a call cut by max_tokens as a call with partial arguments (finish
+    `length`); without a complete name there is no call to return (and never markup as text).
+    """
+    name = _JSON_NAME.search(text) or _XML_NAME.search(text)
+    if name is None:
+        return None
+    arguments = ""
+    after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
+    if after is not None:
+        arguments = text[after.end():].rstrip()
+    elif _XML_NAME.match(name.group(0)):
+        arguments = text[name.end():].strip()
+    return {"name": name.group(1), "arguments": arguments, "partial": True}
+
+
 class OutputParser:
     """Incremental splitter for one request; `feed` each text delta, `final=True` on the last."""
 
@@ -80,6 +103,9 @@ class OutputParser:
         self.tool_calls = 0
         self.seen_content = False
         self.after_thinking = False  # the newlines a template puts after </think> are not answer text
+        # Whitespace-only answer text, held until real text follows: around tool calls it is the
+        # model's layout between markup, not content (a "\n" between two calls became a text part).
+        self.pending_space = ""
 
     @property
     def in_reasoning(self) -> bool:
@@ -142,7 +168,11 @@ class OutputParser:
             if self.after_thinking:
                 text = text.lstrip("\n")
                 self.after_thinking = not text
-            out.text += text
+            if text and not text.strip() and self.tools:
+                self.pending_space += text  # held: a tool call may follow (see `pending_space`)
+                return
+            out.text += self.pending_space + text
+            self.pending_space = ""
             self.seen_content = self.seen_content or bool(text.strip())
 
     def _switch(self, out: ParsedDelta, marker: str) -> None:
@@ -152,7 +182,7 @@ class OutputParser:
             self._close_tool(out)
             self.state = CONTENT
         elif marker == self.tool_start:
-            self.state, self.tool_text = TOOL, ""
+            self.state, self.tool_text, self.pending_space = TOOL, "", ""
         else:  # think_start in the answer: the model opened its own thinking block
             self.state = REASONING
 
@@ -161,10 +191,17 @@ class OutputParser:
         parse = self.tool_parser if self.state == TOOL else parse_json_tool_calls
         try:
             calls = _call_dict(parse(text, self.tools))
-        except Exception as exc:  # a truncated or malformed call must not lose the text
-            log.info("unparsable tool call (%s): returned as text", exc)
-            out.text += raw_if_invalid if raw_if_invalid is not None else text
-            return
+        except Exception as exc:
+            cut = partial_call(text) if raw_if_invalid is not None and self.state == TOOL else None
+            if cut is not None:  # cut by max_tokens: the call as far as it got, as OpenAI returns it
+                calls = [cut]
+            elif raw_if_invalid is not None and self.state == TOOL:
+                log.info("tool call cut before its name (%s): dropped, markup is never text", exc)
+                return
+            else:  # a complete but malformed call must not lose the text
+                log.info("unparsable tool call (%s): returned as text", exc)
+                out.text += raw_if_invalid if raw_if_invalid is not None else text
+                return
         for call in calls:
             call["index"] = self.tool_calls
             # Always our own id: a model-made one may be anything (a 100-digit number once made the
@@ -179,4 +216,7 @@ class OutputParser:
             self._close_tool(out, raw_if_invalid=(self.tool_start or "") + self.tool_text)
         elif self.state == JSON_TOOL:
             self._close_tool(out, raw_if_invalid=self.tool_text)
+        if self.pending_space and not self.tool_calls:
+            out.text += self.pending_space  # no call came: it was the answer's own whitespace
+        self.pending_space = ""
         self.state = CONTENT

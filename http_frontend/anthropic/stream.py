@@ -31,12 +31,40 @@ def tool_input(arguments: Any) -> dict[str, Any]:
     try:
         parsed = json.loads(arguments or "{}")
     except (TypeError, ValueError):
-        log.warning("tool call arguments are not JSON, sent as an empty input: %.200r", arguments)
-        return {}
+        parsed = closed_json(arguments) if isinstance(arguments, str) else None
+        if parsed is None:
+            log.warning("tool call arguments are not JSON, sent as an empty input: %.200r", arguments)
+            return {}
     if not isinstance(parsed, dict):
         log.warning("tool call arguments are not a JSON object, sent as an empty input: %.200r", arguments)
         return {}
     return parsed
+
+
+def closed_json(text: str) -> Any:
+    """A JSON text cut short (a call cut by max_tokens), closed where it stopped; None when that fails.
+
+    Anthropic's `input` must be an object even when `stop_reason` is `max_tokens`: the
+    fields written in full are kept, an unfinished string is closed, a dangling key or
+    comma dropped.
+    """
+    stack, in_string, escaped = [], False, False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            stack.append("}" if char == "{" else "]")
+        elif char in "}]" and stack:
+            stack.pop()
+    candidate = text + ('"' if in_string else "")
+    for attempt in (candidate, candidate.rstrip().rstrip(",").rstrip(":"), candidate.rsplit(",", 1)[0]):
+        try:
+            return json.loads(attempt.rstrip().rstrip(",") + "".join(reversed(stack)))
+        except ValueError:
+            continue
+    return None
 
 
 class BlockBuilder:

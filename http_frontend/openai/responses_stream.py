@@ -168,7 +168,7 @@ class ResponseBuilder:
                   self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                               arguments=arguments)]
         item["arguments"] = arguments
-        item["status"] = "completed"
+        item["status"] = "incomplete" if call.get("partial") else "completed"  # cut by max_output_tokens
         events.append(self._event("response.output_item.done", output_index=index, item=_public(item)))
         return events
 
@@ -189,7 +189,7 @@ class ResponseBuilder:
                   self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
                               input=text)]
         item["input"] = text
-        item["status"] = "completed"
+        item["status"] = "incomplete" if call.get("partial") else "completed"
         events.append(self._event("response.output_item.done", output_index=index, item=_public(item)))
         return events
 

@@ -76,10 +76,39 @@ def test_without_tools_markup_is_plain_text() -> None:
     assert total.text == "a <tool_call>x</tool_call>" and not total.tool_calls
 
 
-def test_truncated_or_invalid_call_comes_back_as_text() -> None:
+def test_a_call_cut_before_its_name_is_dropped_never_markup_text() -> None:
     parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
     _, total = run(parser, ["<tool_call>", '{"name": "get_wea'])
-    assert total.text == '<tool_call>{"name": "get_wea' and not total.tool_calls
+    assert total.text == "" and not total.tool_calls
+
+
+def test_a_call_cut_in_its_arguments_is_a_partial_call() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    _, total = run(parser, ["<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Os'])
+    assert total.text == ""
+    (call,) = total.tool_calls
+    assert (call["name"], call["arguments"], call["partial"]) == ("get_weather", '{"city": "Os', True)
+
+
+def test_whitespace_between_and_after_calls_is_not_text() -> None:
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for pieces in ([call, "\n", call, "\n"], list(call + "\n" + call + "\n\n")):
+        parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+        deltas, total = run(parser, pieces)
+        assert total.text == "" and len(total.tool_calls) == 2
+        assert all(delta.text == "" for delta in deltas)  # streamed: no whitespace delta either
+
+
+def test_an_answers_own_whitespace_is_kept_when_no_call_follows() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    _, total = run(parser, ["Line one.", "\n\n", "Line two.", "\n"])
+    assert total.text == "Line one.\n\nLine two.\n" and not total.tool_calls
+
+
+def test_a_complete_but_malformed_call_is_text() -> None:
+    parser = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    _, total = run(parser, ["<tool_call>", "not json at all", "</tool_call>", " after"])
+    assert "not json at all" in total.text and not total.tool_calls
 
 
 def test_partial_marker_is_held_then_released() -> None:
