@@ -202,15 +202,23 @@ RESPONSE_DELETED = obj({"id": STRING, "object": STRING, "deleted": BOOLEAN}, ("i
 ANTHROPIC_BLOCK = obj({"type": STRING, "text": STRING, "thinking": STRING, "signature": STRING,
                        "source": ANY_OBJECT, "id": STRING, "name": STRING,
                        "input": ANY_OBJECT, "tool_use_id": STRING,
-                       "content": {"oneOf": [STRING, arr(ANY_OBJECT)]}}, ("type",))
-ANTHROPIC_MESSAGE_PARAM = obj({"role": {"type": "string", "enum": ["user", "assistant"]},
+                       "content": {"oneOf": [STRING, arr(ANY_OBJECT)]},
+                       # `document` blocks (text, content or base64 PDF sources become text)
+                       "title": STRING, "context": STRING, "citations": ANY_OBJECT, "cache_control": ANY_OBJECT},
+                      ("type",))
+# `system` turns inside `messages`: Claude Code's mid-conversation system messages.
+ANTHROPIC_MESSAGE_PARAM = obj({"role": {"type": "string", "enum": ["user", "assistant", "system"]},
                                "content": {"oneOf": [STRING, arr(ANTHROPIC_BLOCK)]}}, ("role", "content"))
 ANTHROPIC_TOOL = obj({"name": STRING, "description": STRING, "input_schema": ANY_OBJECT}, ("name",))
 ANTHROPIC_COMMON: dict[str, Schema] = {
     "model": STRING,
     "messages": arr(ANTHROPIC_MESSAGE_PARAM, minItems=1),
     "system": {"oneOf": [STRING, arr(obj({"type": STRING, "text": STRING}, ("type", "text")))]},
-    "tools": arr(ANTHROPIC_TOOL),
+    "tools": arr({"oneOf": [ANTHROPIC_TOOL, {
+        **obj({"type": STRING, "name": STRING}, ("type", "name")),
+        "description": "Anthropic-hosted tools (web_search_20250305, …): left out, named in X-Ignored-Tools"}]}),
+    "context_management": ANY_OBJECT,
+    "output_config": obj({"effort": STRING, "format": ANY_OBJECT}),
     "tool_choice": obj({"type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": STRING,
                         "disable_parallel_tool_use": BOOLEAN}, ("type",)),
     "thinking": obj({"type": {"type": "string", "enum": ["enabled", "disabled", "adaptive"]},
