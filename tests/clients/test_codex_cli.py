@@ -66,6 +66,14 @@ def agent_text(evts: list[dict]) -> str:
                    if e.get("type") == "item.completed" and e.get("item", {}).get("type") == "agent_message")
 
 
+def codex_workspace(tmp_path: Path, frontend: Frontend) -> tuple[Path, dict[str, str]]:
+    """A working directory and Codex's environment (HOME and CODEX_HOME under `tmp_path`)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    home = tmp_path / "home"
+    return work, agent_env(home, CODEX_HOME=str(codex_home(home, frontend)))
+
+
 def turn_usage(evts: list[dict]) -> dict:
     (usage,) = [e["usage"] for e in evts if e.get("type") == "turn.completed"]
     return usage
@@ -75,10 +83,7 @@ def test_codex_exec_then_resume_reuses_the_cached_prefix(agent_bin: Path, codex_
                                                          ending_model: Path, tmp_path: Path) -> None:  # noqa: F811
     engine, frontend = codex_stack
     expected = reply_of(frontend, ending_model)
-    work = tmp_path / "work"
-    work.mkdir()
-    home = tmp_path / "home"
-    env = agent_env(home, CODEX_HOME=str(codex_home(home, frontend)))
+    work, env = codex_workspace(tmp_path, frontend)
     codex = str(agent_bin / "codex")
     assert CODEX_VERSION in run_cli([codex, "--version"], work, env).stdout
 
@@ -102,10 +107,7 @@ def test_codex_exec_with_custom_and_hosted_tools(agent_bin: Path, codex_stack: t
     """`-m gpt-5.5`: top-level tools with a `custom` apply_patch (Lark grammar), `tool_search` and `web_search`."""
     engine, frontend = codex_stack
     expected = reply_of(frontend, ending_model)
-    work = tmp_path / "work"
-    work.mkdir()
-    home = tmp_path / "home"
-    env = agent_env(home, CODEX_HOME=str(codex_home(home, frontend)))
+    work, env = codex_workspace(tmp_path, frontend)
     done = run_cli([str(agent_bin / "codex"), "exec", "-m", "gpt-5.5", "--skip-git-repo-check", "--json", "Say hello"],
                    work, env)
     assert done.returncode == 0, done.describe()

@@ -90,3 +90,8 @@ def test_parallel_calls_are_nothing_but_calls(frontend: Frontend, model_id: str)
     response = client.responses.create(model=model_id, input=QUESTION, tools=RESPONSES_TOOLS, tool_choice="required",
                                         max_output_tokens=160, temperature=0)
     assert {item.type for item in response.output} == {"function_call"} and len(response.output) >= 2
+    message = anthropic.Anthropic(base_url=frontend.base_url, api_key="unused", max_retries=0).messages.create(
+        model=model_id, max_tokens=160, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": QUESTION}])
+    assert {block.type for block in message.content} == {"tool_use"} and len(message.content) >= 2
