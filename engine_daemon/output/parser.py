@@ -24,7 +24,12 @@ CONTENT, REASONING, TOOL, JSON_TOOL = "content", "reasoning", "tool", "json_tool
 # A call cut short (max_tokens): its name once complete, then whatever arguments text followed.
 _JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+# Key/value markup families: Qwen3-Coder's `<function=f><parameter=k>v</parameter>`, GLM's
+# `f<arg_key>k</arg_key><arg_value>v</arg_value>`; an unclosed last value runs to the end.
 _XML_NAME = re.compile(r"<function=([^>\s]+)>")
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)(\n?</parameter>|$)", re.DOTALL)
+_GLM_NAME = re.compile(r"^\s*([^<>\s]+)\s*<arg_key>")
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)(</arg_key>\s*(?:<arg_value>(.*?)(</arg_value>|$))?|$)", re.DOTALL)
 
 
 @dataclass
@@ -66,22 +71,72 @@ def parse_json_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) 
     return _call_dict(json.loads(text.strip()))
 
 
-def partial_call(text: str) -> dict[str, Any] | None:
+def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The call a cut-off tool-call text was writing: its name, and its arguments as written so far.
 
     OpenAI returns a call cut by max_tokens as a call with partial arguments (finish
-    `length`); without a complete name there is no call to return (and never markup as text).
+    `length`): the arguments are a prefix of a JSON object, not valid JSON. Key/value
+    markup families get the same, their finished values converted as the family's parser
+    would (strings stay strings where the schema says so). Without a complete name there
+    is no call to return, and the markup is never returned as text either: None.
     """
-    name = _JSON_NAME.search(text) or _XML_NAME.search(text)
-    if name is None:
-        return None
-    arguments = ""
-    after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
-    if after is not None:
-        arguments = text[after.end():].rstrip()
-    elif _XML_NAME.match(name.group(0)):
-        arguments = text[name.end():].strip()
-    return {"name": name.group(1), "arguments": arguments, "partial": True}
+    name = _JSON_NAME.search(text)
+    if name is not None:
+        after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
+        arguments = text[after.end():].rstrip() if after is not None else ""
+        return {"name": name.group(1), "arguments": arguments, "partial": True}
+    xml, glm = _XML_NAME.search(text), _GLM_NAME.search(text)
+    if xml is not None:
+        pairs = [(m.group(1), m.group(2), bool(m.group(3)))
+                 for m in _XML_PARAMETER.finditer(text, xml.end())]
+        return {"name": xml.group(1), "arguments": _partial_object(xml.group(1), pairs, tools), "partial": True}
+    if glm is not None:
+        pairs = [(m.group(1) if m.group(2) else None, m.group(3), bool(m.group(4)))
+                 for m in _GLM_ARGUMENT.finditer(text, glm.end(1))]
+        return {"name": glm.group(1), "arguments": _partial_object(glm.group(1), pairs, tools), "partial": True}
+    return None
+
+
+def _partial_object(name: str, pairs: list[tuple[str | None, str | None, bool]],
+                    tools: list[dict[str, Any]] | None) -> str:
+    """(key, value so far, value closed) pairs as the prefix of a JSON object, stopping at the first unfinished part."""
+    properties: dict[str, Any] = {}
+    for tool in tools or ():
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties") or {}
+    parts = []
+    for key, value, closed in pairs:
+        if key is None:  # the key itself is unfinished: nothing of it is known
+            break
+        head = json.dumps(key.strip(), ensure_ascii=False) + ": "
+        if value is None:
+            parts.append(head)
+            break
+        if not closed:  # an unfinished value: an unterminated JSON string, as a streamed string would be
+            parts.append(head + json.dumps(_unclosed(value), ensure_ascii=False)[:-1])
+            break
+        parts.append(head + _json_value(value.strip(), (properties.get(key.strip()) or {}).get("type")))
+    return "{" + ", ".join(parts)
+
+
+def _unclosed(value: str) -> str:
+    """An unfinished value without the start of its closing tag (`…\n</param` cut mid-tag)."""
+    for closer in ("\n</parameter>", "</arg_value>"):
+        for size in range(min(len(closer), len(value)), 0, -1):
+            if value.endswith(closer[:size]):
+                return value[:-size]
+    return value
+
+
+def _json_value(value: str, kind: Any) -> str:
+    """A finished markup value as JSON: a string where the schema says so, else JSON if it parses."""
+    if kind != "string":
+        try:
+            return json.dumps(json.loads(value), ensure_ascii=False)
+        except ValueError:
+            pass
+    return json.dumps(value, ensure_ascii=False)
 
 
 class OutputParser:
@@ -103,14 +158,19 @@ class OutputParser:
         self.tool_calls = 0
         self.seen_content = False
         self.after_thinking = False  # the newlines a template puts after </think> are not answer text
-        # Whitespace-only answer text, held until real text follows: around tool calls it is the
-        # model's layout between markup, not content (a "\n" between two calls became a text part).
+        # Whitespace at the end of the answer text so far, held until real text follows: next to
+        # tool-call markup it is the model's layout, not content (a "\n" between two calls became
+        # a text part). Held whatever the token boundaries, so streaming and not agree.
         self.pending_space = ""
+        self.after_call = False  # nothing but whitespace since the last tool call closed
 
     @property
     def in_reasoning(self) -> bool:
         """Inside a thinking block (as far as the text fed so far shows)."""
         return self.state == REASONING
+
+    def _tool_names(self) -> set[str]:
+        return {(tool.get("function") or tool).get("name") for tool in self.tools or ()}
 
     def _markers(self) -> list[str]:
         if self.state == REASONING:
@@ -120,7 +180,13 @@ class OutputParser:
         markers = [m for m in (self.tool_start, self.think_start) if m]
         return markers
 
-    def feed(self, text: str, final: bool = False) -> ParsedDelta:
+    def feed(self, text: str, final: bool = False, cut: bool = False) -> ParsedDelta:
+        """Splits one text delta; `final` on the last, with `cut` when max_tokens (or the context) ended it.
+
+        A cut final delta returns the calls of an unterminated tool-call block marked
+        `partial`, even when the family's parser reads them (it may skip an unfinished
+        argument), and drops a trailing start of the tool-call marker: markup is never text.
+        """
         out = ParsedDelta()
         self.buffer += text
         while True:
@@ -139,6 +205,10 @@ class OutputParser:
             position, marker = self._next_marker()
             if marker is None:
                 keep = 0 if final else _held_back(self.buffer, self._markers())
+                if final and cut and self.state == CONTENT and self.tools and self.tool_start:
+                    # "<tool" when max_tokens struck: a marker being written (one character could be text).
+                    dropped = _held_back(self.buffer, [self.tool_start])
+                    self.buffer = self.buffer[:len(self.buffer) - dropped] if dropped > 1 else self.buffer
                 self._emit(out, self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
@@ -146,7 +216,7 @@ class OutputParser:
             self.buffer = self.buffer[position + len(marker):]
             self._switch(out, marker)
         if final:
-            self._finish(out)
+            self._finish(out, cut)
         return out
 
     def _next_marker(self) -> tuple[int, str | None]:
@@ -168,12 +238,19 @@ class OutputParser:
             if self.after_thinking:
                 text = text.lstrip("\n")
                 self.after_thinking = not text
-            if text and not text.strip() and self.tools:
+            if not self.tools:
+                out.text += text
+                self.seen_content = self.seen_content or bool(text.strip())
+                return
+            body = text.rstrip()
+            if not body:
                 self.pending_space += text  # held: a tool call may follow (see `pending_space`)
                 return
-            out.text += self.pending_space + text
-            self.pending_space = ""
-            self.seen_content = self.seen_content or bool(text.strip())
+            if self.after_call:  # the layout after a call is not the start of the text that follows
+                body, self.pending_space, self.after_call = body.lstrip(), "", False
+            out.text += self.pending_space + body
+            self.pending_space = text[len(text.rstrip()):]
+            self.seen_content = True
 
     def _switch(self, out: ParsedDelta, marker: str) -> None:
         if self.state == REASONING:  # think_end
@@ -186,15 +263,17 @@ class OutputParser:
         else:  # think_start in the answer: the model opened its own thinking block
             self.state = REASONING
 
-    def _close_tool(self, out: ParsedDelta, raw_if_invalid: str | None = None) -> None:
+    def _close_tool(self, out: ParsedDelta, raw_if_invalid: str | None = None, cut: bool = False) -> None:
         text, self.tool_text = self.tool_text, ""
         parse = self.tool_parser if self.state == TOOL else parse_json_tool_calls
         try:
             calls = _call_dict(parse(text, self.tools))
         except Exception as exc:
-            cut = partial_call(text) if raw_if_invalid is not None and self.state == TOOL else None
-            if cut is not None:  # cut by max_tokens: the call as far as it got, as OpenAI returns it
-                calls = [cut]
+            written = partial_call(text, self.tools) if raw_if_invalid is not None else None
+            if written is not None and self.state == JSON_TOOL and written["name"] not in self._tool_names():
+                written = None  # a cut JSON answer that names no tool is the answer, not a call
+            if written is not None:  # cut by max_tokens: the call as far as it got, as OpenAI returns it
+                calls = [written]
             elif raw_if_invalid is not None and self.state == TOOL:
                 log.info("tool call cut before its name (%s): dropped, markup is never text", exc)
                 return
@@ -203,20 +282,24 @@ class OutputParser:
                 out.text += raw_if_invalid if raw_if_invalid is not None else text
                 return
         for call in calls:
+            if cut:
+                call["partial"] = True
             call["index"] = self.tool_calls
             # Always our own id: a model-made one may be anything (a 100-digit number once made the
             # DELTAS frame unencodable), and clients expect a unique string.
             call["id"] = f"call_{uuid.uuid4().hex[:24]}"
             self.tool_calls += 1
             out.tool_calls.append(call)
+        self.after_call = True
 
-    def _finish(self, out: ParsedDelta) -> None:
-        """End of generation: an unterminated tool call is parsed if it can be, else returned as text."""
+    def _finish(self, out: ParsedDelta, cut: bool = False) -> None:
+        """End of generation: an unterminated tool call is parsed if it can be, else returned as the
+        call it was writing (`partial_call`), else dropped: markup is never answer text."""
         if self.state == TOOL and self.tool_text.strip():
-            self._close_tool(out, raw_if_invalid=(self.tool_start or "") + self.tool_text)
+            self._close_tool(out, raw_if_invalid=(self.tool_start or "") + self.tool_text, cut=cut)
         elif self.state == JSON_TOOL:
-            self._close_tool(out, raw_if_invalid=self.tool_text)
-        if self.pending_space and not self.tool_calls:
-            out.text += self.pending_space  # no call came: it was the answer's own whitespace
-        self.pending_space = ""
+            self._close_tool(out, raw_if_invalid=self.tool_text, cut=cut)
+        if self.pending_space and not self.after_call:
+            out.text += self.pending_space  # no call follows it: it was the answer's own whitespace
+        self.pending_space, self.after_call = "", False
         self.state = CONTENT

@@ -48,7 +48,8 @@ def _parsed(request: EngineRequest, text: str) -> ParsedDelta:
     final = request.finish_reason is not None
     if request.parser is None:
         return ParsedDelta(text=text)
-    delta = request.parser.feed(text, final=final)
+    # "length": max_tokens or the context window ended it, so an open tool call was cut (`partial`).
+    delta = request.parser.feed(text, final=final, cut=request.finish_reason == "length")
     if final and request.finish_reason == "stop" and request.parser.tool_calls:
         request.finish_reason = "tool_calls"
     return delta

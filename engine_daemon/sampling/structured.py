@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
 
 from engine_daemon.errors import RequestError, describe
+from engine_daemon.sampling.custom_grammar import custom_lark, input_rule
 from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.tool_call_grammar import (
     FunctionSpec,
@@ -108,6 +110,12 @@ def function_specs(tools: Any) -> list[FunctionSpec]:
     return specs
 
 
+def with_custom_grammars(specs: list[FunctionSpec]) -> list[FunctionSpec]:
+    """Specs of custom tools with a Lark grammar get its arguments rule (built only for calls a grammar holds)."""
+    return [replace(spec, arguments=input_rule(lark)) if (lark := custom_lark(spec.parameters)) else spec
+            for spec in specs]
+
+
 def forced_functions(specs: list[FunctionSpec], tool_choice: Any) -> list[FunctionSpec] | None:
     """The functions the output must call (tool_choice "required" or named), or None when not forced."""
     if tool_choice is None or tool_choice in ("auto", "none"):
@@ -187,6 +195,8 @@ def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice
     schema = response_schema(response_format)
     specs = function_specs(tools) if tool_choice != "none" else []
     forced = forced_functions(specs, tool_choice)
+    if forced or schema is not None:
+        specs, forced = with_custom_grammars(specs), with_custom_grammars(forced or []) or None
     parallel = parallel_tool_calls is not False
     if forced:
         rules, used = ["start: tool_calls", *tool_calls_rules(tokenizer, forced, parallel)], forced

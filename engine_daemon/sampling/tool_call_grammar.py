@@ -35,6 +35,7 @@ class FunctionSpec:
     name: str
     parameters: Any
     index: int  # position in the request's `tools`, for error messages
+    arguments: str | None = None  # a Lark rule for the arguments instead of `parameters` (custom tools)
 
 
 def lark_literal(text: str) -> str:
@@ -81,7 +82,7 @@ def _object_calls(specs: Sequence[FunctionSpec], key: str) -> list[str]:
     for n, spec in enumerate(specs):
         head = '{"name": ' + json.dumps(spec.name, ensure_ascii=False) + f', "{key}": '
         bodies.append(f"{lark_literal(head)} args_{n} {lark_literal('}')}")
-        lines.append(f"args_{n}: {json_rule(spec.parameters)}")
+        lines.append(f"args_{n}: {spec.arguments or json_rule(spec.parameters)}")
     return [f"call_body: {' | '.join(bodies)}", *lines]
 
 
@@ -101,7 +102,7 @@ def _mistral(tokenizer: Any, specs: Sequence[FunctionSpec], parallel: bool) -> l
     if "[ARGS]" in template:
         args = _marker(tokenizer, "[ARGS]", None)
         heads = [f"{lark_literal(spec.name)} {args} args_{n}" for n, spec in enumerate(specs)]
-        lines = [f"args_{n}: {json_rule(spec.parameters)}" for n, spec in enumerate(specs)]
+        lines = [f"args_{n}: {spec.arguments or json_rule(spec.parameters)}" for n, spec in enumerate(specs)]
         return [f"tool_calls: tool_call{'+' if parallel else ''}", f"tool_call: {start} call_head",
                 f"call_head: {' | '.join(heads)}", *lines]
     opening = " [" if "[TOOL_CALLS] [" in template else "["

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -44,24 +45,36 @@ def tool_input(arguments: Any) -> dict[str, Any]:
 def closed_json(text: str) -> Any:
     """A JSON text cut short (a call cut by max_tokens), closed where it stopped; None when that fails.
 
-    Anthropic's `input` must be an object even when `stop_reason` is `max_tokens`: the
-    fields written in full are kept, an unfinished string is closed, a dangling key or
-    comma dropped.
+    Anthropic's `input` must be an object even when `stop_reason` is `max_tokens`, and the
+    same object is streamed (`input_json_delta`) and returned. Best effort: an unfinished
+    string value is closed (a half-written escape left out); otherwise the text is cut back
+    to the last place a value ended (a comma, or just inside an opened object or array) and
+    the open brackets are closed. So fields written in full are kept, a dangling key or a
+    half-written number or literal is dropped.
     """
-    stack, in_string, escaped = [], False, False
-    for char in text:
+    stack: list[str] = []
+    in_string = escaped = False
+    cuts: list[tuple[int, str]] = []  # (end of a prefix that closes cleanly, the brackets it leaves open)
+    for position, char in enumerate(text):
         if in_string:
             escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
         elif char == '"':
             in_string = True
         elif char in "{[":
             stack.append("}" if char == "{" else "]")
+            cuts.append((position + 1, "".join(reversed(stack))))
         elif char in "}]" and stack:
             stack.pop()
-    candidate = text + ('"' if in_string else "")
-    for attempt in (candidate, candidate.rstrip().rstrip(",").rstrip(":"), candidate.rsplit(",", 1)[0]):
+        elif char == ",":
+            cuts.append((position, "".join(reversed(stack))))
+    wholes = [text]
+    if in_string:  # close the string; failing that, without a half-written escape (`\\`, `\\u00`)
+        wholes = [text + '"', re.sub(r"\\(u[0-9a-fA-F]{0,3})?$", "", text) + '"']
+    attempts = [whole.rstrip() + "".join(reversed(stack)) for whole in wholes]
+    attempts += [text[:end].rstrip() + closers for end, closers in reversed(cuts[-64:])]
+    for attempt in attempts:
         try:
-            return json.loads(attempt.rstrip().rstrip(",") + "".join(reversed(stack)))
+            return json.loads(attempt)
         except ValueError:
             continue
     return None

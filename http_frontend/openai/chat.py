@@ -7,6 +7,7 @@ answer: `chat.completion` JSON or `chat.completion.chunk` events.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from falcon.asgi import SSEvent
 from http_frontend.engine.client import RequestStream, Update
 from http_frontend.parsing.body import get_field, read_json_object
 from http_frontend.parsing.generation_fields import (
+    hosted_tools,
     parse_reasoning,
     parse_response_format,
     parse_tool_choice,
@@ -26,6 +28,8 @@ from http_frontend.parsing.messages import check_message_count, parse_messages
 from http_frontend.parsing.sampling import check_max_tokens, check_unsupported, parse_logprobs, parse_sampling
 from http_frontend.relay.generation import GenerationRoute, relay, serve_generation, usage_object
 from http_frontend.service.metrics import TokenTimer
+
+log = logging.getLogger(__name__)
 
 
 def _tool_call(call: dict[str, Any], with_index: bool = True) -> dict[str, Any]:
@@ -55,6 +59,10 @@ class ChatCompletions(GenerationRoute):
         if thinking_budget is not None:
             params["thinking_budget"] = thinking_budget
         tools = parse_tools(body)
+        ignored = hosted_tools(body)
+        if ignored:  # left out of the prompt (`parse_tools`), and said so
+            log.info("tools the engine cannot run were left out: %s", ", ".join(ignored))
+            resp.set_header("X-Ignored-Tools", ",".join(dict.fromkeys(ignored)))
         engine_request = {"model": model, "messages": messages, "params": params,
                           "chat_template_kwargs": template_kwargs, "tools": tools,
                           "tool_choice": parse_tool_choice(body, tools),

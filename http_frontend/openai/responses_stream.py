@@ -12,6 +12,8 @@ a `sequence_number` counting from 0; the stream ends with `response.completed`
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Any
@@ -174,7 +176,7 @@ class ResponseBuilder:
 
     def _custom_call(self, call: dict[str, Any], origin: ToolOrigin, arguments: str) -> list[Event]:
         """A custom tool's call: a `custom_tool_call` item whose `input` is the raw text, with its events."""
-        text = custom_input(arguments)
+        text = _cut_input(arguments) if call.get("partial") else custom_input(arguments)
         item = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress", "input": "",
                 "call_id": call.get("id") or new_id("call"), "name": origin.name}
         if origin.namespace:
@@ -226,6 +228,27 @@ class ResponseBuilder:
                                                    "arguments": c.get("_arguments", c.get("arguments", ""))}}
                                      for c in self.calls]
         return message
+
+
+_INPUT_KEY = re.compile(r'\s*\{\s*"input"\s*:\s*"')
+
+
+def _cut_input(arguments: str) -> str:
+    """A custom call cut by max_output_tokens: the `input` string as far as it got, not its JSON wrapping.
+
+    The engine's partial arguments are the prefix `{"input": "…` (`partial_call`); an
+    escape cut in half (`\\u00`) is left out rather than mis-decoded.
+    """
+    start = _INPUT_KEY.match(arguments)
+    if start is None:  # cut before the string began: nothing of it yet; another shape: as written
+        return "" if '{"input":"'.startswith(re.sub(r"\s", "", arguments)) else custom_input(arguments)
+    body = arguments[start.end():]
+    for end in range(len(body), max(len(body) - 6, 0) - 1, -1):
+        try:
+            return json.JSONDecoder().raw_decode('"' + body[:end] + '"')[0]
+        except ValueError:
+            continue
+    return body
 
 
 def _public(item: dict[str, Any]) -> dict[str, Any]:

@@ -14,8 +14,9 @@ tools, so:
   real CLI);
 - a custom tool is offered as a function with one string parameter, `input`, and its
   call goes back as a `custom_tool_call` whose `input` is that string. A regex grammar
-  becomes the parameter's JSON-schema `pattern`, which constrains a forced call; a Lark
-  grammar is shown to the model in the description;
+  becomes the parameter's JSON-schema `pattern`, a Lark grammar its `x-lark`: both are
+  shown to the model with the schema and hold a forced call (the engine rewrites the Lark
+  grammar for the JSON-escaped text, `engine_daemon.sampling.custom_grammar`);
 - hosted tools are left out of the prompt (logged; the route names them in
   `X-Ignored-Tools`), never a 400.
 """
@@ -28,17 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from http_frontend.errors import bad_request
-from http_frontend.parsing.generation_fields import check_tool_count, function_tool
+from http_frontend.parsing.generation_fields import check_tool_count, function_tool, is_hosted_tool
 
 log = logging.getLogger(__name__)
-
-# Tools a provider runs itself (or that need a server-side index): nothing here can run them.
-HOSTED_TOOLS = frozenset({
-    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
-    "web_search_20250305", "file_search", "code_interpreter", "computer_use_preview", "computer_use",
-    "local_shell", "shell", "image_generation", "mcp", "tool_search", "apply_patch",
-})
-MAX_GRAMMAR_IN_DESCRIPTION = 4000
 
 
 @dataclass(frozen=True)
@@ -77,10 +70,11 @@ def _custom_tool(spec: dict[str, Any], where: str) -> dict[str, Any]:
         if not isinstance(definition, str) or syntax not in ("lark", "regex"):
             raise bad_request(f"Invalid '{where}.format': a grammar needs 'syntax' ('lark' or 'regex') and a "
                               "'definition' string", param=f"{where}.format")
-        if syntax == "regex":
-            schema["pattern"] = definition
-        else:
-            description += f"\n\nThe input follows this Lark grammar:\n{definition[:MAX_GRAMMAR_IN_DESCRIPTION]}"
+        if syntax == "regex":  # anchored: a JSON-schema pattern may match anywhere, the grammar is the whole input
+            schema["pattern"] = f"^(?:{definition})$"
+        else:  # the model reads it in the schema; the engine holds a forced call to it (`custom_lark`)
+            schema["x-lark"] = definition
+            description += "\n\nIts input follows the Lark grammar given as the `x-lark` of `input`."
     tool = function_tool({"name": name, "description": description.strip() or None,
                           "parameters": {"type": "object", "properties": {"input": schema}, "required": ["input"],
                                          "additionalProperties": False}}, where)
@@ -104,7 +98,7 @@ def _add(catalog: ToolCatalog, pending: list[tuple[dict[str, Any], ToolOrigin]],
             raise bad_request(f"Invalid '{where}': a namespace needs a 'name' and a 'tools' array", param=where)
         for index, member in enumerate(inner):
             _add(catalog, pending, member, f"{where}.tools[{index}]", name)
-    elif isinstance(kind, str) and (kind in HOSTED_TOOLS or kind.startswith(("web_search", "computer_use"))):
+    elif is_hosted_tool(kind):
         catalog.ignored.append(str(tool.get("name") or kind))
     else:
         raise bad_request(f"Invalid '{where}': tools of type {kind!r} are not supported", param=where,

@@ -26,6 +26,27 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
+# Tools a provider runs itself (or that need its server-side index): nothing here can run them, so
+# they are left out of the prompt and named in `X-Ignored-Tools` rather than refused (agents send them).
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
+    "web_search_20250305", "file_search", "code_interpreter", "computer_use_preview", "computer_use",
+    "local_shell", "shell", "image_generation", "mcp", "tool_search", "apply_patch",
+})
+
+
+def is_hosted_tool(kind: Any) -> bool:
+    """Whether a tool `type` is a hosted tool (dated variants such as `web_search_20250305` too)."""
+    return isinstance(kind, str) and (kind in HOSTED_TOOLS or kind.startswith(("web_search", "computer_use")))
+
+
+def hosted_tools(body: dict[str, Any]) -> list[str]:
+    """The names (else types) of the hosted tools in a chat `tools` array, which `parse_tools` leaves out."""
+    tools = body.get("tools")
+    return [str(tool.get("name") or tool["type"]) for tool in tools if isinstance(tool, dict)
+            and is_hosted_tool(tool.get("type"))] if isinstance(tools, list) else []
+
+
 def check_tool_count(tools: list[Any]) -> None:
     if len(tools) > MAX_TOOLS:
         raise bad_request(f"'tools' may hold at most {MAX_TOOLS} tools", param="tools",
@@ -73,6 +94,8 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     checked = []
     for index, tool in enumerate(tools):
         param = f"tools[{index}]"
+        if isinstance(tool, dict) and is_hosted_tool(tool.get("type")):
+            continue  # named by `hosted_tools`
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
             raise bad_request(f"Invalid '{param}': only tools of type 'function' are supported", param=param,
                               code="unsupported_parameter")

@@ -60,6 +60,10 @@ TOOL = obj({"type": {"type": "string", "enum": ["function"]},
             "function": obj({"name": {"type": "string", "pattern": "^[A-Za-z0-9_.:-]{1,64}$"},
                              "description": STRING, "parameters": ANY_OBJECT, "strict": BOOLEAN}, ("name",))},
            ("type", "function"))
+HOSTED_TOOL = {**obj({"type": {"type": "string", "enum": [
+    "web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
+    "local_shell", "image_generation", "mcp", "tool_search"]}}, ("type",)),
+    "description": "Hosted tools: left out of the prompt and named in the X-Ignored-Tools header"}
 TOOL_CHOICE_MODE = obj({"type": {"type": "string", "enum": ["none", "auto", "required", "any"]}}, ("type",))
 TOOL_CHOICE = {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, TOOL_CHOICE_MODE,
                          obj({"type": {"type": "string", "enum": ["function"]},
@@ -103,7 +107,7 @@ CHAT_REQUEST = obj({
     "adapter_path": nullable(STRING),  # LoRA adapter: a registered name or a directory under --model-dir
     "logprobs": nullable(BOOLEAN),
     "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 20}),
-    "tools": nullable(arr(TOOL, maxItems=128)),
+    "tools": nullable(arr({"oneOf": [TOOL, HOSTED_TOOL]}, maxItems=128)),
     "tool_choice": nullable(TOOL_CHOICE),
     "parallel_tool_calls": nullable(BOOLEAN),
     "chat_template_kwargs": nullable(TEMPLATE_KWARGS),
@@ -164,10 +168,7 @@ RESPONSES_TOOL = {"oneOf": [
     RESPONSES_FUNCTION_TOOL, RESPONSES_CUSTOM_TOOL,
     obj({"type": {"type": "string", "enum": ["namespace"]}, "name": STRING, "description": STRING,
          "tools": arr({"oneOf": [RESPONSES_FUNCTION_TOOL, RESPONSES_CUSTOM_TOOL]})}, ("type", "name", "tools")),
-    {**obj({"type": {"type": "string", "enum": [
-        "web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview",
-        "local_shell", "image_generation", "mcp", "tool_search"]}}, ("type",)),
-     "description": "Hosted tools: left out of the prompt and named in the X-Ignored-Tools header"},
+    HOSTED_TOOL,
 ]}
 RESPONSES_REQUEST = obj({
     "model": STRING,

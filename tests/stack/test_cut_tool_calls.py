@@ -9,6 +9,8 @@ so its shape is deterministic even with random weights.
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import pytest
 
@@ -95,3 +97,74 @@ def test_parallel_calls_are_nothing_but_calls(frontend: Frontend, model_id: str)
         extra_body={"temperature": 0},
         messages=[{"role": "user", "content": QUESTION}])
     assert {block.type for block in message.content} == {"tool_use"} and len(message.content) >= 2
+
+
+def test_call_cut_inside_its_arguments_agrees_on_every_api(frontend: Frontend, model_id: str) -> None:
+    """max_tokens 24 stops inside the `city` string: the same partial arguments everywhere, streamed and not."""
+    client = client_for(frontend)
+    chat = dict(model=model_id, messages=[{"role": "user", "content": QUESTION}], tools=TOOLS, tool_choice="required",
+                max_tokens=24, temperature=0, parallel_tool_calls=False)
+    whole = client.chat.completions.create(**chat).choices[0]
+    (call,) = whole.message.tool_calls
+    arguments = call.function.arguments
+    assert whole.finish_reason == "length" and arguments.startswith('{"city": "') and not arguments.endswith("}")
+    chunks = [c for c in client.chat.completions.create(stream=True, **chat) if c.choices]
+    assert "".join(tc.function.arguments for c in chunks for tc in c.choices[0].delta.tool_calls or []) == arguments
+    assert not any(c.choices[0].delta.content for c in chunks)
+
+    responses = dict(model=model_id, input=QUESTION, tools=RESPONSES_TOOLS, tool_choice="required",
+                     max_output_tokens=24, temperature=0, parallel_tool_calls=False)
+    events = list(client.responses.create(stream=True, **responses))
+    assert not [e.type for e in events if e.type.startswith("response.output_text")]
+    for response in (client.responses.create(**responses), events[-1].response):
+        (item,) = response.output
+        assert (item.arguments, item.status, response.status) == (arguments, "incomplete", "incomplete")
+
+    messages = anthropic.Anthropic(base_url=frontend.base_url, api_key="unused", max_retries=0).messages
+    kwargs = dict(model=model_id, max_tokens=24, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+                  extra_body={"temperature": 0}, messages=[{"role": "user", "content": QUESTION}])
+    returned = messages.create(**kwargs)
+    with messages.stream(**kwargs) as stream:
+        kinds = [event.delta.type for event in stream if event.type == "content_block_delta"]
+        streamed = stream.get_final_message()
+    assert kinds == ["input_json_delta"]  # no text_delta
+    for message in (returned, streamed):
+        assert message.stop_reason == "max_tokens" and [b.type for b in message.content] == ["tool_use"]
+        # `input`: the fields written so far, the cut string closed where it stopped.
+        assert message.content[0].input == {"city": json.loads(arguments + '"}')["city"]}
+
+
+def test_call_cut_before_its_name_is_no_call_and_no_text(frontend: Frontend, model_id: str) -> None:
+    """max_tokens 8 stops inside `"name"`: nothing to return, and never the markup as text."""
+    client = client_for(frontend)
+    chat = dict(model=model_id, messages=[{"role": "user", "content": QUESTION}], tools=TOOLS, tool_choice="required",
+                max_tokens=8, temperature=0)
+    whole = client.chat.completions.create(**chat).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.content and not whole.message.tool_calls
+    chunks = [c for c in client.chat.completions.create(stream=True, **chat) if c.choices]
+    assert not any(c.choices[0].delta.content or c.choices[0].delta.tool_calls for c in chunks)
+    response = client.responses.create(model=model_id, input=QUESTION, tools=RESPONSES_TOOLS, tool_choice="required",
+                                       max_output_tokens=8, temperature=0)
+    assert response.status == "incomplete" and response.output_text == ""
+    assert {item.type for item in response.output} <= {"message"}
+    message = anthropic.Anthropic(base_url=frontend.base_url, api_key="unused", max_retries=0).messages.create(
+        model=model_id, max_tokens=8, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+        extra_body={"temperature": 0}, messages=[{"role": "user", "content": QUESTION}])
+    assert message.stop_reason == "max_tokens" and message.content == []
+
+
+def test_parallel_calls_streamed_are_nothing_but_calls(frontend: Frontend, model_id: str) -> None:
+    """Streamed, as `test_parallel_calls_are_nothing_but_calls`: no whitespace item, delta or block between calls."""
+    events = list(client_for(frontend).responses.create(
+        model=model_id, input=QUESTION, tools=RESPONSES_TOOLS, tool_choice="required", max_output_tokens=160,
+        temperature=0, stream=True))
+    assert not [e.type for e in events if e.type.startswith("response.output_text")]
+    output = events[-1].response.output
+    assert {item.type for item in output} == {"function_call"} and len(output) >= 2
+    with anthropic.Anthropic(base_url=frontend.base_url, api_key="unused", max_retries=0).messages.stream(
+            model=model_id, max_tokens=160, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"},
+            extra_body={"temperature": 0}, messages=[{"role": "user", "content": QUESTION}]) as stream:
+        starts = [event.content_block.type for event in stream if event.type == "content_block_start"]
+        message = stream.get_final_message()
+    assert set(starts) == {"tool_use"} and len(starts) >= 2
+    assert [block.type for block in message.content] == starts

@@ -40,7 +40,7 @@ def test_namespace_tools_are_flattened_and_their_calls_name_the_namespace() -> N
     offered = engine.added[-1]["tools"]
     assert [t["function"]["name"] for t in offered] == ["sleep", "exec"]
     assert offered[1]["function"]["parameters"]["properties"]["input"]["type"] == "string"
-    assert "start: /[a-z ]+/" in offered[1]["function"]["description"]  # the Lark grammar, shown to the model
+    assert offered[1]["function"]["parameters"]["properties"]["input"]["x-lark"] == "start: /[a-z ]+/"
     (call,) = result.json["output"]
     assert (call["type"], call["name"], call["namespace"], call["arguments"]) == (
         "function_call", "sleep", "clock", '{"ms": 1}')
@@ -69,7 +69,7 @@ def test_a_regex_grammar_becomes_the_input_pattern() -> None:
     tool = {"type": "custom", "name": "pick", "format": {"type": "grammar", "syntax": "regex", "definition": "a|b"}}
     assert post(engine, input="hi", tools=[tool], tool_choice={"type": "custom", "name": "pick"}).status_code == 200
     (offered,) = engine.added[-1]["tools"]
-    assert offered["function"]["parameters"]["properties"]["input"]["pattern"] == "a|b"
+    assert offered["function"]["parameters"]["properties"]["input"]["pattern"] == "^(?:a|b)$"
     assert engine.added[-1]["tool_choice"] == {"type": "function", "function": {"name": "pick"}}
 
 
@@ -144,3 +144,62 @@ def test_unknown_tool_and_item_types_are_still_refused_clearly() -> None:
     assert result.status_code == 400 and result.json["error"]["param"] == "tools[0]"
     result = post(engine, input=[{"type": "teleport_call"}])
     assert result.status_code == 400 and result.json["error"]["param"] == "input[0].type"
+
+
+def test_hosted_tools_on_chat_are_left_out_and_named() -> None:
+    engine = FakeEngine(script=lambda request: say("ok"))
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "web_search_preview"},
+             {"type": "web_search_20250305", "name": "web_search"}]
+    result = client_for(engine).simulate_post("/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    assert result.status_code == 200, result.text
+    assert [t["function"]["name"] for t in engine.added[-1]["tools"]] == ["f"]
+    assert result.headers["X-Ignored-Tools"] == "web_search_preview,web_search"
+
+
+# Codex CLI's apply_patch grammar (codex-rs tool_apply_patch.lark), the custom tool it sends most.
+APPLY_PATCH = r'''start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change_move? change?
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+change_move: "*** Move to: " filename LF
+change: (change_context | change_line)+ eof_line?
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+eof_line: "*** End of File" LF
+%import common.LF
+'''
+
+
+def test_a_lark_grammar_holds_through_json_escaping() -> None:
+    from llguidance import LLMatcher
+    from llguidance.hf import from_tokenizer
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from engine_daemon.sampling.custom_grammar import input_rule
+    from model_builders.tokenizer import train_tokenizer_json
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(train_tokenizer_json(2048)),
+                                        eos_token="<|im_end|>")
+    vocabulary = from_tokenizer(tokenizer)
+    rule = input_rule(APPLY_PATCH)
+    assert rule is not None
+
+    def accepts(text: str) -> bool:
+        matcher = LLMatcher(vocabulary, LLMatcher.grammar_from_lark(f"start: {rule}\n"), log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    patch = '*** Begin Patch\n*** Update File: a "b".py\n@@ def f():\n-  x = "\\t"\x1b\n+  x = "\ty"\n*** End Patch\n'
+    assert accepts(json.dumps({"input": patch}))
+    assert not accepts(json.dumps({"input": patch.replace("*** End Patch", "*** Fin")}))
+    assert not accepts('{"input": "*** Begin Patch\n*** Add File: x\\n+hi\\n*** End Patch"}')  # a raw newline
+    # What the rewrite cannot carry is left to the JSON schema, never refused.
+    assert input_rule('start: WORD\n%ignore " "\n%import common.WORD\n') is None
+    assert input_rule("start: /^anchored/") is None
