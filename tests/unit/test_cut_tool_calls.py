@@ -19,6 +19,7 @@ from http_frontend.anthropic.stream import BlockBuilder, closed_json, stop_reaso
 from http_frontend.engine.client import Update
 from http_frontend.openai.responses_stream import ResponseBuilder
 from http_frontend.openai.responses_tools import ToolOrigin
+from tests.unit.test_output_parser import combined
 
 QWEN = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
                        tool_call_end="</tool_call>", tool_parser=json_tools.parse_tool_call)
@@ -39,12 +40,7 @@ def run(tokenizer: SimpleNamespace, pieces: list[str], tools: list | None = TOOL
     """Feeds `pieces`, the last one final; `cut`: max_tokens ended the generation (finish `length`)."""
     parser = OutputParser(tokenizer, in_thinking=False, tools=tools)
     deltas = [parser.feed(piece, final=i == len(pieces) - 1, cut=cut) for i, piece in enumerate(pieces)]
-    total = ParsedDelta()
-    for delta in deltas:
-        total.text += delta.text
-        total.reasoning += delta.reasoning
-        total.tool_calls += delta.tool_calls
-    return deltas, total
+    return deltas, combined(deltas)
 
 
 def agree(tokenizer: SimpleNamespace, text: str, tools: list | None = TOOLS, cut: bool = True) -> ParsedDelta:

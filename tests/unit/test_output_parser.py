@@ -22,12 +22,17 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 def run(parser: OutputParser, pieces: list[str]) -> tuple[list[ParsedDelta], ParsedDelta]:
     deltas = [parser.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    return deltas, combined(deltas)
+
+
+def combined(deltas: list[ParsedDelta]) -> ParsedDelta:
+    """What the deltas add up to: the whole text, reasoning and calls."""
     total = ParsedDelta()
     for delta in deltas:
         total.text += delta.text
         total.reasoning += delta.reasoning
         total.tool_calls += delta.tool_calls
-    return deltas, total
+    return total
 
 
 def split_chars(text: str) -> list[str]:
