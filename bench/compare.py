@@ -32,7 +32,7 @@ def drive(base_url: str, model: str, args: argparse.Namespace, extra: dict, seed
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="realistic", choices=["tiny", "realistic"])
+    parser.add_argument("--size", default="realistic", choices=["tiny", "small", "realistic"])
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=100)

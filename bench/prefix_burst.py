@@ -68,7 +68,7 @@ async def warm_up(base: str, model: str, extra: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="realistic", choices=["tiny", "realistic"])
+    parser.add_argument("--size", default="realistic", choices=["tiny", "small", "realistic"])
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip-mlx-lm", action="store_true")

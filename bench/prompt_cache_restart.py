@@ -23,7 +23,7 @@ from stack import bench_model, our_stack  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="realistic", choices=["tiny", "realistic"])
+    parser.add_argument("--size", default="realistic", choices=["tiny", "small", "realistic"])
     parser.add_argument("--history-words", type=int, default=2700, help="~4,000 tokens of conversation")
     args = parser.parse_args()
     model = bench_model(args.size)

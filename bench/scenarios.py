@@ -30,10 +30,11 @@ def words(n: int, seed: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-async def streamed_turn(base: str, model: str, messages: list[dict], max_tokens: int) -> tuple[float, dict, str]:
-    """TTFT, usage and text of one streamed chat turn."""
+async def streamed_turn(base: str, model: str, messages: list[dict], max_tokens: int,
+                        extra: dict | None = None) -> tuple[float, dict, str]:
+    """TTFT, usage and text of one streamed chat turn (`extra`: more body fields; ours by default)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, **NO_PENALTY}
+            "stream_options": {"include_usage": True}, **(NO_PENALTY if extra is None else extra)}
     started, ttft, usage, text = time.perf_counter(), None, None, []
     async with httpx.AsyncClient(timeout=1800) as http:
         async with http.stream("POST", f"{base}/chat/completions", json=body) as response:
@@ -119,7 +120,7 @@ def long_prompt(args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="realistic", choices=["tiny", "realistic"])
+    parser.add_argument("--size", default="realistic", choices=["tiny", "small", "realistic"])
     sub = parser.add_subparsers(dest="scenario", required=True)
     p = sub.add_parser("multiturn")
     p.add_argument("--history-words", type=int, default=1330, help="~2,000 tokens of shared history")

@@ -92,7 +92,7 @@ def summarize(name: str, results: list[dict]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="realistic", choices=["tiny", "realistic"])
+    parser.add_argument("--size", default="realistic", choices=["tiny", "small", "realistic"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--model-dir", type=Path,

@@ -74,7 +74,7 @@ def run_config(name: str, model: Path, engine_args: list[str], max_tokens: int, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="realistic", choices=["tiny", "realistic"])
+    parser.add_argument("--size", default="realistic", choices=["tiny", "small", "realistic"])
     parser.add_argument("--draft-layers", type=int, nargs="+", default=[2],
                         help="drafts cut from the model's first N blocks (one run each)")
     parser.add_argument("--num-draft-tokens", type=int, default=3)

@@ -141,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "does not stall running streams; 0 sizes the chunk from measured step times so a "
                              "step with prefill costs about one extra decode step. "
                              "[MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS] (default: %(default)s)")
+    parser.add_argument("--step-token-budget", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_STEP_TOKEN_BUDGET", "0")),
+                        help="tokens one step may process while requests decode: one per running stream first, "
+                             "the rest for prompt chunks (stall-free batching); 0 sizes it from measured step "
+                             "costs to meet --max-gap-ratio. [MLX_ENGINE_STEP_TOKEN_BUDGET] (default: %(default)s)")
+    parser.add_argument("--max-gap-ratio", type=float,
+                        default=float(os.environ.get("MLX_ENGINE_MAX_GAP_RATIO", "2.5")),
+                        help="with an automatic token budget, a step that also prefills costs at most this many "
+                             "decode steps, so running streams' inter-token gaps stay within it while a prompt "
+                             "arrives. [MLX_ENGINE_MAX_GAP_RATIO] (default: %(default)s)")
+    parser.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get("MLX_ENGINE_FUSED_PREFILL", "1") != "0",
+                        help="run a lone prompt's chunk inside the decode step's forward pass (llama, qwen2, "
+                             "qwen3, mistral), so streams and the newcomer share one read of the weights. "
+                             "[MLX_ENGINE_FUSED_PREFILL=0 turns it off] (default: on)")
     parser.add_argument("--allow-request-chat-template", action="store_true",
                         default=os.environ.get("MLX_ENGINE_ALLOW_REQUEST_CHAT_TEMPLATE") == "1",
                         help="let requests send their own chat template (chat_template_kwargs.chat_template), "
@@ -329,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         sampling_defaults=defaults,
         prefill_step_size=args.prefill_step_size,
         interleave_prefill_tokens=args.interleave_prefill_tokens,
+        step_token_budget=args.step_token_budget,
+        max_gap_ratio=args.max_gap_ratio,
+        fused_prefill=args.fused_prefill,
         decode_concurrency=args.decode_concurrency,
         max_slots_per_key=max(0, args.max_slots_per_key),
         max_stop_strings=max(1, args.max_stop_strings),

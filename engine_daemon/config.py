@@ -30,6 +30,12 @@ class SchedulerConfig:
     prefill_step_size: int = 2048
     # Prompt tokens per step while other requests decode; 0 = paced by measurement (PrefillPacer).
     interleave_prefill_tokens: int = 0
+    # Tokens per step (decode first, the rest prefill) while others decode; 0 = sized from step costs.
+    step_token_budget: int = 0
+    # The budget's target: a step with prefill costs at most this many decode steps (--max-gap-ratio).
+    max_gap_ratio: float = 2.5
+    # Run a lone prompt's chunk in the decode step's forward pass (StallFreeBatchGenerator).
+    fused_prefill: bool = True
     decode_concurrency: int = 32
     # Stop strings per request and characters per stop string (--max-stop-strings, --max-stop-length).
     max_stop_strings: int = 16

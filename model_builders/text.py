@@ -83,6 +83,19 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
     },
+    # The mid-size benchmark model: ~85.3M float32 parameters (~340 MB). Big enough that a
+    # decode step is bound by weight reads like a real model, small enough that CPU runs
+    # finish in minutes; the issue tracker's throughput figures are taken on this shape.
+    "small": {
+        "hidden_size": 640,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 10,
+        "num_key_value_heads": 2,
+        "intermediate_size": 2304,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+    },
     # Qwen2-0.5B shape with a 32k vocab: ~386.6M float32 parameters (~1.5 GB), which gives
     # benchmark numbers (memory bandwidth, KV cache size per token) of a real small model.
     "realistic": {

@@ -29,9 +29,10 @@ import itertools
 import logging
 from typing import Any
 
-from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.generate import StopSequences
 
 from engine_daemon.generation.speculative import SpeculativeDecoder, SpeculativeLane
+from engine_daemon.generation.stall_free import StallFreeBatchGenerator
 from engine_daemon.lora.adapters import AdapterManager
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,14 @@ class GroupedGenerator:
         self.loaded, self.config, self.stream, self.adapters = loaded, config, stream, adapters
         self.speculative = speculative
         self.draft = speculative.draft_for(loaded) if speculative is not None and not config.max_kv_size else None
-        self._groups: dict[str | None, BatchGenerator] = {}
+        self._groups: dict[str | None, StallFreeBatchGenerator] = {}
         self._live: dict[str | None, set[int]] = {}
         self._where: dict[int, tuple[str | None, int]] = {}
         self._global: dict[tuple[str | None, int], int] = {}
         self._uids = itertools.count()
         self._prefill_step_size = config.prefill_step_size
         self.lane: SpeculativeLane | None = None
+        self.fused_steps = 0  # steps whose prefill chunk rode in the decode pass (StallFreeBatchGenerator)
         # The base group first, and closed last: BatchGenerator restores Metal's wired limit on close,
         # so the first one made must be the last one closed.
         self._group(None)
@@ -135,7 +137,9 @@ class GroupedGenerator:
         for key, generator in list(self._groups.items()):
             if not self._live.get(key):
                 continue
+            fused_before = generator.fused_steps
             group_progress, group_responses = generator.next()
+            self.fused_steps += generator.fused_steps - fused_before
             progress += [dataclasses.replace(p, uid=self._global[(key, p.uid)]) for p in group_progress
                          if (key, p.uid) in self._global]
             for response in group_responses:
@@ -158,14 +162,15 @@ class GroupedGenerator:
             self._groups.pop(key).close()
 
     # -- groups ----------------------------------------------------------------------------------
-    def _group(self, adapter: str | None) -> BatchGenerator:
+    def _group(self, adapter: str | None) -> StallFreeBatchGenerator:
         generator = self._groups.get(adapter)
         if generator is None:
             config = self.config
-            generator = BatchGenerator(
+            generator = StallFreeBatchGenerator(
                 self.adapters.bind(self.loaded, adapter), max_tokens=config.default_max_tokens,
                 completion_batch_size=config.decode_concurrency, prefill_batch_size=config.prompt_concurrency,
-                prefill_step_size=self._prefill_step_size, max_kv_size=config.max_kv_size, stream=self.stream)
+                prefill_step_size=self._prefill_step_size, max_kv_size=config.max_kv_size, stream=self.stream,
+                fuse=config.fused_prefill)
             self._groups[adapter] = generator
             self._live[adapter] = set()
         return generator

@@ -44,6 +44,10 @@ class SchedulerStats:
     prompt_cache_misses: int = 0
     cached_tokens: int = 0
     max_batch_size: int = 0
+    # Stall-free batching: steps whose prompt chunk rode in the decode pass, and the last chunk
+    # size the token budget gave a prompt while others decoded (PrefillPacer).
+    fused_prefill_steps: int = 0
+    prefill_chunk_tokens: int = 0
     rejections: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:

@@ -54,7 +54,8 @@ class BatchScheduler(BaseScheduler):
         self._identities: dict[str, str] = {}  # model directory -> model_identity
         # Accepted for the loaded model, waiting for a free slot (at most decode_concurrency run).
         self.pending: deque[EngineRequest] = deque()
-        self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size)
+        self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size,
+                                  ratio=max(0.1, config.max_gap_ratio - 1.0), budget=config.step_token_budget or None)
         self._prefill_progress: dict[int, int] = {}
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()
@@ -282,6 +283,9 @@ class BatchScheduler(BaseScheduler):
         # While others decode, prefill only a paced chunk per step so their tokens keep flowing.
         decoding = self.decoding()
         generator.prefill_step_size = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
+        if decoding and len(self.by_uid) > decoding:
+            self.stats.prefill_chunk_tokens = generator.prefill_step_size
+        fused_before = getattr(generator, "fused_steps", 0)
         started = time.perf_counter()
         try:
             progress, responses = generator.next()
@@ -298,6 +302,7 @@ class BatchScheduler(BaseScheduler):
             return events
         seconds, prompt_done = time.perf_counter() - started, self._prompt_tokens_done(progress)
         self.pacer.observe(seconds, decoding > 0, prompt_done)
+        self.stats.fused_prefill_steps += getattr(generator, "fused_steps", 0) - fused_before
         if not decoding:
             self.prompt_cache.observe_prefill(prompt_done, seconds)
         if self.models.current.kind == "text":

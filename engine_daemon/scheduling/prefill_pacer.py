@@ -1,37 +1,52 @@
-"""Sizes prompt chunks so prefill never stalls running streams for long.
+"""The per-step token budget: how many prompt tokens a step may prefill while others decode.
 
-While requests decode, every step also prefills a chunk of the waiting prompts.
-A chunk of n prompt tokens adds about `a + b*n` seconds to the step: `a` is paid
-once per model call (reading the weights), `b` per token. The pacer fits that line
-from the steps it has seen and picks n so a step with prefill costs about `ratio`
-decode steps more than one without. Inter-token latency of running streams stays
-near `1 + ratio` times its steady state, and a fast accelerator (cheap prefill)
-still gets large chunks.
+Stall-free batching (Sarathi-Serve): every step first decodes one token for each
+running stream, then spends what is left of a token budget on prompt chunks. The
+budget is sized from measured step costs so that a step carrying prefill costs at
+most `ratio` decode steps more than one without: running streams' inter-token
+gaps stay within `1 + ratio` times their steady value (`--max-gap-ratio`), and
+the waiting prompt gets the largest chunks that allows, so its first token is not
+delayed more than the gap target forces. When the chunk rides in the decode pass
+(`StallFreeBatchGenerator`), a chunk of n tokens adds about `b*n` seconds to the
+step; otherwise `a + b*n` (`a`: reading the weights once more). The pacer learns
+that cost from the steps it has seen, so both cases, and a fast accelerator
+(cheap prefill, large chunks), size themselves. The cost per prompt token also
+grows as the prompt's own context grows (attention reads every earlier token), so
+the pacer steers by the most recent steps' cost per token rather than a fit over
+the whole prompt: a late chunk of a long prompt gets fewer tokens than an early one.
+
+The operator can fix the budget instead (`--step-token-budget`: decode tokens
+first, the rest to prefill) or fix the chunk (`--interleave-prefill-tokens`).
 
 Pacing protects the streams that are running at the expense of the prompts that
-wait, so (unless the operator fixed the chunk) it only applies while the streams
-are at least as many as the waiting prompts. When more clients wait for a first token than are streaming (a burst of
-requests lands just after one started), the waiting prompts are prefilled at full
-speed: a few streams pause once instead of many clients waiting through dozens of
-slowed steps, and prefilling big chunks wastes no model calls.
+wait, so (unless the operator fixed it) it only applies while the streams are at
+least as many as the waiting prompts. When more clients wait for a first token
+than are streaming (a burst of requests lands just after one started), the
+waiting prompts are prefilled at full speed: a few streams pause once instead of
+many clients waiting through dozens of slowed steps.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 
 class PrefillPacer:
-    def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.0,
-                 smoothing: float = 0.3, window: int = 32):
+    def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.5,
+                 smoothing: float = 0.5, budget: int | None = None, first: int = 32):
         self.fixed = fixed
+        self.budget = budget
         self.maximum = maximum
         self.minimum = minimum
         self.ratio = ratio
         self.smoothing = smoothing
+        self.first = first
         self.decode_seconds: float | None = None
-        # (prompt tokens, seconds the prefill added to its step), most recent last
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        # Seconds a prompt token added to the most recent steps that prefilled (smoothed). A
+        # step's fixed cost makes a small chunk look dear per token; sizing the next chunk from
+        # it still converges on the size whose whole cost meets the target (n' = T*n/(a+b*n)).
+        self.seconds_per_token: float | None = None
+    def target_seconds(self) -> float | None:
+        """What prefill may add to a step: `ratio` decode steps (None until a decode step was seen)."""
+        return None if self.decode_seconds is None else self.ratio * self.decode_seconds
 
     def chunk(self, decoding: int, prefilling: int) -> int:
         """Prompt tokens each of the `prefilling` requests may process in the next step, while `decoding` stream."""
@@ -39,44 +54,30 @@ class PrefillPacer:
             return self.maximum  # nobody to stall: prefill at full speed
         if self.fixed:
             return self.fixed  # the operator's --interleave-prefill-tokens
+        if self.budget:  # the operator's --step-token-budget: decode tokens first, the rest to prefill
+            return self._share(self.budget - decoding, prefilling)
         if decoding < prefilling:
             return self.maximum  # more clients wait for a first token than stream: serve them first
-        if self.decode_seconds is None or not self.samples:
-            return self.minimum
-        budget = self.ratio * self.decode_seconds
-        line = self._fit()
-        if line is not None:
-            fixed_cost, per_token = line
-            total = (budget - fixed_cost) / per_token
-        else:
-            # One chunk size seen so far: assume it was all per-token cost (cautious), and try a
-            # larger chunk once so the next fit can tell the fixed cost from the per-token cost.
-            tokens, seconds = self.samples[-1]
-            total = max(budget / (seconds / tokens), 2 * tokens)
-        return int(max(self.minimum, min(self.maximum, round(total / max(1, prefilling)))))
+        target = self.target_seconds()
+        if target is None or self.seconds_per_token is None:
+            return self._share(self.first, prefilling)
+        return self._share(target / self.seconds_per_token, prefilling)
 
     def observe(self, step_seconds: float, decoding: bool, prompt_tokens: int) -> None:
         """Learns from one finished step: its time, whether it decoded, how many prompt tokens it took."""
         if prompt_tokens == 0:
             if decoding:
-                old = self.decode_seconds
-                self.decode_seconds = step_seconds if old is None else old + self.smoothing * (step_seconds - old)
+                self.decode_seconds = self._smooth(self.decode_seconds, step_seconds)
             return
-        if decoding and self.decode_seconds is None:
+        if not decoding:
+            return  # a full-speed prefill says little about a chunk beside a decode step
+        if self.decode_seconds is None:
             return  # cannot tell the prefill's share of this step yet
-        extra = step_seconds - (self.decode_seconds if decoding else 0.0)
-        self.samples.append((prompt_tokens, max(extra, 1e-6)))
+        extra = max(step_seconds - self.decode_seconds, 1e-6)
+        self.seconds_per_token = self._smooth(self.seconds_per_token, extra / prompt_tokens)
 
-    def _fit(self) -> tuple[float, float] | None:
-        """Least-squares `seconds = a + b * tokens`, or None without two distinct chunk sizes."""
-        n = len(self.samples)
-        xs = [float(t) for t, _ in self.samples]
-        ys = [s for _, s in self.samples]
-        mean_x, mean_y = sum(xs) / n, sum(ys) / n
-        var = sum((x - mean_x) ** 2 for x in xs)
-        if var == 0:
-            return None
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
-        if slope <= 0:
-            return None
-        return max(0.0, mean_y - slope * mean_x), slope
+    def _smooth(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
+
+    def _share(self, total: float, prefilling: int) -> int:
+        return int(max(self.minimum, min(self.maximum, round(total / max(1, prefilling)))))

@@ -1,4 +1,4 @@
-"""The pacer sizes prompt chunks from measured costs."""
+"""The pacer sizes prompt chunks from measured costs (the per-step token budget)."""
 
 from engine_daemon.scheduling.prefill_pacer import PrefillPacer
 
@@ -11,26 +11,44 @@ def test_fixed_chunk_while_decoding() -> None:
     assert PrefillPacer(64, maximum=2048).chunk(decoding=1, prefilling=1) == 64
 
 
-def test_cautious_until_measured_then_explores() -> None:
-    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.0, smoothing=1.0)
-    assert pacer.chunk(1, 1) == 8
+def test_operator_budget_serves_decode_tokens_first() -> None:
+    pacer = PrefillPacer(None, maximum=2048, budget=100)
+    assert pacer.chunk(decoding=4, prefilling=1) == 96
+    assert pacer.chunk(decoding=4, prefilling=2) == 48
+    assert pacer.chunk(decoding=0, prefilling=1) == 2048  # nobody to protect
+
+
+def test_first_chunk_until_measured_then_meets_the_target() -> None:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0, first=32)
+    assert pacer.chunk(1, 1) == 32
     pacer.observe(0.100, decoding=True, prompt_tokens=0)          # a decode step costs 100 ms
-    pacer.observe(0.100 + 0.160, decoding=True, prompt_tokens=8)  # 8 prompt tokens added 160 ms
-    assert pacer.chunk(1, 1) == 16  # one size seen: try twice as many to learn the line
+    pacer.observe(0.100 + 0.064, decoding=True, prompt_tokens=32)  # 32 prompt tokens added 64 ms
+    assert pacer.chunk(1, 1) == 75  # 150 ms target at 2 ms per token
+    assert pacer.chunk(2, 2) == 38  # shared by two prompts
 
 
-def test_fits_fixed_and_per_token_cost() -> None:
-    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0)
+def test_converges_despite_a_fixed_cost_per_step() -> None:
+    """Each prefilling step costs 30 ms + 2 ms per token on top of decode: the chunk settles at 60."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0, first=8)
     pacer.observe(0.100, decoding=True, prompt_tokens=0)
-    for tokens in (8, 16, 32):  # each chunk costs 50 ms + 2 ms per token
-        pacer.observe(0.100 + 0.050 + 0.002 * tokens, decoding=True, prompt_tokens=tokens)
-    assert pacer.chunk(1, 1) == 50   # (150 ms budget - 50 ms fixed) / 2 ms
-    assert pacer.chunk(2, 2) == 25   # shared by two prompts
-    assert pacer.chunk(0, 2) == 2048
+    for _ in range(30):
+        tokens = pacer.chunk(1, 1)
+        pacer.observe(0.100 + 0.030 + 0.002 * tokens, decoding=True, prompt_tokens=tokens)
+    assert 57 <= pacer.chunk(1, 1) <= 60
+
+
+def test_later_chunks_shrink_as_the_prompt_grows_dearer() -> None:
+    """Attention makes a token dearer the longer the context: the chunk follows the latest cost."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=2.0, smoothing=1.0)
+    pacer.observe(0.050, decoding=True, prompt_tokens=0)
+    pacer.observe(0.050 + 0.050, decoding=True, prompt_tokens=50)   # 1 ms per token early
+    early = pacer.chunk(1, 1)
+    pacer.observe(0.050 + 0.100, decoding=True, prompt_tokens=50)   # 2 ms per token later
+    assert pacer.chunk(1, 1) == early // 2 == 50
 
 
 def test_full_speed_while_more_prompts_wait_than_stream() -> None:
-    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.0, smoothing=1.0)
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.0, smoothing=1.0, first=8)
     assert pacer.chunk(decoding=1, prefilling=7) == 2048  # a burst landed just after one request started
     assert pacer.chunk(decoding=4, prefilling=4) == 8     # as many streams as prompts: paced (unmeasured yet)
     assert PrefillPacer(64, maximum=2048).chunk(decoding=1, prefilling=7) == 64  # a fixed chunk is the operator's

@@ -1,0 +1,113 @@
+"""mlx-lm's BatchGenerator with the decode step and the prefill chunk in one forward pass.
+
+mlx-lm's `BatchGenerator._next` runs a decode step for the streams, then a chunk
+of the prompts being prefilled, as two model calls. When exactly one prompt is
+being prefilled and nothing else joins or leaves in that step (the common case:
+a newcomer arrives while others stream), this generator makes the two one pass
+(`fused_forward`): the decode batch's model call computes the chunk too, and the
+prompt batch's own call for that chunk becomes a no-op. Everything else (which
+chunk, the bookkeeping, sampling, when a prompt turns into a stream) stays
+mlx-lm's, so the result is the same tokens at a lower cost. Every other step,
+and every model `fusable` rejects, runs mlx-lm's path unchanged.
+
+The chunk size is still `prefill_step_size`, set each step by the scheduler's
+token budget (`PrefillPacer`).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+
+from engine_daemon.generation.fused_step import fusable, fused_forward
+
+log = logging.getLogger(__name__)
+
+
+class _FusedDecode:
+    """Stands in for the model in the decode batch's call: runs the fused pass."""
+
+    def __init__(self, model: Any, chunk: list[int], chunk_cache: list[Any]):
+        self.model, self.chunk, self.chunk_cache = model, chunk, chunk_cache
+        self.used = False
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
+        self.used = True
+        return fused_forward(self.model, inputs, cache, mx.array([self.chunk]), self.chunk_cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+class _ChunkDone:
+    """Stands in for the model in the prompt batch's call for a chunk the fused pass computed."""
+
+    def __init__(self, model: Any, chunk_len: int):
+        self.model, self.chunk_len = model, chunk_len
+
+    def __call__(self, inputs: mx.array, cache: list[Any]) -> None:
+        if inputs.shape != (1, self.chunk_len):  # never silently skip a chunk nobody computed
+            raise RuntimeError(f"fused prefill expected a (1, {self.chunk_len}) chunk, got {inputs.shape}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
+    """`PromptProcessingBatch.split` without its deep copy of the KV when every prompt leaves.
+
+    mlx-lm copies the whole prompt batch (every layer's KV) and then filters both halves;
+    when all of it moves to generation, which is the usual case, that copy is a stall of
+    its own (tens of ms for a 1,500-token prompt on a small model) in the step where the
+    newcomer's first token is made. Handing the caches over is the same result.
+    """
+    if sorted(indices) != list(range(len(batch.uids))):
+        return PromptProcessingBatch.split(batch, indices)
+    moved = PromptProcessingBatch.__new__(PromptProcessingBatch)
+    moved.__dict__.update(batch.__dict__)
+    batch.uids, batch.prompt_cache, batch.tokens, batch.samplers = [], [], [], []
+    batch.logits_processors, batch.max_tokens, batch.stop_sequences = [], [], []
+    return moved
+
+
+class StallFreeBatchGenerator(BatchGenerator):
+    """A BatchGenerator that fuses a lone prompt's chunk into the decode step when it can."""
+
+    def __init__(self, model: Any, *args: Any, fuse: bool = True, **kwargs: Any):
+        super().__init__(model, *args, **kwargs)
+        self._prompt_batch.split = types.MethodType(_split, self._prompt_batch)
+        self.fuse = fuse and fusable(model)
+        self.fused_steps = 0
+
+    def _fusable_chunk(self) -> list[int] | None:
+        """The chunk this step will prefill, when it can ride in the decode pass; else None."""
+        if not self.fuse or self._unprocessed_sequences or len(self._currently_processing) != 1:
+            return None
+        generating = len(self._generation_batch)
+        if generating == 0 or generating >= self.completion_batch_size:
+            return None
+        segments = self._currently_processing[0][0]
+        if not segments or (len(segments) == 1 and len(segments[0]) == 1):
+            return None  # the prompt turns into a stream this step: nothing to prefill
+        chunk = list(segments[0][: self.prefill_step_size])
+        return chunk or None
+
+    def _next(self) -> Any:
+        chunk = self._fusable_chunk()
+        if chunk is None:
+            return super()._next()
+        decode, prompt = self._generation_batch, self._prompt_batch
+        fused = _FusedDecode(self.model, chunk, prompt.prompt_cache)
+        decode.model, prompt.model = fused, _ChunkDone(self.model, len(chunk))
+        try:
+            result = super()._next()
+        finally:
+            decode.model = prompt.model = self.model
+        if not fused.used:  # cannot happen while _fusable_chunk matches mlx-lm's _next; fail loudly if it does
+            raise RuntimeError("fused prefill chunk was not computed")
+        self.fused_steps += 1
+        return result

@@ -1,0 +1,81 @@
+"""StallFreeBatchGenerator: a prompt's chunks fused into decode steps give the unfused tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine_daemon.generation.fused_step import fusable, fused_forward
+from engine_daemon.generation.stall_free import StallFreeBatchGenerator
+from model_builders.text import build_model
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = build_model(tmp_path_factory.mktemp(request.param) / "m", size="tiny", arch=request.param)
+    loaded, _ = load(str(Path(path)))
+    return loaded
+
+
+def run(generator: BatchGenerator, prompts: list[list[int]], late: list[int], steps_before_late: int,
+        max_tokens: int) -> tuple[dict[int, list[int]], BatchGenerator]:
+    """Greedy tokens per uid: `prompts` start together, `late` joins after some decode steps."""
+    out: dict[int, list[int]] = {}
+    uids = generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    for uid in uids:
+        out[uid] = []
+    step = 0
+    live = set(uids)
+    while live:
+        if step == steps_before_late:
+            (late_uid,) = generator.insert([late], max_tokens=[8])
+            out[late_uid] = []
+            live.add(late_uid)
+        _, responses = generator.next()
+        for response in responses:
+            out[response.uid].append(response.token)
+            if response.finish_reason is not None:
+                live.discard(response.uid)
+        step += 1
+    return out, generator
+
+
+def test_fused_steps_give_the_same_greedy_tokens(model) -> None:
+    assert fusable(model)
+    prompts = [[(7 * i + j) % 2000 + 3 for j in range(5 + 3 * i)] for i in range(4)]
+    late = [(13 * j) % 2000 + 3 for j in range(150)]
+    plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 3, 40)
+    fused_out, fused = run(StallFreeBatchGenerator(model, prefill_step_size=16), prompts, late, 3, 40)
+    assert fused.fused_steps >= 150 // 16 - 1  # the late prompt's chunks rode in decode steps
+    assert fused_out == plain
+
+
+def test_fusion_off_runs_mlx_lm_path(model) -> None:
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    out, generator = run(StallFreeBatchGenerator(model, prefill_step_size=8, fuse=False), prompts, [3] * 40, 2, 12)
+    assert generator.fused_steps == 0
+    assert all(out.values())
+
+
+def test_fused_forward_matches_two_passes(model) -> None:
+    """Decode logits and the chunk's KV equal what two separate forward passes compute."""
+    decode_prompt = mx.array([[4, 5, 6, 7, 8]])
+    chunk = mx.array([[9, 10, 11, 12, 13, 14, 15]])
+    caches = [make_prompt_cache(model) for _ in range(4)]
+    for cache in (caches[0], caches[2]):
+        model(decode_prompt, cache=cache)
+    token = mx.array([[21]])
+    expected = model(token, cache=caches[0])
+    model(chunk, cache=caches[1])
+    got = fused_forward(model, token, caches[2], chunk, caches[3])
+    assert mx.allclose(got, expected, atol=1e-5).item()
+    for plain_layer, fused_layer in zip(caches[1], caches[3]):
+        assert plain_layer.offset == fused_layer.offset == chunk.shape[1]
+        for plain, fused in ((plain_layer.keys, fused_layer.keys), (plain_layer.values, fused_layer.values)):
+            end = plain_layer.offset
+            assert mx.allclose(plain[..., :end, :], fused[..., :end, :], atol=1e-5).item()
