@@ -302,7 +302,11 @@ class BatchScheduler(BaseScheduler):
             return events
         seconds, prompt_done = time.perf_counter() - started, self._prompt_tokens_done(progress)
         self.pacer.observe(seconds, decoding > 0, prompt_done)
-        self.stats.fused_prefill_steps += getattr(generator, "fused_steps", 0) - fused_before
+        fused = getattr(generator, "fused_steps", 0) - fused_before
+        self.stats.fused_prefill_steps += fused
+        if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (bench/prompt_scenarios.py)
+            log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s)", seconds * 1000, decoding,
+                      prompt_done, generator.prefill_step_size, ", fused" if fused else "")
         if not decoding:
             self.prompt_cache.observe_prefill(prompt_done, seconds)
         if self.models.current.kind == "text":

@@ -28,10 +28,13 @@ many clients waiting through dozens of slowed steps.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 
 class PrefillPacer:
     def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.5,
-                 smoothing: float = 0.5, budget: int | None = None, first: int = 32):
+                 smoothing: float = 0.3, budget: int | None = None, first: int = 32, window: int = 16):
         self.fixed = fixed
         self.budget = budget
         self.maximum = maximum
@@ -40,6 +43,7 @@ class PrefillPacer:
         self.smoothing = smoothing
         self.first = first
         self.decode_seconds: float | None = None
+        self._decode_steps: deque[float] = deque(maxlen=window)
         # Seconds a prompt token added to the most recent steps that prefilled (smoothed). A
         # step's fixed cost makes a small chunk look dear per token; sizing the next chunk from
         # it still converges on the size whose whole cost meets the target (n' = T*n/(a+b*n)).
@@ -67,14 +71,21 @@ class PrefillPacer:
         """Learns from one finished step: its time, whether it decoded, how many prompt tokens it took."""
         if prompt_tokens == 0:
             if decoding:
-                self.decode_seconds = self._smooth(self.decode_seconds, step_seconds)
+                # The median of recent decode steps: one slow step (a collection, a neighbour's
+                # burst) must not widen every gap that follows.
+                self._decode_steps.append(step_seconds)
+                self.decode_seconds = statistics.median(self._decode_steps)
             return
         if not decoding:
             return  # a full-speed prefill says little about a chunk beside a decode step
         if self.decode_seconds is None:
             return  # cannot tell the prefill's share of this step yet
         extra = max(step_seconds - self.decode_seconds, 1e-6)
-        self.seconds_per_token = self._smooth(self.seconds_per_token, extra / prompt_tokens)
+        rate = extra / prompt_tokens
+        if self.seconds_per_token is None or rate > self.seconds_per_token:
+            self.seconds_per_token = rate  # dearer than thought: shrink the next chunk at once
+        else:
+            self.seconds_per_token = self._smooth(self.seconds_per_token, rate)  # cheaper: grow gently
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)

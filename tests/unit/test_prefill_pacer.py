@@ -52,3 +52,18 @@ def test_full_speed_while_more_prompts_wait_than_stream() -> None:
     assert pacer.chunk(decoding=1, prefilling=7) == 2048  # a burst landed just after one request started
     assert pacer.chunk(decoding=4, prefilling=4) == 8     # as many streams as prompts: paced (unmeasured yet)
     assert PrefillPacer(64, maximum=2048).chunk(decoding=1, prefilling=7) == 64  # a fixed chunk is the operator's
+
+
+def test_one_slow_decode_step_does_not_widen_the_target() -> None:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5)
+    for seconds in (0.060, 0.062, 0.061, 0.300, 0.060):  # a collection pause among decode steps
+        pacer.observe(seconds, decoding=True, prompt_tokens=0)
+    assert abs(pacer.target_seconds() - 1.5 * 0.061) < 1e-9
+
+
+def test_a_dearer_step_shrinks_the_next_chunk_at_once() -> None:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=0.1)
+    pacer.observe(0.100, decoding=True, prompt_tokens=0)
+    pacer.observe(0.100 + 0.050, decoding=True, prompt_tokens=50)   # 1 ms per token
+    pacer.observe(0.100 + 0.150, decoding=True, prompt_tokens=50)   # 3 ms per token: believed at once
+    assert pacer.chunk(1, 1) == 50
