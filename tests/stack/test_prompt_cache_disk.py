@@ -7,6 +7,7 @@ exactly a cold engine's. A damaged file is skipped with a log line, never served
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -87,3 +88,33 @@ def test_a_switch_back_finds_the_prefixes_on_disk(tiny_model: Path, other_model:
         metrics = httpx.get(f"{fe.base_url}/metrics", timeout=10).text
         assert 'mlx_engine_prefix_cache_hits_total{tier="disk"' in metrics
         assert "mlx_engine_prompt_cache_disk_bytes" in metrics
+
+
+def test_two_engines_on_one_directory_keep_each_others_prefixes(tiny_model: Path, ipc_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """Two real engines spill into one directory at once; a third finds both conversations intact."""
+    cache_dir, model = tmp_path / "kv", str(tiny_model)
+    args = ["--prompt-cache-dir", str(cache_dir)]
+    conversations = []
+    for index in range(2):
+        opening = [{"role": "system", "content": f"Team {index}. " + SYSTEM},
+                   {"role": "user", "content": "What comes first?"}]
+        conversations.append((opening, opening + [{"role": "assistant", "content": "The disk."},
+                                                  {"role": "user", "content": "Then?"}]))
+    for run in ("one", "two", "three", "cold"):
+        (tmp_path / run).mkdir()
+    with ExitStack() as stacks:  # both engines up together, both stopped together: their spills overlap
+        ends = [stacks.enter_context(running_stack(f"ipc://{ipc_dir}/share-{i}.sock", tmp_path / run, model=model,
+                                                   engine_args=args))
+                for i, run in enumerate(("one", "two"))]
+        opened = [ask(fe, model, opening) for (_, fe), (opening, _) in zip(ends, conversations)]
+    assert not list(cache_dir.glob(".*"))  # no temporary file left behind
+    with running_stack(f"ipc://{ipc_dir}/share-r.sock", tmp_path / "three", model=model,
+                       engine_args=args) as (engine, fe):
+        restored = [ask(fe, model, follow_up) for _, follow_up in conversations]
+        assert stats(fe)["prompt_cache_disk_corrupt"] == 0 and "is damaged" not in engine.log()
+    with running_stack(f"ipc://{ipc_dir}/share-c.sock", tmp_path / "cold", model=model) as (_, fe):
+        cold = [ask(fe, model, follow_up) for _, follow_up in conversations]
+    for got, reference, first in zip(restored, cold, opened):
+        assert got.usage.prompt_tokens_details.cached_tokens >= 0.95 * first.usage.prompt_tokens
+        assert got.choices[0].message.content == reference.choices[0].message.content
