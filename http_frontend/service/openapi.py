@@ -417,6 +417,9 @@ def openapi_document() -> dict[str, Any]:
             "503": {"description": "The engine is unreachable or stalled", "content": _json(ref("Health"))}}}},
         "/unload": {"post": _operation("Unload the model (frees its memory)", None, _ok(ANY_OBJECT), CALL_ERRORS)},
         "/stats": {"get": _operation("Engine and front-end counters", None, _ok(ANY_OBJECT), CALL_ERRORS)},
+        "/admin/engines": {"get": _operation("Engines behind this front-end", None, _ok(ANY_OBJECT), CALL_ERRORS)},
+        "/admin/engines/{engine_id}/drain": {"post": _operation("Drain an engine", None, _ok(ANY_OBJECT), CALL_ERRORS)},
+        "/admin/engines/{engine_id}/undrain": {"post": _operation("Undrain", None, _ok(ANY_OBJECT), CALL_ERRORS)},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": STRING}}}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {
