@@ -18,7 +18,7 @@ from http_frontend import errors
 from http_frontend.anthropic.messages import CountTokens, Messages
 from http_frontend.engine.client import EngineLink
 from http_frontend.engine.pool import EnginePool, build_pool
-from http_frontend.engine.pool_config import epsilon_from_env, parse_specs, specs_from_env
+from http_frontend.engine.pool_config import epsilon_from_env, min_bound_from_env, parse_specs, specs_from_env
 from http_frontend.middleware.auth import security_middleware
 from http_frontend.middleware.disconnect import DisconnectWatch
 from http_frontend.middleware.observer import RequestObserver, route_finder
@@ -77,9 +77,10 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     if engine is not None:
         client = engine if isinstance(engine, EnginePool) else EnginePool({"engine": engine})
     elif endpoint is not None:
-        client = build_pool(parse_specs([endpoint]), epsilon_from_env(), settings.max_pending_bytes)
+        client = build_pool(parse_specs([endpoint]), epsilon_from_env(), settings.max_pending_bytes,
+                            min_bound_from_env())
     else:  # --endpoint (repeatable) through MLX_ENGINE_ENDPOINTS, else MLX_ENGINE_ENDPOINT, else the user socket
-        client = build_pool(specs_from_env(), epsilon_from_env(), settings.max_pending_bytes)
+        client = build_pool(specs_from_env(), epsilon_from_env(), settings.max_pending_bytes, min_bound_from_env())
     metrics = FrontendMetrics(client)
     router = CompiledRouter()  # also names the route of requests refused before routing (metric labels)
     app = falcon.asgi.App(middleware=[EngineLifespan(client), *security_middleware(settings)], router=router)

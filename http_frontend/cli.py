@@ -10,8 +10,10 @@ from typing import Any
 from http_frontend.engine import curve
 from http_frontend.engine.pool_config import (
     DEFAULT_EPSILON,
+    DEFAULT_MIN_BOUND,
     ENDPOINTS_ENV,
     EPSILON_ENV,
+    MIN_BOUND_ENV,
     SERVER_KEYS_ENV,
     parse_specs,
     split_endpoints,
@@ -47,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bounded-load slack: an engine holding more than ceil((1 + EPSILON) x (mean load + 1)) "
                              "requests is passed over for the next in the request's rendezvous order (only with "
                              f"several engines). [{EPSILON_ENV}] (default: %(default)s)")
+    parser.add_argument("--routing-min-bound", type=int, default=int(env(MIN_BOUND_ENV) or DEFAULT_MIN_BOUND),
+                        help="an engine is never passed over for load while it holds fewer than this many requests "
+                             "(a few more in one decode batch cost less than a conversation's prompt re-read "
+                             f"elsewhere). [{MIN_BOUND_ENV}] (default: %(default)s)")
     parser.add_argument("--host", default=env("MLX_FRONTEND_HOST", "127.0.0.1"),
                         help="address to listen on. [MLX_FRONTEND_HOST] (default: %(default)s)")
     parser.add_argument("--port", type=int, default=int(env("MLX_FRONTEND_PORT", "8080")),
@@ -108,12 +114,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if not args.routing_epsilon > 0:
         parser.error("--routing-epsilon must be positive")
+    if args.routing_min_bound < 1:
+        parser.error("--routing-min-bound must be at least 1")
     server_keys = [os.path.abspath(k) for k in server_keys]
     # Workers read their settings from the environment (inherited across the fork and HUP reloads).
     os.environ.update({
         ENDPOINT_ENV: endpoints[0],
         ENDPOINTS_ENV: os.pathsep.join(endpoints) if len(endpoints) > 1 else "",
         EPSILON_ENV: str(args.routing_epsilon),
+        MIN_BOUND_ENV: str(args.routing_min_bound),
         "MLX_FRONTEND_HOST": args.host,
         "MLX_FRONTEND_PORT": str(args.port),
         "MLX_FRONTEND_WORKERS": str(args.workers),

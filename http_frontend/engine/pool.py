@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from http_frontend.engine.client import EngineClient, EngineLink, EngineUnavailable, RequestStream
-from http_frontend.engine.routing import DEFAULT_EPSILON, Candidate, pick
+from http_frontend.engine.routing import DEFAULT_EPSILON, DEFAULT_MIN_BOUND, Candidate, pick
 from protocol import CallMethod
 
 log = logging.getLogger(__name__)
@@ -60,11 +60,13 @@ class StreamsView(Mapping[str, RequestStream]):
 class EnginePool:
     """One worker's engines by id, with `submit` routed and `call` addressed."""
 
-    def __init__(self, links: Mapping[str, EngineLink], epsilon: float = DEFAULT_EPSILON):
+    def __init__(self, links: Mapping[str, EngineLink], epsilon: float = DEFAULT_EPSILON,
+                 min_bound: int = DEFAULT_MIN_BOUND):
         if not links:
             raise ValueError("an engine pool needs at least one engine")
         self.links = dict(links)
         self.epsilon = epsilon
+        self.min_bound = min_bound
         first = next(iter(self.links.values()))
         self.frontend_id = first.frontend_id
         self.streams = StreamsView(list(self.links.values()))
@@ -112,7 +114,7 @@ class EnginePool:
         if hint is None:
             hint = RouteHint("")
         candidates = [c for c in self.candidates(hint.model) if c.engine_id not in exclude]
-        chosen = pick(hint.key, candidates, self.epsilon, hint.preferred)
+        chosen = pick(hint.key, candidates, self.epsilon, hint.preferred, self.min_bound)
         if chosen is None:
             raise EngineUnavailable("No engine is available (all are down, stalled or draining)")
         return chosen
@@ -189,9 +191,10 @@ class EnginePool:
         return engine_id if sep else ""
 
 
-def build_pool(specs: Sequence[Any], epsilon: float, max_pending_bytes: int | None) -> EnginePool:
+def build_pool(specs: Sequence[Any], epsilon: float, max_pending_bytes: int | None,
+               min_bound: int = DEFAULT_MIN_BOUND) -> EnginePool:
     """An `EngineClient` per `EngineSpec` (pool_config), all of one worker."""
     links = {spec.engine_id: EngineClient(spec.endpoint, max_pending_bytes=max_pending_bytes,
                                           engine_id=spec.engine_id, curve_server_key=spec.curve_server_key)
              for spec in specs}
-    return EnginePool(links, epsilon)
+    return EnginePool(links, epsilon, min_bound)

@@ -16,12 +16,13 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from http_frontend.engine.routing import DEFAULT_EPSILON, DEFAULT_MIN_BOUND
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
 ENDPOINTS_ENV = "MLX_ENGINE_ENDPOINTS"
 EPSILON_ENV = "MLX_FRONTEND_ROUTING_EPSILON"
 SERVER_KEYS_ENV = "MLX_FRONTEND_CURVE_SERVER_KEYS"  # per-endpoint keys, os.pathsep-separated
-from http_frontend.engine.routing import DEFAULT_EPSILON  # noqa: E402
+MIN_BOUND_ENV = "MLX_FRONTEND_ROUTING_MIN_BOUND"
 
 ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,31}")  # no '_': response ids put the id before one
 
@@ -88,4 +89,16 @@ def epsilon_from_env(environ: Mapping[str, str] | None = None) -> float:
         raise ValueError(f"{EPSILON_ENV} must be a number, got {raw!r}") from None
     if not value > 0:
         raise ValueError(f"{EPSILON_ENV} must be positive, got {raw!r}")
+    return value
+
+
+def min_bound_from_env(environ: Mapping[str, str] | None = None) -> int:
+    env = os.environ if environ is None else environ
+    raw = env.get(MIN_BOUND_ENV, "").strip()
+    try:
+        value = int(raw) if raw else DEFAULT_MIN_BOUND
+    except ValueError:
+        raise ValueError(f"{MIN_BOUND_ENV} must be an integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{MIN_BOUND_ENV} must be at least 1, got {raw!r}")
     return value

@@ -11,7 +11,10 @@ Bounded load ("consistent hashing with bounded loads", Mirrokni et al.): an engi
 whose load would pass `ceil((1 + epsilon) * (total + 1) / n)` is skipped and the
 next engine in the key's rendezvous order takes the request, so one hot key cannot
 pile a burst onto one engine. The `+ 1` and the ceiling are the usual slack that
-lets small counts (one request on an idle pool) stay with the preferred engine.
+lets small counts (one request on an idle pool) stay with the preferred engine;
+`min_bound` adds an absolute floor: a few more requests in one engine's decode
+batch cost far less than re-prefilling a conversation on another engine, so an
+engine is passed over only once it holds more than that many.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 # Session headers, in precedence order: ours, the common one, Codex's, Claude Code's.
 AFFINITY_HEADERS = ("x-session-affinity", "x-session-id", "session-id", "x-claude-code-session-id")
 DEFAULT_EPSILON = 0.25
+DEFAULT_MIN_BOUND = 8
 PROMPT_PREFIX_CHARS = 2048  # a completions prompt: its start names the conversation
 
 
@@ -90,13 +94,14 @@ def rendezvous_order(key: str, engine_ids: Sequence[str]) -> list[str]:
     return sorted(engine_ids, key=lambda engine_id: (-stable_hash(engine_id, key), engine_id))
 
 
-def load_bound(total: int, engines: int, epsilon: float) -> int:
-    """The most requests one of `engines` may hold once one more arrives: ceil((1+ε)(total+1)/n)."""
-    return max(1, math.ceil((1.0 + epsilon) * (total + 1) / max(engines, 1)))
+def load_bound(total: int, engines: int, epsilon: float, min_bound: int = 1) -> int:
+    """The most requests one of `engines` may hold once one more arrives: ceil((1+ε)(total+1)/n), at least
+    `min_bound`."""
+    return max(1, min_bound, math.ceil((1.0 + epsilon) * (total + 1) / max(engines, 1)))
 
 
 def pick(key: str, candidates: Sequence[Candidate], epsilon: float = DEFAULT_EPSILON,
-         preferred: str | None = None) -> str | None:
+         preferred: str | None = None, min_bound: int = 1) -> str | None:
     """The engine for a request with `key`; None when no engine can take it.
 
     Only routable engines count; of those, the ones serving the model when there are
@@ -110,7 +115,7 @@ def pick(key: str, candidates: Sequence[Candidate], epsilon: float = DEFAULT_EPS
     if not eligible:
         return None
     by_id = {c.engine_id: c for c in eligible}
-    bound = load_bound(sum(c.load for c in eligible), len(eligible), epsilon)
+    bound = load_bound(sum(c.load for c in eligible), len(eligible), epsilon, min_bound)
     order = rendezvous_order(key, list(by_id))
     if preferred in by_id:
         order.remove(preferred)

@@ -97,6 +97,14 @@ def test_small_counts_stay_on_the_preferred_engine() -> None:
     assert pick("k", [Candidate(first, 1), Candidate("b" if first == "a" else "a", 0)], 0.25) == first
 
 
+def test_min_bound_keeps_light_imbalance_on_the_preferred_engine() -> None:
+    first, second = rendezvous_order("k", ENGINES)
+    loads = [Candidate(first, 6), Candidate(second, 0)]
+    assert pick("k", loads, 0.25) == second  # 7 > ceil(1.25 * 7 / 2) = 5
+    assert pick("k", loads, 0.25, min_bound=8) == first  # 7 <= 8: the conversation keeps its cache
+    assert pick("k", [Candidate(first, 8), Candidate(second, 0)], 0.25, min_bound=8) == second
+
+
 def test_preferred_engine_and_model_filter() -> None:
     key = "k"
     _, second = rendezvous_order(key, ENGINES)
