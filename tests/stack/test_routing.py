@@ -190,6 +190,25 @@ def test_a_hot_key_burst_spreads_past_the_load_bound(pair: Pair) -> None:
         front.stop()
 
 
+def test_responses_follow_ups_reach_the_engine_that_stores_them(front: Frontend) -> None:
+    """A response id names its engine: previous_response_id, GET and DELETE reach it; an unknown engine is a 404."""
+    url = f"{front.base_url}/v1/responses"
+    for index in range(6):  # different conversations: both engines end up holding some
+        first = httpx.post(url, timeout=60, json={"input": f"Story {index}, please.", "max_output_tokens": 6})
+        assert first.status_code == 200, first.text
+        engine, response_id = first.headers["x-engine-id"], first.json()["id"]
+        assert response_id.startswith(f"resp_{engine}_")
+        follow = httpx.post(url, timeout=60, json={"input": "Go on.", "max_output_tokens": 6,
+                                                   "previous_response_id": response_id})
+        assert follow.status_code == 200, follow.text
+        assert follow.headers["x-engine-id"] == engine
+        assert follow.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        got = httpx.get(f"{url}/{follow.json()['id']}", timeout=10)
+        assert got.status_code == 200 and got.headers["x-engine-id"] == engine
+    gone = httpx.get(f"{url}/resp_zz_{'0' * 32}", timeout=10)
+    assert gone.status_code == 404 and "'zz'" in gone.json()["error"]["message"]
+
+
 def test_drain_under_load_fails_nothing(pair: Pair) -> None:
     """Drain `a` while 16 clients stream: its open streams finish, new ones go to `b`, nothing fails."""
     front = pair.frontend(1, "drain")
