@@ -11,6 +11,7 @@ import json
 import math
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Engine, Frontend, call_engine
+from tests.helpers import Engine, Frontend, call_engine, ping_engine
 
 EPSILON = 0.25
 IDS = ("a", "b")
@@ -182,6 +183,7 @@ def test_a_hot_key_burst_spreads_past_the_load_bound(pair: Pair) -> None:
                 stop.set()
             headers = Counter(f.result(timeout=120) for f in futures)
         split = {e: view[e]["open_streams"] for e in IDS}
+        print(f"hot-key burst split: {split}")
         assert split == {e: headers[e] for e in IDS}  # what each client was told (X-Engine-Id)
         mean = 64 / len(IDS)
         assert min(split.values()) > 0, split  # spread to the second engine
@@ -207,6 +209,30 @@ def test_responses_follow_ups_reach_the_engine_that_stores_them(front: Frontend)
         assert got.status_code == 200 and got.headers["x-engine-id"] == engine
     gone = httpx.get(f"{url}/resp_zz_{'0' * 32}", timeout=10)
     assert gone.status_code == 404 and "'zz'" in gone.json()["error"]["message"]
+
+
+def test_service_routes_cover_every_engine(pair: Pair, front: Frontend) -> None:
+    """/health per engine, /v1/models the union, /stats every engine, /metrics labelled by engine."""
+    health = httpx.get(f"{front.base_url}/health", timeout=10)
+    assert health.status_code == 200
+    assert {e["id"]: e["status"] for e in health.json()["engines"]} == {"a": "healthy", "b": "healthy"}
+    models = httpx.get(f"{front.base_url}/v1/models", timeout=30).json()["data"]
+    ids = [m["id"] for m in models]
+    assert str(pair.model) in ids and len(ids) == len(set(ids))
+    stats = httpx.get(f"{front.base_url}/stats", timeout=10).json()
+    assert [e["id"] for e in stats["engines"]] == ["a", "b"] and all("requests_added" in e for e in stats["engines"])
+    metrics = httpx.get(f"{front.base_url}/metrics", timeout=10).text
+    assert 'mlx_engine_up{engine="a"} 1' in metrics and 'mlx_engine_up{engine="b"} 1' in metrics
+    assert metrics.count("# TYPE mlx_engine_up ") == 1  # one family, two series
+    assert 'mlx_engine_requests_total{engine="b",outcome="added"}' in metrics
+
+
+def test_engine_drain_signals_reach_the_pongs(pair: Pair) -> None:
+    """SIGUSR1 drains the engine (every front-end reads `draining` in its PONG), SIGUSR2 ends it."""
+    pair.engines["b"].signal(signal.SIGUSR1)
+    wait_for(lambda: (ping_engine(pair.endpoints["b"]) or {}).get("state") == "draining", "b draining")
+    pair.engines["b"].signal(signal.SIGUSR2)
+    wait_for(lambda: (ping_engine(pair.endpoints["b"]) or {}).get("state") == "ready", "b ready again")
 
 
 def test_drain_under_load_fails_nothing(pair: Pair) -> None:
@@ -262,6 +288,7 @@ def test_kill_9_under_load_fails_only_its_streams_and_it_rejoins(pair: Pair) -> 
         phase = ["before"]
         stop = threading.Event()
         a_open = threading.Semaphore(0)
+        ended: dict[int, float] = {}
 
         def client(index: int) -> None:
             n = 0
@@ -270,11 +297,13 @@ def test_kill_9_under_load_fails_only_its_streams_and_it_rejoins(pair: Pair) -> 
                 engine, events = stream(front, f"kill-{index}-{n}", 96,
                                         lambda engine_id: a_open.release() if engine_id == "a" else None)
                 results.append((engine, events, started_in))
+                ended[id(events)] = time.monotonic()  # for the report only: nothing is asserted on it
                 n += 1
 
         with ThreadPoolExecutor(16) as pool:
             futures = [pool.submit(client, i) for i in range(16)]
             assert a_open.acquire(timeout=60)
+            killed_at = time.monotonic()
             pair.engines["a"].signal(signal.SIGKILL)
             pair.engines["a"].popen.wait(10)
             phase[0] = "killed"
@@ -287,6 +316,8 @@ def test_kill_9_under_load_fails_only_its_streams_and_it_rejoins(pair: Pair) -> 
         on_a = [events for engine, events, p in results if engine == "a" and p == "before"]
         broken = [events for events in on_a if failed(events)]
         assert broken, "no stream was open on the killed engine"
+        print(f"kill -9: {len(broken)} stream(s) on a ended with an error event, the last "
+              f"{max(ended[id(e)] for e in broken) - killed_at:.2f} s after the kill (client clock)")
         for events in broken:  # an error event, then [DONE]
             assert events[-1] == {"done": True} and "error" in events[-2], events[-3:]
             assert events[-2]["error"]["code"] in ("engine_unavailable", "engine_restarted")
@@ -294,6 +325,8 @@ def test_kill_9_under_load_fails_only_its_streams_and_it_rejoins(pair: Pair) -> 
         after = [(engine, events) for engine, events, p in results if p == "noticed"]
         assert not [events for _, events in after if failed(events)]  # 0 failed after the kill was noticed
         assert {engine for engine, _ in after} == {"b"}
+        print(f"kill -9: {len(after)} requests after the front-end noticed, 0 failed; "
+              f"{sum(1 for _, _, p in results if p == 'killed')} started between the kill and the notice")
         health = httpx.get(f"{front.base_url}/health", timeout=10).json()
         assert {e["id"]: e["status"] for e in health["engines"]} == {"a": "unhealthy", "b": "healthy"}
 
