@@ -26,6 +26,7 @@ from protocol import CallMethod
 log = logging.getLogger(__name__)
 
 RESPONSE_PREFIX = "resp_"
+STARTUP_WAIT = 3.0  # seconds a worker waits at start for every engine's first answer
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,19 @@ class EnginePool:
 
     # -- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
+        """Connects to every engine; with several, waits (a bounded while) for each one's first answer.
+
+        A worker that served before every engine had answered would send the conversations of the
+        silent ones elsewhere: right after each start or reload, affinity (and the caches) would be lost.
+        """
         for link in self.links.values():
             await link.start()
+        if not self.single:
+            waits = [link.wait_ready(STARTUP_WAIT) for link in self.links.values() if hasattr(link, "wait_ready")]
+            ready = await asyncio.gather(*waits)
+            if not all(ready):
+                log.warning("%d of %d engines did not answer within %.0f s of start: serving with the others",
+                            ready.count(False), len(ready), STARTUP_WAIT)
 
     async def close(self) -> None:
         await asyncio.gather(*(link.close() for link in self.links.values()), return_exceptions=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from http_frontend.engine.routing import affinity_key, rendezvous_order
 from tests.helpers import Engine, Frontend, call_engine, ping_engine
 
 EPSILON = 0.25
@@ -287,22 +288,31 @@ def test_kill_9_under_load_fails_only_its_streams_and_it_rejoins(pair: Pair) -> 
         results: list[tuple[str, list[dict], str]] = []
         phase = ["before"]
         stop = threading.Event()
-        a_open = threading.Semaphore(0)
         ended: dict[int, float] = {}
+        a_open = threading.Semaphore(0)
+        # Streams that run until the engine dies, on keys whose rendezvous order starts with `a`.
+        keys_on_a = [key for key in (f"long-{i}" for i in range(100))
+                     if rendezvous_order(affinity_key({"x-session-affinity": key}), IDS)[0] == "a"][:4]
+
+        def long_stream(key: str) -> tuple[str, list[dict]]:
+            engine, events = stream(front, key, 20000, lambda engine_id: a_open.release())
+            ended[id(events)] = time.monotonic()
+            return engine, events
 
         def client(index: int) -> None:
             n = 0
             while not stop.is_set():
                 started_in = phase[0]
-                engine, events = stream(front, f"kill-{index}-{n}", 96,
-                                        lambda engine_id: a_open.release() if engine_id == "a" else None)
+                engine, events = stream(front, f"kill-{index}-{n}", 96)
                 results.append((engine, events, started_in))
-                ended[id(events)] = time.monotonic()  # for the report only: nothing is asserted on it
                 n += 1
 
-        with ThreadPoolExecutor(16) as pool:
+        with ThreadPoolExecutor(20) as pool:
+            longs = [pool.submit(long_stream, key) for key in keys_on_a]
+            for _ in keys_on_a:
+                assert a_open.acquire(timeout=60)  # the long streams are open (on `a`: checked below)
             futures = [pool.submit(client, i) for i in range(16)]
-            assert a_open.acquire(timeout=60)
+            wait_for(lambda: len(results) >= 16, "the loop is running")
             killed_at = time.monotonic()
             pair.engines["a"].signal(signal.SIGKILL)
             pair.engines["a"].popen.wait(10)
@@ -313,20 +323,20 @@ def test_kill_9_under_load_fails_only_its_streams_and_it_rejoins(pair: Pair) -> 
             stop.set()
             for future in futures:
                 future.result(timeout=120)
-        on_a = [events for engine, events, p in results if engine == "a" and p == "before"]
-        broken = [events for events in on_a if failed(events)]
-        assert broken, "no stream was open on the killed engine"
-        print(f"kill -9: {len(broken)} stream(s) on a ended with an error event, the last "
-              f"{max(ended[id(e)] for e in broken) - killed_at:.2f} s after the kill (client clock)")
-        for events in broken:  # an error event, then [DONE]
+            broken = [future.result(timeout=60) for future in longs]
+        assert {engine for engine, _ in broken} == {"a"}
+        for _, events in broken:  # an error event, then [DONE]
             assert events[-1] == {"done": True} and "error" in events[-2], events[-3:]
             assert events[-2]["error"]["code"] in ("engine_unavailable", "engine_restarted")
+        print(f"kill -9: {len(broken)} long stream(s) on a ended with an error event, the last "
+              f"{max(ended[id(e)] for _, e in broken) - killed_at:.2f} s after the kill (client clock)")
         assert not [events for engine, events, p in results if engine == "b" and failed(events)]
         after = [(engine, events) for engine, events, p in results if p == "noticed"]
         assert not [events for _, events in after if failed(events)]  # 0 failed after the kill was noticed
         assert {engine for engine, _ in after} == {"b"}
         print(f"kill -9: {len(after)} requests after the front-end noticed, 0 failed; "
-              f"{sum(1 for _, _, p in results if p == 'killed')} started between the kill and the notice")
+              f"{sum(1 for _, _, p in results if p == 'killed')} started between the kill and the notice, "
+              f"{sum(1 for _, e, p in results if p == 'killed' and failed(e))} of them failed")
         health = httpx.get(f"{front.base_url}/health", timeout=10).json()
         assert {e["id"]: e["status"] for e in health["engines"]} == {"a": "unhealthy", "b": "healthy"}
 
