@@ -353,6 +353,7 @@ RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema":
 # The route is /v1/models/{model_id:path}: an id may hold slashes (org/name), sent as is or as %2F.
 MODEL_ID = [{"name": "model_id", "in": "path", "required": True, "schema": STRING}]
 ADAPTER_NAME = [{"name": "name", "in": "path", "required": True, "schema": STRING}]
+ENGINE_ID = [{"name": "engine_id", "in": "path", "required": True, "schema": STRING}]
 
 
 def openapi_document() -> dict[str, Any]:
@@ -418,8 +419,9 @@ def openapi_document() -> dict[str, Any]:
         "/unload": {"post": _operation("Unload the model (frees its memory)", None, _ok(ANY_OBJECT), CALL_ERRORS)},
         "/stats": {"get": _operation("Engine and front-end counters", None, _ok(ANY_OBJECT), CALL_ERRORS)},
         "/admin/engines": {"get": _operation("Engines behind this front-end", None, _ok(ANY_OBJECT), CALL_ERRORS)},
-        "/admin/engines/{engine_id}/drain": {"post": _operation("Drain an engine", None, _ok(ANY_OBJECT), CALL_ERRORS)},
-        "/admin/engines/{engine_id}/undrain": {"post": _operation("Undrain", None, _ok(ANY_OBJECT), CALL_ERRORS)},
+        **{f"/admin/engines/{{engine_id}}/{verb}": {"post": {**_operation(
+            f"{verb.capitalize()} an engine", None, _ok(ANY_OBJECT), (401, 404, 503, 504)),
+            "parameters": ENGINE_ID}} for verb in ("drain", "undrain")},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": STRING}}}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {
