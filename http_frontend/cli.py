@@ -46,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                              f"[{ENDPOINTS_ENV}, os.pathsep- or comma-separated; or {ENDPOINT_ENV} for one] "
                              f"(default: {default_endpoint()})")
     parser.add_argument("--routing-epsilon", type=float, default=float(env(EPSILON_ENV) or DEFAULT_EPSILON),
-                        help="bounded-load slack: an engine holding more than ceil((1 + EPSILON) x (mean load + 1)) "
-                             "requests is passed over for the next in the request's rendezvous order (only with "
-                             f"several engines). [{EPSILON_ENV}] (default: %(default)s)")
+                        help="bounded-load slack: an engine holding more than "
+                             "ceil((1 + EPSILON) x (total load + 1) / engines) requests is passed over for the "
+                             "next in the request's rendezvous order (only with several engines). "
+                             f"[{EPSILON_ENV}] (default: %(default)s)")
     parser.add_argument("--routing-min-bound", type=int, default=int(env(MIN_BOUND_ENV) or DEFAULT_MIN_BOUND),
                         help="an engine is never passed over for load while it holds fewer than this many requests "
                              "(a few more in one decode batch cost less than a conversation's prompt re-read "
