@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from engine_daemon.calls.drain import install_signals as install_drain_signals
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.lora.registry import is_adapter_dir
@@ -387,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                           responses=ResponseStore(args.responses_ttl, args.responses_max_bytes))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
+    install_drain_signals(server)  # SIGUSR1 / SIGUSR2: drain / undrain (rolling restarts)
     try:
         server.serve()
     except (EndpointInUse, InsecureEndpoint) as exc:

@@ -16,7 +16,9 @@ from falcon.routing import CompiledRouter
 
 from http_frontend import errors
 from http_frontend.anthropic.messages import CountTokens, Messages
-from http_frontend.engine.client import EngineClient, EngineLink
+from http_frontend.engine.client import EngineLink
+from http_frontend.engine.pool import EnginePool, build_pool
+from http_frontend.engine.pool_config import epsilon_from_env, min_bound_from_env, parse_specs, specs_from_env
 from http_frontend.middleware.auth import security_middleware
 from http_frontend.middleware.disconnect import DisconnectWatch
 from http_frontend.middleware.observer import RequestObserver, route_finder
@@ -26,18 +28,18 @@ from http_frontend.openai.responses import ResponseById, Responses
 from http_frontend.openai.tokenize import Detokenize, Tokenize
 from http_frontend.service.adapters import AdapterByName, Adapters
 from http_frontend.service.admin import Stats, Unload
+from http_frontend.service.engines import EngineDrain, Engines
 from http_frontend.service.health import Health
 from http_frontend.service.metrics import FrontendMetrics, MetricsResource
 from http_frontend.service.models import ModelById, Models
 from http_frontend.service.openapi import OpenAPIResource
 from http_frontend.settings import REQUEST_TIMEOUT_ENV, FrontendSettings, configure_logging  # noqa: F401 (re-export)
-from protocol.endpoints import default_endpoint
 
 log = logging.getLogger(__name__)
 
 
 class EngineLifespan:
-    """Creates the worker's DEALER in ASGI startup (after the fork), closes it at shutdown."""
+    """Creates the worker's DEALERs in ASGI startup (after the fork), closes it at shutdown."""
 
     def __init__(self, client: EngineLink):
         self.client = client
@@ -61,9 +63,10 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     """One worker's ASGI app: every route, the middleware and error handlers, around one engine client.
 
     gunicorn calls it bare (`create_app()`): settings from the environment and an
-    `EngineClient` for `endpoint` (default: the engine endpoint variable, else the
-    per-user socket). Tests inject `settings` and `engine`, any object with the
-    members of `EngineLink` (the app's lifespan still starts and closes it), and
+    `EnginePool` of one `EngineClient` per engine: `endpoint`, else the engines of
+    MLX_ENGINE_ENDPOINTS, else MLX_ENGINE_ENDPOINT, else the per-user socket. Tests
+    inject `settings` and `engine`, any object with the members of `EngineLink`
+    (wrapped in a pool of one; the app's lifespan still starts and closes it), and
     drive the app in-process.
     """
     if engine is not None and endpoint is not None:
@@ -71,8 +74,13 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     if settings is None:
         settings = FrontendSettings.from_env()
     configure_logging(settings.log_level)
-    client = engine if engine is not None else EngineClient(endpoint or default_endpoint(),
-                                                            max_pending_bytes=settings.max_pending_bytes)
+    if engine is not None:
+        client = engine if isinstance(engine, EnginePool) else EnginePool({"engine": engine})
+    elif endpoint is not None:
+        client = build_pool(parse_specs([endpoint]), epsilon_from_env(), settings.max_pending_bytes,
+                            min_bound_from_env())
+    else:  # --endpoint (repeatable) through MLX_ENGINE_ENDPOINTS, else MLX_ENGINE_ENDPOINT, else the user socket
+        client = build_pool(specs_from_env(), epsilon_from_env(), settings.max_pending_bytes, min_bound_from_env())
     metrics = FrontendMetrics(client)
     router = CompiledRouter()  # also names the route of requests refused before routing (metric labels)
     app = falcon.asgi.App(middleware=[EngineLifespan(client), *security_middleware(settings)], router=router)
@@ -98,5 +106,9 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     app.add_route("/unload", Unload(client))
     app.add_route("/stats", Stats(client))
     app.add_route("/metrics", MetricsResource(metrics))
+    app.add_route("/admin/engines", Engines(client))
+    drain = EngineDrain(client)
+    app.add_route("/admin/engines/{engine_id}/drain", drain)
+    app.add_route("/admin/engines/{engine_id}/undrain", drain, suffix="undrain")
     app.add_route("/openapi.json", OpenAPIResource())
     return DisconnectWatch(RequestObserver(app, metrics, route_finder(router)))

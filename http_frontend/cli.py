@@ -8,6 +8,16 @@ import sys
 from typing import Any
 
 from http_frontend.engine import curve
+from http_frontend.engine.pool_config import (
+    DEFAULT_EPSILON,
+    DEFAULT_MIN_BOUND,
+    ENDPOINTS_ENV,
+    EPSILON_ENV,
+    MIN_BOUND_ENV,
+    SERVER_KEYS_ENV,
+    parse_specs,
+    split_endpoints,
+)
 from http_frontend.gunicorn_settings import (
     APP,
     DEFAULT_HEADER_TIMEOUT,
@@ -27,8 +37,23 @@ def build_parser() -> argparse.ArgumentParser:
         prog="frontend",
         description="mlx-engined HTTP front-end: OpenAI-compatible routes relayed to engined. "
                     "Every flag has an environment variable equivalent (in brackets).")
-    parser.add_argument("--endpoint", default=default_endpoint(),
-                        help=f"engine endpoint to connect to. [{ENDPOINT_ENV}] (default: %(default)s)")
+    parser.add_argument("--endpoint", action="append", default=None, metavar="[NAME=]ENDPOINT",
+                        help="engine endpoint to connect to (ipc:// or tcp://); repeat for several engines, which "
+                             "requests are then routed between (cache affinity, bounded load, failover). NAME "
+                             "(letters, digits, '-') is the engine's id in X-Engine-Id, response ids, /health and "
+                             "metrics: give "
+                             "each engine the same name on every front-end host (default: a digest of the endpoint). "
+                             f"[{ENDPOINTS_ENV}, os.pathsep- or comma-separated; or {ENDPOINT_ENV} for one] "
+                             f"(default: {default_endpoint()})")
+    parser.add_argument("--routing-epsilon", type=float, default=float(env(EPSILON_ENV) or DEFAULT_EPSILON),
+                        help="bounded-load slack: an engine holding more than "
+                             "ceil((1 + EPSILON) x (total load + 1) / engines) requests is passed over for the "
+                             "next in the request's rendezvous order (only with several engines). "
+                             f"[{EPSILON_ENV}] (default: %(default)s)")
+    parser.add_argument("--routing-min-bound", type=int, default=int(env(MIN_BOUND_ENV) or DEFAULT_MIN_BOUND),
+                        help="an engine is never passed over for load while it holds fewer than this many requests "
+                             "(a few more in one decode batch cost less than a conversation's prompt re-read "
+                             f"elsewhere). [{MIN_BOUND_ENV}] (default: %(default)s)")
     parser.add_argument("--host", default=env("MLX_FRONTEND_HOST", "127.0.0.1"),
                         help="address to listen on. [MLX_FRONTEND_HOST] (default: %(default)s)")
     parser.add_argument("--port", type=int, default=int(env("MLX_FRONTEND_PORT", "8080")),
@@ -60,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="gunicorn log level. [MLX_FRONTEND_LOG_LEVEL] (default: %(default)s)")
     parser.add_argument("--pid-file", default=env("MLX_FRONTEND_PID_FILE"),
                         help="write the gunicorn master's pid here (for HUP reloads). [MLX_FRONTEND_PID_FILE]")
-    parser.add_argument("--curve-server-key", default=env(curve.SERVER_KEY_ENV),
+    parser.add_argument("--curve-server-key", action="append", default=None,
                         help="the engine's public CURVE certificate (server.key from `engined keygen`): encrypt "
-                             "and authenticate the engine connection, for tcp:// across hosts. "
-                             f"[{curve.SERVER_KEY_ENV}]")
+                             "and authenticate the engine connection, for tcp:// across hosts. Give it once for "
+                             "engines that share a key, or once per --endpoint, in the same order. "
+                             f"[{curve.SERVER_KEY_ENV}; per engine: {SERVER_KEYS_ENV}, os.pathsep-separated]")
     parser.add_argument("--curve-client-key", default=env(curve.CLIENT_KEY_ENV),
                         help="this front-end's secret CURVE certificate (client.key_secret from `engined keygen`), "
                              "whose public half is in the engine's --curve-authorized-keys. "
@@ -75,14 +101,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if bool(args.curve_server_key) != bool(args.curve_client_key):
+    endpoints = args.endpoint or split_endpoints(os.environ.get(ENDPOINTS_ENV, "")) or [default_endpoint()]
+    server_keys = args.curve_server_key or [k for k in os.environ.get(SERVER_KEYS_ENV, "").split(os.pathsep) if k] \
+        or ([os.environ[curve.SERVER_KEY_ENV]] if os.environ.get(curve.SERVER_KEY_ENV) else [])
+    if bool(server_keys) != bool(args.curve_client_key):
         parser.error("--curve-server-key and --curve-client-key go together")
-    for key in (args.curve_server_key, args.curve_client_key):
+    for key in (*server_keys, args.curve_client_key):
         if key and not os.path.isfile(key):
             parser.error(f"{key}: no such file")
+    try:
+        parse_specs(endpoints, server_keys)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.routing_epsilon > 0:
+        parser.error("--routing-epsilon must be positive")
+    if args.routing_min_bound < 1:
+        parser.error("--routing-min-bound must be at least 1")
+    server_keys = [os.path.abspath(k) for k in server_keys]
     # Workers read their settings from the environment (inherited across the fork and HUP reloads).
     os.environ.update({
-        ENDPOINT_ENV: args.endpoint,
+        ENDPOINT_ENV: endpoints[0],
+        ENDPOINTS_ENV: os.pathsep.join(endpoints) if len(endpoints) > 1 else "",
+        EPSILON_ENV: str(args.routing_epsilon),
+        MIN_BOUND_ENV: str(args.routing_min_bound),
         "MLX_FRONTEND_HOST": args.host,
         "MLX_FRONTEND_PORT": str(args.port),
         "MLX_FRONTEND_WORKERS": str(args.workers),
@@ -94,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "MLX_FRONTEND_GRACEFUL_TIMEOUT": str(args.graceful_timeout),
         "MLX_FRONTEND_LOG_LEVEL": args.log_level,
         # absolute: a HUP reload or a gunicorn --chdir must not change which key file is read
-        curve.SERVER_KEY_ENV: os.path.abspath(args.curve_server_key) if args.curve_server_key else "",
+        curve.SERVER_KEY_ENV: server_keys[0] if len(server_keys) == 1 else "",
+        SERVER_KEYS_ENV: os.pathsep.join(server_keys) if len(server_keys) > 1 else "",
         curve.CLIENT_KEY_ENV: os.path.abspath(args.curve_client_key) if args.curve_client_key else "",
     })
     os.environ.update(flags_to_env(args))

@@ -56,6 +56,7 @@ class CallMethod(str, enum.Enum):
     RESPONSES_PUT = "responses.put"
     RESPONSES_GET = "responses.get"
     RESPONSES_DELETE = "responses.delete"
+    DRAIN = "drain"  # {"draining": bool}: PONGs say "draining", routers send no new work (rolling restarts)
     DEBUG_SLEEP = "debug_sleep"  # fault injection (tests only): wedges the mlx thread
     DEBUG_CRASH = "debug_crash"  # fault injection (tests only): kills the mlx thread
 
@@ -122,6 +123,7 @@ SCHEMAS: dict[MsgType, Schema] = {
         "state": ((str,), True),
         "queued": ((int,), False),
         "running": ((int,), False),
+        "model": ((str, NONE), False),  # the loaded model: routers prefer engines that serve the one asked for
         "t": (NUMBER, False),
     },
     MsgType.ACCEPTED: {

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_daemon.calls import io_thread, mlx_thread, tokenize
+from engine_daemon.calls import drain, io_thread, mlx_thread, tokenize
 from protocol import CallMethod
 
 
@@ -39,6 +39,7 @@ CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.RESPONSES_PUT: CallSpec(Thread.IO, io_thread.responses_put),
     CallMethod.RESPONSES_GET: CallSpec(Thread.IO, io_thread.responses_get),
     CallMethod.RESPONSES_DELETE: CallSpec(Thread.IO, io_thread.responses_delete),
+    CallMethod.DRAIN: CallSpec(Thread.IO, drain.drain),
     CallMethod.UNLOAD: CallSpec(Thread.MLX, mlx_thread.unload),
     CallMethod.ADAPTERS_ADD: CallSpec(Thread.MLX, mlx_thread.adapters_add),
     CallMethod.ADAPTERS_REMOVE: CallSpec(Thread.MLX, mlx_thread.adapters_remove),

@@ -96,6 +96,7 @@ class EngineServer:
         self.responses = responses if responses is not None else ResponseStore()
         self._load_reported = 0  # seconds of the current model load already logged (_report_loading)
         self.failed = False  # set when the mlx thread died: `engined` then exits non-zero
+        self.draining = False  # `calls.drain`: PONGs say "draining" so front-ends route no new work here
 
     def stop(self) -> None:
         self._stop.set()
@@ -228,6 +229,8 @@ class EngineServer:
         if (status.state != "loading" and busy_since
                 and time.monotonic() - busy_since > self.stall_timeout):
             return "stalled"
+        if self.draining and status.state != "loading":
+            return "draining"
         return status.state
 
     def _on_ping(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
@@ -236,7 +239,7 @@ class EngineServer:
         status = self.worker.status
         self._reply(router, peer, MsgType.PONG, {
             "epoch": self.epoch, "state": self.state(), "queued": status.queued,
-            "running": status.running, "t": body.get("t", 0)})
+            "running": status.running, "model": status.model, "t": body.get("t", 0)})
 
     def _on_add(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         epoch = body.get("epoch")

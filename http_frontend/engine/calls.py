@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable
+from http_frontend.engine.client import EngineError, EngineLink, EngineUnavailable
 from http_frontend.engine.frames import UnsendableRequest
 from http_frontend.errors import APIError
 from protocol import CallMethod
@@ -20,10 +20,15 @@ from protocol import CallMethod
 TOKENIZE_TIMEOUT = 60.0
 
 
-async def call_engine(client: EngineClient, method: CallMethod, timeout: float = 5.0,
-                      args: dict[str, Any] | None = None) -> Any:
-    """A CALL whose failures come back as APIError: 503 when unreachable, the engine's own error otherwise."""
+async def call_engine(client: EngineLink, method: CallMethod, timeout: float = 5.0,
+                      args: dict[str, Any] | None = None, engine: str | None = None) -> Any:
+    """A CALL whose failures come back as APIError: 503 when unreachable, the engine's own error otherwise.
+
+    `engine` names one engine of an `EnginePool` (default: the pool's first routable one).
+    """
     try:
+        if engine is not None:
+            return await client.call(method, args, timeout=timeout, engine=engine)
         return await client.call(method, args, timeout=timeout)
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None

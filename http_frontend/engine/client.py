@@ -29,6 +29,9 @@ from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decod
 
 log = logging.getLogger(__name__)
 
+# Engine states (PONG) in which an engine takes new requests; "draining" and "stalled" do not.
+ROUTABLE_STATES = frozenset({"ready", "idle", "loading"})
+
 
 class EngineUnavailable(Exception):
     """The engine cannot be reached (dead, restarting, or never started)."""
@@ -61,6 +64,7 @@ class RequestStream:
 
     def __init__(self, rid: str, max_pending_bytes: int | None = None):
         self.rid = rid
+        self.engine_id: str | None = None  # set by `EnginePool.submit`: the engine that runs it
         self.accepted: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.finished = False
@@ -161,15 +165,23 @@ class EngineClient:
 
     # A dead engine is noticed within dead_after + ping_interval: every open stream ends in < 3 s.
     # `max_pending_bytes`: most unread output one stream may hold before its client is cut off (None: no cap).
+    # `engine_id` names the engine to the router (`EnginePool`); `curve_server_key` overrides the shared one.
     def __init__(self, endpoint: str, ping_interval: float = 0.5, dead_after: float = 2.0,
-                 max_pending_bytes: int | None = None):
+                 max_pending_bytes: int | None = None, engine_id: str = "engine",
+                 curve_server_key: str | None = None):
         self.endpoint = endpoint
+        self.engine_id = engine_id
+        self.curve_server_key = curve_server_key
         self.ping_interval = ping_interval
         self.dead_after = dead_after
         self.max_pending_bytes = max_pending_bytes
         self.frontend_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.epoch: int | None = None
         self.engine_state = "unknown"
+        self.model: str | None = None  # the engine's loaded model, as its WELCOME / PONG last said
+        self.queued = 0  # the engine's queue and running requests at its last PONG (every front-end's)
+        self.running = 0
+        self._others_load = 0  # of those, the ones not this worker's: the rest of the load is counted here
         self.last_heard = 0.0
         # When the oldest ping still followed by no frame at all was sent (None before the first ping).
         self._unanswered_since: float | None = None
@@ -183,6 +195,19 @@ class EngineClient:
     @property
     def alive(self) -> bool:
         return self._ready.is_set() and self._silent_for() < self.dead_after
+
+    @property
+    def routable(self) -> bool:
+        """Takes new requests: answers pings, not stalled, not draining (rolling restarts)."""
+        return self.alive and self.engine_state in ROUTABLE_STATES
+
+    @property
+    def load(self) -> int:
+        """queued + running now: other front-ends' share as of the last PONG, this worker's counted live.
+
+        PONGs come every half second; a burst from this worker must see its own requests at once.
+        """
+        return self._others_load + len(self.streams)
 
     def _silent_for(self) -> float:
         """Seconds since a ping that no frame has followed was sent; 0 while every ping got an answer.
@@ -203,7 +228,8 @@ class EngineClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        apply_client_curve(sock)  # CURVE client when MLX_FRONTEND_CURVE_* are set (across hosts)
+        # CURVE client when MLX_FRONTEND_CURVE_* are set (across hosts); this engine's own server key if given
+        apply_client_curve(sock, server_key=self.curve_server_key)
         sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
@@ -357,6 +383,11 @@ class EngineClient:
             self._send(MsgType.HELLO, self._hello())
         self.epoch = epoch
         self.engine_state = body["state"]
+        if "model" in body:
+            self.model = body["model"]
+        if "queued" in body:
+            self.queued, self.running = body["queued"], body.get("running", 0)
+            self._others_load = max(0, self.queued + self.running - len(self.streams))
         self.last_heard = time.monotonic()
         self._ready.set()
 

@@ -20,7 +20,8 @@ import msgpack
 from falcon.asgi import SSEvent
 
 from http_frontend.engine.calls import call_engine
-from http_frontend.engine.client import EngineClient, RequestStream, Update
+from http_frontend.engine.client import RequestStream, Update
+from http_frontend.engine.pool import EnginePool
 from http_frontend.errors import APIError, bad_request
 from http_frontend.middleware.auth import caller_of
 from http_frontend.openai.responses_items import (
@@ -175,14 +176,37 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
     return APIError(404, f"{what} with id '{response_id}' not found.", code="response_not_found", param=param)
 
 
-async def load_record(client: EngineClient, req: falcon.asgi.Request, response_id: str,
+async def load_record(client: EnginePool, req: falcon.asgi.Request, response_id: str,
                       param: str | None = None) -> dict[str, Any]:
-    """The stored record of a response this caller created; 404 for any other (its existence is not told)."""
-    record = None
+    """The stored record of a response this caller created; 404 for any other (its existence is not told).
+
+    The record lives in the engine that made the response, named in its id (`EnginePool.response_id`);
+    `req.context.response_engine` is set to that engine. An id that names no engine (made by a single
+    engine) is looked for on each engine in turn; one whose engine is gone is a 404 that says so.
+    """
+    record, engine = None, client.engine_of_response(response_id)
     if len(response_id) <= MAX_ID_LENGTH:
-        record = await call_engine(client, CallMethod.RESPONSES_GET, args={"id": response_id})
+        if engine and engine not in client.links:
+            raise APIError(404, f"{'Previous response' if param else 'Response'} with id '{response_id}' not found: "
+                                f"its engine '{engine}' is not behind this front-end.",
+                           code="response_not_found", param=param)
+        if engine and not client.single and client.state_of(engine) == "unreachable":
+            raise APIError(404, f"{'Previous response' if param else 'Response'} with id '{response_id}' is held by "
+                                f"engine '{engine}', which is not available.", code="response_not_found", param=param)
+        for candidate in [engine] if engine or client.single else client.ids:
+            try:
+                record = await call_engine(client, CallMethod.RESPONSES_GET, args={"id": response_id},
+                                           engine=candidate or None)
+            except APIError:
+                if client.single or engine:
+                    raise
+                continue  # an unreachable engine, while looking for an id that names none
+            if isinstance(record, dict):
+                engine = candidate
+                break
     if not isinstance(record, dict) or record.get("owner") != caller_of(req).client:
         raise _not_found(response_id, param)
+    req.context.response_engine = engine or None
     return record
 
 
@@ -201,6 +225,7 @@ class Responses(GenerationRoute):
         media: list[dict[str, Any]] = []  # the conversation's images and audio, earlier turns' included
         if request.previous_response_id is not None:
             record = await load_record(self.client, req, request.previous_response_id, "previous_response_id")
+            req.context.previous_response_id = request.previous_response_id  # routing: back to its engine
             history = list(record.get("messages") or [])
             media = list(record.get("media") or [])
         conversation = name_tool_results(history + request.messages)
@@ -215,19 +240,19 @@ class Responses(GenerationRoute):
         await serve_generation(
             req, resp, self.client, self.request_timeout, self.metrics, engine_request, "resp",
             request.engine.get("model"), request.stream,
-            events=lambda stream, meta, timer: self._events(stream, self._builder(meta, request), timer,
+            events=lambda stream, meta, timer: self._events(stream, self._builder(meta, request, stream), timer,
                                                             request, conversation, media),
-            complete=lambda stream, meta, timer: self._complete(stream, self._builder(meta, request), timer,
+            complete=lambda stream, meta, timer: self._complete(stream, self._builder(meta, request, stream), timer,
                                                                 request, conversation, media))
 
-    @staticmethod
-    def _builder(meta: dict[str, Any], request: ResponsesRequest) -> ResponseBuilder:
-        response_id = "resp_" + meta["id"].split("-", 1)[1]
+    def _builder(self, meta: dict[str, Any], request: ResponsesRequest, stream: RequestStream) -> ResponseBuilder:
+        # With several engines the id names the engine that stores it: a follow-up finds it there.
+        response_id = self.client.response_id(meta["id"].split("-", 1)[1], stream.engine_id)
         return ResponseBuilder({"id": response_id, "created_at": meta["created"], "model": meta["model"],
                                 **request.echo}, request.tools.origins)
 
     async def _store(self, builder: ResponseBuilder, request: ResponsesRequest, conversation: list[dict[str, Any]],
-                     media: list[dict[str, Any]]) -> None:
+                     media: list[dict[str, Any]], engine: str | None = None) -> None:
         """Hands a finished response to the engine's store; a failure is logged, the answer still goes out.
 
         The record keeps the conversation's media (their placeholders are in its messages)
@@ -245,7 +270,7 @@ class Responses(GenerationRoute):
             return
         try:
             result = await call_engine(self.client, CallMethod.RESPONSES_PUT,
-                                       args={"id": response["id"], "record": record})
+                                       args={"id": response["id"], "record": record}, engine=engine)
         except APIError as exc:
             log.warning("response %s not stored: %s", response["id"], exc.message)
             return
@@ -260,7 +285,7 @@ class Responses(GenerationRoute):
                 continue
             timer.on_update(update)
             builder.feed(update)
-        await self._store(builder, request, conversation, media)
+        await self._store(builder, request, conversation, media, stream.engine_id)
         return builder.response()
 
     async def _events(self, stream: RequestStream, builder: ResponseBuilder, timer: TokenTimer,
@@ -290,7 +315,7 @@ class Responses(GenerationRoute):
                         yield _sse(failed)
                     continue
                 if isinstance(payload, dict) and payload.get("type") in TERMINAL_EVENTS:
-                    await self._store(builder, request, conversation, media)
+                    await self._store(builder, request, conversation, media, stream.engine_id)
                 yield event
                 if payload is created:
                     yield _sse(in_progress)
@@ -305,11 +330,13 @@ def _sse(event: Event) -> SSEvent:
 class ResponseById:
     """GET and DELETE /v1/responses/{response_id}, answered from the engine's store."""
 
-    def __init__(self, client: EngineClient):
+    def __init__(self, client: EnginePool):
         self.client = client
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
         record = await load_record(self.client, req, response_id)
+        if req.context.response_engine:
+            resp.set_header("X-Engine-Id", req.context.response_engine)
         resp.media = record.get("response")
 
     async def on_get_input_items(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
@@ -338,7 +365,8 @@ class ResponseById:
 
     async def on_delete(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
         await load_record(self.client, req, response_id)  # only the key that created it may delete it
-        result = await call_engine(self.client, CallMethod.RESPONSES_DELETE, args={"id": response_id})
+        result = await call_engine(self.client, CallMethod.RESPONSES_DELETE, args={"id": response_id},
+                                   engine=req.context.response_engine)
         if not (isinstance(result, dict) and result.get("deleted")):
             raise _not_found(response_id)
         resp.media = {"id": response_id, "object": "response", "deleted": True}

@@ -47,6 +47,8 @@ async def read_json_object(req: falcon.asgi.Request, max_bytes: int = MAX_BODY_B
     else:
         body = parse_json_object(raw)
     req.context.end_user = end_user_of(body)
+    cache_key = body.get("prompt_cache_key")  # OpenAI's cache hint: the router keeps its requests on one engine
+    req.context.prompt_cache_key = cache_key[:256] if isinstance(cache_key, str) and cache_key else None
     return body
 
 

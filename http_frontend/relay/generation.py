@@ -20,8 +20,10 @@ from typing import Any
 import falcon.asgi
 from falcon.asgi import SSEvent
 
-from http_frontend.engine.client import EngineClient, EngineError, EngineUnavailable, RequestStream, Update
+from http_frontend.engine.client import EngineClient, EngineError, EngineLink, EngineUnavailable, RequestStream, Update
 from http_frontend.engine.frames import UnsendableRequest
+from http_frontend.engine.pool import EnginePool, RouteHint
+from http_frontend.engine.routing import AFFINITY_HEADERS, affinity_key
 from http_frontend.errors import APIError
 from http_frontend.middleware.auth import caller_of
 from http_frontend.middleware.disconnect import disconnected_event
@@ -107,11 +109,15 @@ async def serve_generation(
     client_id = caller_of(req).client or getattr(req.context, "end_user", None)
     if client_id:
         engine_request = {**engine_request, "client": client_id}
+    hint = route_hint(req, engine_request)
     try:
         for body in choice_requests(engine_request, n):
-            streams.append(await submit_or_503(client, body))
+            streams.append(await submit_or_503(client, body, hint))
+            hint = RouteHint(hint.key, hint.model, streams[0].engine_id)  # n choices share one engine's cache
         req.scope[RID_KEY] = streams[0].rid  # for the access line: the engine logs the same rid
         resp.set_header("X-Request-Id", streams[0].rid)
+        if streams[0].engine_id:
+            resp.set_header("X-Engine-Id", streams[0].engine_id)
         timer = metrics.token_timer(req.scope)
         # A client that leaves while its request waits in the engine's queue aborts it too.
         accepted = [await until_disconnect(req, wait_accepted(stream, request_timeout)) for stream in streams]
@@ -156,10 +162,27 @@ async def until_disconnect(req: falcon.asgi.Request, work: Any) -> Any:
     return task.result()
 
 
-async def submit_or_503(client: EngineClient, request: dict[str, Any]) -> RequestStream:
+def route_hint(req: falcon.asgi.Request, engine_request: dict[str, Any]) -> RouteHint:
+    """What the router keys a request on (`routing.affinity_key`): session headers, then the body's hints.
+
+    `read_json_object` leaves `prompt_cache_key` and the end user on `req.context`; the Responses
+    route leaves the previous response's id and its engine there.
+    """
+    context = req.context
+    previous = getattr(context, "previous_response_id", None)
+    key = affinity_key({name: req.get_header(name) or "" for name in AFFINITY_HEADERS},
+                       previous_response_id=previous, prompt_cache_key=getattr(context, "prompt_cache_key", None),
+                       user=getattr(context, "end_user", None), engine_request=engine_request)
+    return RouteHint(key, engine_request.get("model"),
+                     getattr(context, "response_engine", None) if previous else None)
+
+
+async def submit_or_503(client: EngineLink, request: dict[str, Any], hint: RouteHint | None = None) -> RequestStream:
     """The ADD sent; 503 when the engine is unreachable, 413 / 400 when the wire cannot carry it."""
     check_model_name(request.get("model"))
     try:
+        if isinstance(client, EnginePool):
+            return await client.submit(request, hint)
         return await client.submit(request)
     except EngineUnavailable as exc:
         raise APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None

@@ -166,29 +166,59 @@ class FrontendMetrics:
         return lines
 
     async def render(self) -> str:
-        try:
-            stats = await self.client.call(CallMethod.STATS, timeout=1.0)
-        except (EngineUnavailable, EngineError) as exc:
-            log.debug("engine stats unavailable for /metrics: %s", exc)
-            stats = None
-        return "\n".join(self.render_frontend() + engine_lines(stats)) + "\n"
+        call_each = getattr(self.client, "call_each", None)
+        if call_each is None or len(getattr(self.client, "links", ())) < 2:
+            try:
+                stats = await self.client.call(CallMethod.STATS, timeout=1.0)
+            except (EngineUnavailable, EngineError) as exc:
+                log.debug("engine stats unavailable for /metrics: %s", exc)
+                stats = None
+            return "\n".join(self.render_frontend() + engine_lines(stats)) + "\n"
+        # Several engines: every engine series carries `engine`, one HELP/TYPE per family.
+        answers = await call_each(CallMethod.STATS, timeout=1.0)
+        per_engine = [engine_lines(answer if isinstance(answer, dict) else None, (("engine", engine_id),))
+                      for engine_id, answer in answers.items()]
+        return "\n".join(self.render_frontend() + merge_families(per_engine)) + "\n"
 
 
-def engine_lines(stats: dict[str, Any] | None) -> list[str]:
-    """The engine's `stats` CALL as metric families; only `mlx_engine_up 0` when it is down."""
+def merge_families(blocks: list[list[str]]) -> list[str]:
+    """Exposition blocks with the same families (one per engine) as one: each family's HELP/TYPE once."""
+    order: list[str] = []
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for block in blocks:
+        name = ""
+        for line in block:
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                name = line.split(" ", 3)[2]
+                if name not in headers:
+                    order.append(name)
+                    headers[name], samples[name] = [], []
+                if len(headers[name]) < 2:
+                    headers[name].append(line)
+            else:
+                samples[name].append(line)
+    return [line for name in order for line in headers[name] + samples[name]]
+
+
+def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
+    """The engine's `stats` CALL as metric families; only `mlx_engine_up 0` when it is down.
+
+    `const`: labels on every sample (the engine's id, behind several engines).
+    """
     lines = family("mlx_engine_up", "gauge", "1 when the engine answered this scrape's stats call, else 0.",
-                   [("", (), 1 if stats else 0)])
+                   [("", const, 1 if stats else 0)])
     if not stats:
         return lines
 
     def one(name: str, kind: str, help_text: str, key: str) -> None:
         value = stats.get(key)
         if isinstance(value, (int, float)):
-            lines.extend(family(name, kind, help_text, [("", (), value)]))
+            lines.extend(family(name, kind, help_text, [("", const, value)]))
 
     lines += family("mlx_engine_info", "gauge", "Engine state, loaded model and scheduler (value is always 1).",
-                    [("", (("state", str(stats.get("state") or "")), ("model", str(stats.get("model") or "")),
-                            ("scheduler", str(stats.get("scheduler") or ""))), 1)])
+                    [("", const + (("state", str(stats.get("state") or "")), ("model", str(stats.get("model") or "")),
+                                   ("scheduler", str(stats.get("scheduler") or ""))), 1)])
     one("mlx_engine_epoch", "gauge", "Engine epoch: changes when the engine restarts.", "epoch")
     one("mlx_engine_uptime_seconds", "gauge", "Seconds since the engine started.", "uptime")
     one("mlx_engine_frontends", "gauge", "Front-end connections the engine knows.", "frontends")
@@ -209,7 +239,7 @@ def engine_lines(stats: dict[str, Any] | None) -> list[str]:
     if isinstance(hits, int) and isinstance(misses, int):
         rate = hits / (hits + misses) if hits + misses else 0.0
         lines += family("mlx_engine_prompt_cache_hit_rate", "gauge",
-                        "Prompt-cache hits / (hits + misses) since the engine started.", [("", (), rate)])
+                        "Prompt-cache hits / (hits + misses) since the engine started.", [("", const, rate)])
     one("mlx_engine_cached_tokens_total", "counter", "Prompt tokens served from the prompt cache.", "cached_tokens")
     one("mlx_engine_prompt_cache_entries", "gauge", "Entries in the prompt cache.", "prompt_cache_entries")
     one("mlx_engine_prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", "prompt_cache_bytes")
@@ -219,7 +249,7 @@ def engine_lines(stats: dict[str, Any] | None) -> list[str]:
     if tiers:
         lines += family("mlx_engine_prefix_cache_hits_total", "counter",
                         "Prefix reuse by tier: memory hits, disk loads, prompts shared at the end of their prefill.",
-                        [("", (label,), value) for label, value in tiers])
+                        [("", const + (label,), value) for label, value in tiers])
     one("mlx_engine_prefix_waits_total", "counter", "Requests that waited for another's prefill of a shared prefix.",
         "prefix_waits_for_shared_prefill")
     one("mlx_engine_prompt_cache_disk_entries", "gauge", "Files in --prompt-cache-dir.", "prompt_cache_disk_entries")
@@ -233,11 +263,11 @@ def engine_lines(stats: dict[str, Any] | None) -> list[str]:
                 if isinstance(stats.get(outcome), int)]
     if outcomes:
         lines += family("mlx_engine_requests_total", "counter", "Engine requests by outcome.",
-                        [("", (label,), value) for label, value in outcomes])
+                        [("", const + (label,), value) for label, value in outcomes])
     rejections = stats.get("rejections")
     if isinstance(rejections, dict) and rejections:
         lines += family("mlx_engine_rejections_total", "counter", "Requests refused at admission, by error code.",
-                        [("", (("code", str(code)),), count) for code, count in sorted(rejections.items())])
+                        [("", const + (("code", str(code)),), count) for code, count in sorted(rejections.items())])
     return lines
 
 

@@ -1,4 +1,4 @@
-"""GET /v1/models and /v1/models/{model_id}: the engine's catalogue as OpenAI model objects.
+"""GET /v1/models and /v1/models/{model_id}: the engines' catalogue as OpenAI model objects (their union).
 
 The engine knows what can be served (the operator's aliases, models under
 --model-dir and in the HF cache, the loaded one); the front-end only renders it.
@@ -12,7 +12,7 @@ from typing import Any
 import falcon.asgi
 
 from http_frontend.engine.calls import call_engine
-from http_frontend.engine.client import EngineClient
+from http_frontend.engine.pool import EnginePool
 from http_frontend.errors import APIError
 from protocol import CallMethod
 
@@ -27,25 +27,46 @@ def model_object(m: dict[str, Any]) -> dict[str, Any]:
             "context_window": m.get("context_window"), "type": kind, "kind": kind, "loaded": m.get("loaded", False)}
 
 
+async def catalogue(client: EnginePool) -> list[dict[str, Any]]:
+    """The engines' catalogues in one list (an id once; `loaded` when any engine has it loaded).
+
+    One engine: its list, or its error. Several: the union of those that answer, a 503 only
+    when none does.
+    """
+    if not isinstance(client, EnginePool) or client.single:
+        return await call_engine(client, CallMethod.LIST_MODELS, timeout=LIST_TIMEOUT)
+    answers = await client.call_each(CallMethod.LIST_MODELS, timeout=LIST_TIMEOUT)
+    lists = [answer for answer in answers.values() if isinstance(answer, list)]
+    if not lists:
+        return await call_engine(client, CallMethod.LIST_MODELS, timeout=LIST_TIMEOUT)  # the first one's error
+    merged: dict[str, dict[str, Any]] = {}
+    for models in lists:
+        for m in models:
+            seen = merged.setdefault(m["id"], dict(m))
+            if m.get("loaded") and not seen.get("loaded"):
+                merged[m["id"]] = dict(m)
+    return list(merged.values())
+
+
 class Models:
     """OpenAI model list: the operator's aliases, MLX models under --model-dir and in the HF cache, the loaded one."""
 
-    def __init__(self, client: EngineClient):
+    def __init__(self, client: EnginePool):
         self.client = client
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        models = await call_engine(self.client, CallMethod.LIST_MODELS, timeout=LIST_TIMEOUT)
+        models = await catalogue(self.client)
         resp.media = {"object": "list", "data": [model_object(m) for m in models]}
 
 
 class ModelById:
     """GET /v1/models/{model_id}: one model of the catalogue. Ids may hold slashes (`org/name`)."""
 
-    def __init__(self, client: EngineClient):
+    def __init__(self, client: EnginePool):
         self.client = client
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model_id: str) -> None:
-        models = await call_engine(self.client, CallMethod.LIST_MODELS, timeout=LIST_TIMEOUT)
+        models = await catalogue(self.client)
         found = next((m for m in models if m["id"] == model_id), None)
         if found is None:
             listed = ", ".join(m["id"] for m in models[:20]) or "none"

@@ -353,6 +353,7 @@ RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema":
 # The route is /v1/models/{model_id:path}: an id may hold slashes (org/name), sent as is or as %2F.
 MODEL_ID = [{"name": "model_id", "in": "path", "required": True, "schema": STRING}]
 ADAPTER_NAME = [{"name": "name", "in": "path", "required": True, "schema": STRING}]
+ENGINE_ID = [{"name": "engine_id", "in": "path", "required": True, "schema": STRING}]
 
 
 def openapi_document() -> dict[str, Any]:
@@ -417,6 +418,10 @@ def openapi_document() -> dict[str, Any]:
             "503": {"description": "The engine is unreachable or stalled", "content": _json(ref("Health"))}}}},
         "/unload": {"post": _operation("Unload the model (frees its memory)", None, _ok(ANY_OBJECT), CALL_ERRORS)},
         "/stats": {"get": _operation("Engine and front-end counters", None, _ok(ANY_OBJECT), CALL_ERRORS)},
+        "/admin/engines": {"get": _operation("Engines behind this front-end", None, _ok(ANY_OBJECT), CALL_ERRORS)},
+        **{f"/admin/engines/{{engine_id}}/{verb}": {"post": {**_operation(
+            f"{verb.capitalize()} an engine", None, _ok(ANY_OBJECT), (401, 404, 503, 504)),
+            "parameters": ENGINE_ID}} for verb in ("drain", "undrain")},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": STRING}}}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {

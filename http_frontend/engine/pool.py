@@ -1,0 +1,212 @@
+"""The engines behind one front-end worker: one `EngineClient` each, and the router between them.
+
+Routes hold the pool where they held one client: it has the client's members
+(`EngineLink`), so `submit` picks an engine (`routing.pick`: affinity, rendezvous
+order, bounded load, health) and `call` goes to one engine, a named one or the
+first that can serve. A pool of one engine is today's single client: its one
+engine takes everything, whatever its state, and its errors are the client's.
+
+Draining: `drain` marks an engine not routable in this worker at once and asks the
+engine to say `draining` in its PONGs, so every other worker on every host stops
+routing there within a ping; its open streams run to their end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from http_frontend.engine.client import EngineClient, EngineLink, EngineUnavailable, RequestStream
+from http_frontend.engine.routing import DEFAULT_EPSILON, DEFAULT_MIN_BOUND, Candidate, pick
+from protocol import CallMethod
+
+log = logging.getLogger(__name__)
+
+RESPONSE_PREFIX = "resp_"
+STARTUP_WAIT = 3.0  # seconds a worker waits at start for every engine's first answer
+
+
+@dataclass(frozen=True)
+class RouteHint:
+    """What the router needs of a request: its affinity key, the model, an engine it should prefer."""
+
+    key: str
+    model: str | None = None
+    preferred: str | None = None  # the engine that holds the previous response
+
+
+class StreamsView(Mapping[str, RequestStream]):
+    """Every engine's open requests of this worker, read as one mapping (`len`, lookups)."""
+
+    def __init__(self, links: Sequence[EngineLink]):
+        self._links = links
+
+    def __getitem__(self, rid: str) -> RequestStream:
+        for link in self._links:
+            if rid in link.streams:
+                return link.streams[rid]
+        raise KeyError(rid)
+
+    def __iter__(self) -> Iterator[str]:
+        for link in self._links:
+            yield from link.streams
+
+    def __len__(self) -> int:
+        return sum(len(link.streams) for link in self._links)
+
+
+class EnginePool:
+    """One worker's engines by id, with `submit` routed and `call` addressed."""
+
+    def __init__(self, links: Mapping[str, EngineLink], epsilon: float = DEFAULT_EPSILON,
+                 min_bound: int = DEFAULT_MIN_BOUND):
+        if not links:
+            raise ValueError("an engine pool needs at least one engine")
+        self.links = dict(links)
+        self.epsilon = epsilon
+        self.min_bound = min_bound
+        first = next(iter(self.links.values()))
+        self.frontend_id = first.frontend_id
+        self.streams = StreamsView(list(self.links.values()))
+
+    @property
+    def single(self) -> bool:
+        return len(self.links) == 1
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self.links)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Connects to every engine; with several, waits (a bounded while) for each one's first answer.
+
+        A worker that served before every engine had answered would send the conversations of the
+        silent ones elsewhere: right after each start or reload, affinity (and the caches) would be lost.
+        """
+        for link in self.links.values():
+            await link.start()
+        if not self.single:
+            waits = [link.wait_ready(STARTUP_WAIT) for link in self.links.values() if hasattr(link, "wait_ready")]
+            ready = await asyncio.gather(*waits)
+            if not all(ready):
+                log.warning("%d of %d engines did not answer within %.0f s of start: serving with the others",
+                            ready.count(False), len(ready), STARTUP_WAIT)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(link.close() for link in self.links.values()), return_exceptions=True)
+
+    # -- state ---------------------------------------------------------------------------
+    def routable(self, engine_id: str) -> bool:
+        link = self.links.get(engine_id)
+        return link is not None and bool(getattr(link, "routable", True))
+
+    def state_of(self, engine_id: str) -> str:
+        """The engine's state as this worker sees it: its PONG's, or drained / unreachable here."""
+        link = self.links[engine_id]
+        if not getattr(link, "alive", True):
+            return "unreachable"
+        return str(getattr(link, "engine_state", "ready"))
+
+    def candidates(self, model: str | None) -> list[Candidate]:
+        result = []
+        for engine_id, link in self.links.items():
+            loaded = getattr(link, "model", None)
+            result.append(Candidate(engine_id, int(getattr(link, "load", 0)), self.routable(engine_id),
+                                    serves_model=model is None or loaded is None or loaded == model))
+        return result
+
+    def choose(self, hint: RouteHint | None, exclude: set[str] | frozenset[str] = frozenset()) -> str:
+        """The engine for a new request; the pool's only engine always (a pool of one is one client)."""
+        if self.single:
+            return next(iter(self.links))
+        if hint is None:
+            hint = RouteHint("")
+        candidates = [c for c in self.candidates(hint.model) if c.engine_id not in exclude]
+        chosen = pick(hint.key, candidates, self.epsilon, hint.preferred, self.min_bound)
+        if chosen is None:
+            raise EngineUnavailable("No engine is available (all are down, stalled or draining)")
+        return chosen
+
+    def primary(self) -> str:
+        """The engine for CALLs that any engine answers alike (tokenize, adapters list): the first routable."""
+        return next((engine_id for engine_id in self.links if self.routable(engine_id)), next(iter(self.links)))
+
+    # -- EngineLink ----------------------------------------------------------------------
+    async def submit(self, request: dict[str, Any], hint: RouteHint | None = None) -> RequestStream:
+        """Sends the ADD to the chosen engine; one that cannot take it (just died) passes it to the next."""
+        if self.single:
+            engine_id = self.choose(hint)
+            stream = await self.links[engine_id].submit(request)
+            stream.engine_id = engine_id
+            return stream
+        refused: set[str] = set()
+        while True:
+            engine_id = self.choose(hint, exclude=refused)
+            try:
+                stream = await self.links[engine_id].submit(request)
+            except EngineUnavailable:
+                log.warning("engine %s did not take a request: trying the next one", engine_id)
+                refused.add(engine_id)
+                continue
+            stream.engine_id = engine_id
+            return stream
+
+    def release(self, stream: RequestStream, reason: str) -> None:
+        link = self.links.get(getattr(stream, "engine_id", None) or "") or self._owner_of_rid(stream.rid)
+        link.release(stream, reason)
+
+    def _owner_of_rid(self, rid: str) -> EngineLink:
+        return next((link for link in self.links.values() if rid in link.streams), next(iter(self.links.values())))
+
+    async def call(self, method: CallMethod | str, args: dict[str, Any] | None = None, timeout: float = 5.0,
+                   engine: str | None = None) -> Any:
+        """A CALL to `engine` (default: `primary`); EngineUnavailable for an engine this pool does not know."""
+        link = self.links.get(engine or self.primary())
+        if link is None:
+            raise EngineUnavailable(f"No engine '{engine}' behind this front-end")
+        return await link.call(method, args, timeout=timeout)
+
+    async def call_each(self, method: CallMethod | str, args: dict[str, Any] | None = None,
+                        timeout: float = 5.0) -> dict[str, Any]:
+        """The CALL on every engine at once: result or exception, by engine id (in the pool's order)."""
+        results = await asyncio.gather(*(link.call(method, args, timeout=timeout) for link in self.links.values()),
+                                       return_exceptions=True)
+        return dict(zip(self.links, results))
+
+    # -- draining --------------------------------------------------------------------------
+    def mark_drained(self, engine_id: str, draining: bool) -> None:
+        """Routing in this worker follows a drain at once, before the engine's next PONG says the same.
+
+        The engine's own state (CALL `drain`) is the truth every worker reads from its PONGs, so a
+        drain made through one worker is undone through any other.
+        """
+        link = self.links[engine_id]
+        if getattr(link, "alive", False):
+            link.engine_state = "draining" if draining else "ready"
+        log.info("engine %s %s", engine_id, "draining: no new requests go to it" if draining else "routable again")
+
+    # -- response ids ----------------------------------------------------------------------
+    def response_id(self, suffix: str, engine_id: str | None) -> str:
+        """`resp_<engine>_<hex>` with several engines (a follow-up finds its engine); `resp_<hex>` with one."""
+        if self.single or not engine_id:
+            return RESPONSE_PREFIX + suffix
+        return f"{RESPONSE_PREFIX}{engine_id}_{suffix}"
+
+    def engine_of_response(self, response_id: str) -> str | None:
+        """The engine id a response id names ('' for an id that names none: made by a pool of one)."""
+        rest = response_id.removeprefix(RESPONSE_PREFIX)
+        engine_id, sep, _ = rest.partition("_")
+        return engine_id if sep else ""
+
+
+def build_pool(specs: Sequence[Any], epsilon: float, max_pending_bytes: int | None,
+               min_bound: int = DEFAULT_MIN_BOUND) -> EnginePool:
+    """An `EngineClient` per `EngineSpec` (pool_config), all of one worker."""
+    links = {spec.engine_id: EngineClient(spec.endpoint, max_pending_bytes=max_pending_bytes,
+                                          engine_id=spec.engine_id, curve_server_key=spec.curve_server_key)
+             for spec in specs}
+    return EnginePool(links, epsilon, min_bound)

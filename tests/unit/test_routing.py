@@ -1,0 +1,164 @@
+"""The router's pure functions: affinity key precedence, rendezvous order, bounded load, failover order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from http_frontend.engine.pool import EnginePool
+from http_frontend.engine.pool_config import parse_specs, split_endpoints
+from http_frontend.engine.routing import Candidate, affinity_key, load_bound, pick, rendezvous_order, stable_hash
+
+ENGINES = ["a", "b"]
+CHAT = {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+
+
+def idle(*ids: str) -> list[Candidate]:
+    return [Candidate(engine_id, 0) for engine_id in ids]
+
+
+def test_key_precedence_headers_first_in_order() -> None:
+    headers = {"x-session-affinity": "A", "x-session-id": "B", "session-id": "C", "x-claude-code-session-id": "D"}
+    assert affinity_key(headers, previous_response_id="r", prompt_cache_key="k", user="u") == "h:A"
+    del headers["x-session-affinity"]
+    assert affinity_key(headers) == "h:B"
+    del headers["x-session-id"]
+    assert affinity_key(headers) == "h:C"
+    del headers["session-id"]
+    assert affinity_key(headers) == "h:D"
+
+
+def test_key_precedence_body_hints() -> None:
+    assert affinity_key({}, previous_response_id="r", prompt_cache_key="k", user="u", engine_request=CHAT) == "r:r"
+    assert affinity_key({}, prompt_cache_key="k", user="u", engine_request=CHAT) == "k:k"
+    assert affinity_key({}, user="u", engine_request=CHAT) == "u:u"
+    assert affinity_key({"x-session-id": ""}, engine_request=CHAT).startswith("c:")
+
+
+def test_conversation_key_is_the_same_on_every_turn() -> None:
+    later = {**CHAT, "messages": CHAT["messages"] + [{"role": "assistant", "content": "hello"},
+                                                     {"role": "user", "content": "more"}]}
+    assert affinity_key({}, engine_request=CHAT) == affinity_key({}, engine_request=later)
+    other = {**CHAT, "messages": [CHAT["messages"][0], {"role": "user", "content": "bye"}]}
+    assert affinity_key({}, engine_request=CHAT) != affinity_key({}, engine_request=other)
+    parts = {**CHAT, "messages": [CHAT["messages"][0], {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert affinity_key({}, engine_request=parts) == affinity_key({}, engine_request=CHAT)
+    assert affinity_key({}, engine_request={"model": "m", "prompt": "abc"}).startswith("p:")
+
+
+def test_hash_is_stable_across_processes() -> None:
+    """blake2b, never the salted hash(): another interpreter (another worker, host) agrees."""
+    code = ("from http_frontend.engine.routing import rendezvous_order, stable_hash;"
+            "print(stable_hash('x', 'y'), rendezvous_order('k1', ['a', 'b', 'c']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "123"}).stdout.split(maxsplit=1)
+    assert int(out[0]) == stable_hash("x", "y")
+    assert out[1].strip() == str(rendezvous_order("k1", ["a", "b", "c"]))
+
+
+def test_rendezvous_spreads_keys_and_moves_only_the_lost_engines_keys() -> None:
+    keys = [f"conv-{i}" for i in range(2000)]
+    three = {key: pick(key, idle("a", "b", "c")) for key in keys}
+    shares = Counter(three.values())
+    assert all(600 <= shares[e] <= 730 for e in "abc"), shares
+    two = {key: pick(key, idle("a", "b")) for key in keys}
+    moved = [key for key in keys if three[key] != two[key]]
+    assert all(three[key] == "c" for key in moved)  # only c's keys moved
+    assert two == {key: pick(key, idle("b", "a")) for key in keys}  # candidate order does not matter
+
+
+def test_failover_takes_the_next_engine_in_rendezvous_order() -> None:
+    for i in range(200):
+        key = f"k{i}"
+        order = rendezvous_order(key, ["a", "b", "c"])
+        down = [Candidate(e, 0, routable=e != order[0]) for e in "abc"]
+        assert pick(key, down) == order[1]
+    assert pick("k", [Candidate("a", 0, routable=False)]) is None
+
+
+def test_bounded_load_skips_an_engine_over_its_bound() -> None:
+    assert load_bound(0, 2, 0.25) == 1  # one request on an idle pool stays with the preferred engine
+    key = "hot"
+    first, second = rendezvous_order(key, ENGINES)
+    loads = {"a": 0, "b": 0}
+    for _ in range(64):
+        chosen = pick(key, [Candidate(e, loads[e]) for e in ENGINES], 0.25)
+        loads[chosen] += 1
+    assert loads[first] > loads[second] > 0
+    assert max(loads.values()) <= 1.25 * (sum(loads.values()) / 2)
+
+
+def test_small_counts_stay_on_the_preferred_engine() -> None:
+    first, _ = rendezvous_order("k", ENGINES)
+    assert pick("k", [Candidate(first, 1), Candidate("b" if first == "a" else "a", 0)], 0.25) == first
+
+
+def test_min_bound_keeps_light_imbalance_on_the_preferred_engine() -> None:
+    first, second = rendezvous_order("k", ENGINES)
+    loads = [Candidate(first, 6), Candidate(second, 0)]
+    assert pick("k", loads, 0.25) == second  # 7 > ceil(1.25 * 7 / 2) = 5
+    assert pick("k", loads, 0.25, min_bound=8) == first  # 7 <= 8: the conversation keeps its cache
+    assert pick("k", [Candidate(first, 8), Candidate(second, 0)], 0.25, min_bound=8) == second
+
+
+def test_preferred_engine_and_model_filter() -> None:
+    key = "k"
+    _, second = rendezvous_order(key, ENGINES)
+    assert pick(key, idle(*ENGINES), preferred=second) == second
+    assert pick(key, [Candidate("a", 0, serves_model=False), Candidate("b", 0)]) == "b"
+    assert pick(key, [Candidate("a", 0, serves_model=False), Candidate("b", 0, serves_model=False)]) in ENGINES
+
+
+def test_endpoint_specs() -> None:
+    specs = parse_specs(["one=ipc:///tmp/a.sock", "tcp://10.0.0.2:5555"])
+    assert specs[0].engine_id == "one" and specs[0].endpoint == "ipc:///tmp/a.sock"
+    assert specs[1].engine_id.startswith("e") and specs[1].endpoint == "tcp://10.0.0.2:5555"
+    assert parse_specs(["tcp://10.0.0.2:5555"])[0].engine_id == specs[1].engine_id  # the same on every host
+    assert split_endpoints("ipc:///a, tcp://h:1") == ["ipc:///a", "tcp://h:1"]
+    assert split_endpoints(f"a=ipc:///x{os.pathsep}tcp://h:1{os.pathsep}b=tcp://[::1]:2") == \
+        ["a=ipc:///x", "tcp://h:1", "b=tcp://[::1]:2"]
+    with pytest.raises(ValueError):
+        parse_specs(["a=ipc:///x", "a=ipc:///y"])
+    with pytest.raises(ValueError):
+        parse_specs(["bad_name=ipc:///x"])
+    with pytest.raises(ValueError):
+        parse_specs(["ipc:///x", "ipc:///y"], ["k1", "k2", "k3"])
+
+
+class Link:
+    """A stand-in engine client with the members the pool reads."""
+
+    def __init__(self, load: int = 0, alive: bool = True, state: str = "ready"):
+        self.frontend_id, self.streams, self.load, self.alive, self.engine_state = "f", {}, load, alive, state
+        self.model = None
+
+    @property
+    def routable(self) -> bool:
+        return self.alive and self.engine_state == "ready"
+
+
+def test_pool_response_ids_name_their_engine() -> None:
+    pool = EnginePool({"a": Link(), "b": Link()})
+    assert pool.response_id("abc", "b") == "resp_b_abc"
+    assert pool.engine_of_response("resp_b_abc") == "b"
+    assert pool.engine_of_response("resp_abc") == ""
+    single = EnginePool({"a": Link()})
+    assert single.response_id("abc", "a") == "resp_abc"
+
+
+def test_pool_skips_draining_and_dead_engines() -> None:
+    links = {"a": Link(), "b": Link()}
+    pool = EnginePool(links)
+    from http_frontend.engine.pool import RouteHint
+
+    key = "k"
+    first, second = rendezvous_order(key, ENGINES)
+    assert pool.choose(RouteHint(key)) == first
+    links[first].engine_state = "draining"
+    assert pool.choose(RouteHint(key)) == second
+    links[first].engine_state, links[second].alive = "ready", False
+    assert pool.choose(RouteHint(key)) == first
