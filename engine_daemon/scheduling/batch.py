@@ -304,7 +304,7 @@ class BatchScheduler(BaseScheduler):
         self.pacer.observe(seconds, decoding > 0, prompt_done)
         fused = getattr(generator, "fused_steps", 0) - fused_before
         self.stats.fused_prefill_steps += fused
-        if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (bench/prompt_scenarios.py)
+        if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (`PrefillPacer`)
             log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s)", seconds * 1000, decoding,
                       prompt_done, generator.prefill_step_size, ", fused" if fused else "")
         if not decoding:
