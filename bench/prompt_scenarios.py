@@ -165,7 +165,8 @@ def plot(results: dict[str, dict], size: str, path: Path) -> None:
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
-        if key == "gap_ratio":
+        if key == "gap_ratio":  # a stalled server is ~100x: a log scale keeps the others readable
+            ax.set_yscale("log")
             ax.axhline(3.0, color="grey", linestyle="--", linewidth=0.8)
         if key == "ttft_ratio":
             ax.axhline(1.5, color="grey", linestyle="--", linewidth=0.8)
@@ -184,13 +185,19 @@ def main() -> int:
     parser.add_argument("--long-words", type=int, default=1000, help="~1,500 tokens")
     parser.add_argument("--skip-mlx-lm", action="store_true")
     parser.add_argument("--engine-args", default="", help="extra engined flags, space-separated")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the table and plot from the saved JSON")
     args = parser.parse_args()
+    out = HERE / "results" / f"prompt_scenarios-{args.size}.json"
+    if args.plot_only:
+        results = json.loads(out.read_text())
+        plot(results, args.size, HERE / f"prompt_scenarios-{args.size}.png")
+        print(table(results))
+        return 0
     model = bench_model(args.size)
     servers = {OURS: lambda: our_stack(model, ["--decode-concurrency", "8", *args.engine_args.split()])}
     if not args.skip_mlx_lm:
         servers[THEIRS] = lambda: mlx_lm_server(model, ["--decode-concurrency", "8"])
     results = {name: run_server(name, start, model, args) for name, start in servers.items()}
-    out = HERE / "results" / f"prompt_scenarios-{args.size}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     plot(results, args.size, HERE / f"prompt_scenarios-{args.size}.png")

@@ -32,6 +32,7 @@ from http_frontend.engine.calls import TOKENIZE_TIMEOUT, call_engine
 from http_frontend.engine.client import EngineClient, RequestStream, Update
 from http_frontend.parsing.body import get_field, read_json_object
 from http_frontend.parsing.documents import has_pdf_documents
+from http_frontend.parsing.generation_fields import ignored_tools_header
 from http_frontend.parsing.media import MediaCollector
 from http_frontend.relay.generation import GenerationRoute, relay, serve_generation
 from http_frontend.service.metrics import TokenTimer
@@ -63,7 +64,7 @@ class Messages(GenerationRoute):
         ignored = hosted_tools(body)
         if ignored:
             log.info("Anthropic-hosted tools the engine cannot run were left out: %s", ", ".join(ignored))
-            resp.set_header("X-Ignored-Tools", ",".join(ignored))
+            resp.set_header("X-Ignored-Tools", ignored_tools_header(ignored))
         resolved = await media.resolve()  # fetches http(s) images: after every other check
         if resolved:
             request["media"] = resolved

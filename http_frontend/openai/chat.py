@@ -18,6 +18,7 @@ from http_frontend.engine.client import RequestStream, Update
 from http_frontend.parsing.body import get_field, read_json_object
 from http_frontend.parsing.generation_fields import (
     hosted_tools,
+    ignored_tools_header,
     parse_reasoning,
     parse_response_format,
     parse_tool_choice,
@@ -62,7 +63,7 @@ class ChatCompletions(GenerationRoute):
         ignored = hosted_tools(body)
         if ignored:  # left out of the prompt (`parse_tools`), and said so
             log.info("tools the engine cannot run were left out: %s", ", ".join(ignored))
-            resp.set_header("X-Ignored-Tools", ",".join(dict.fromkeys(ignored)))
+            resp.set_header("X-Ignored-Tools", ignored_tools_header(ignored))
         engine_request = {"model": model, "messages": messages, "params": params,
                           "chat_template_kwargs": template_kwargs, "tools": tools,
                           "tool_choice": parse_tool_choice(body, tools),

@@ -37,6 +37,7 @@ from http_frontend.openai.responses_items import (
 from http_frontend.openai.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
 from http_frontend.openai.responses_tools import ToolCatalog
 from http_frontend.parsing.body import get_field, read_json_object
+from http_frontend.parsing.generation_fields import ignored_tools_header
 from http_frontend.parsing.generation_fields import parse_reasoning as chat_reasoning
 from http_frontend.parsing.media import MediaCollector
 from http_frontend.parsing.sampling import parse_sampling
@@ -220,7 +221,7 @@ class Responses(GenerationRoute):
                                 (self.settings.max_stop_strings, self.settings.max_stop_length))
         request = replace(request, owner=caller_of(req).client)
         if request.tools.ignored:  # hosted tools the engine cannot run: left out, and said so
-            resp.set_header("X-Ignored-Tools", ",".join(dict.fromkeys(request.tools.ignored)))
+            resp.set_header("X-Ignored-Tools", ignored_tools_header(request.tools.ignored))
         history: list[dict[str, Any]] = []
         media: list[dict[str, Any]] = []  # the conversation's images and audio, earlier turns' included
         if request.previous_response_id is not None:

@@ -8,7 +8,9 @@ constrained decoding, output parsing). Each error names the offending `param`.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from typing import Any
+from urllib.parse import quote
 
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
@@ -33,6 +35,19 @@ HOSTED_TOOLS = frozenset({
     "web_search_20250305", "file_search", "code_interpreter", "computer_use_preview", "computer_use",
     "local_shell", "shell", "image_generation", "mcp", "tool_search", "apply_patch",
 })
+
+
+IGNORED_TOOLS_HEADER_CHARS = 1024
+
+
+def ignored_tools_header(names: Iterable[str]) -> str:
+    """`X-Ignored-Tools`: the names, once each, percent-encoded and capped.
+
+    A header value must be visible ASCII, and a client may name a tool anything
+    (non-ASCII, a comma, a newline): unescaped, such a name broke the response (500).
+    """
+    value = ",".join(quote(str(name), safe="-_.~:@") for name in dict.fromkeys(names))
+    return value if len(value) <= IGNORED_TOOLS_HEADER_CHARS else value[:IGNORED_TOOLS_HEADER_CHARS - 3] + "..."
 
 
 def is_hosted_tool(kind: Any) -> bool:

@@ -203,3 +203,12 @@ def test_a_lark_grammar_holds_through_json_escaping() -> None:
     # What the rewrite cannot carry is left to the JSON schema, never refused.
     assert input_rule('start: WORD\n%ignore " "\n%import common.WORD\n') is None
     assert input_rule("start: /^anchored/") is None
+
+
+def test_the_ignored_tools_header_is_visible_ascii_whatever_the_names() -> None:
+    from http_frontend.parsing.generation_fields import ignored_tools_header
+
+    value = ignored_tools_header(["web_search", "wéb, search\r\nX-Evil: 1", "web_search", "x" * 5000])
+    assert value.isascii() and value.isprintable() and "\n" not in value
+    assert value.startswith("web_search,w%C3%A9b%2C%20search%0D%0AX-Evil:%201,")
+    assert len(value) <= 1024
