@@ -170,7 +170,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--api-key", action="append", type=_key_arg, default=None, metavar="KEY",
                         help="require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every route "
-                             "but GET /health; repeat for several keys. Prefer the variable: flags show in `ps`. "
+                             "but GET /health and the playground's page; repeat for several keys. Prefer the "
+                             "variable: flags show in `ps`. "
                              f"[{API_KEY_ENV}, comma-separated] (default: none, no authentication)")
     parser.add_argument("--admin-api-key", action="append", type=_key_arg, default=None, metavar="KEY",
                         help="a key that may also POST /unload and register or remove adapters (ordinary keys "

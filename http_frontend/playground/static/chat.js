@@ -185,6 +185,7 @@ export class Chat {
       return;
     }
     const turn = new Turn();
+    turn.streaming = true;  // rendered as streaming (no Regenerate) from the start
     const message = { role: "assistant", turn };
     const body = { model: this.model() || undefined, messages: this.history(), ...fields };
     this.messages.push(message);

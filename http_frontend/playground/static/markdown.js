@@ -14,12 +14,12 @@ function el(tag, className, text) {
 }
 
 // Inline spans: code first (its content is literal), then links, bold, italics, strike-through.
-const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\[([^\]\n]+)\]\(([^)\s]+)\)|\*\*([^*\n]+?)\*\*|__([^_\n]+?)__|~~([^~\n]+?)~~|\*([^*\s][^*\n]*?)\*|(?<![\w])_([^_\s][^_\n]*?)_(?![\w])|(https?:\/\/[^\s<>()]+[^\s<>().,;:!?'"])/g;
+const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\[([^\]\n]+)\]\(([^)\s]+)\)|\*\*([^*\n]+?)\*\*|(?<!\w)__([^_\n]+?)__(?!\w)|~~([^~\n]+?)~~|\*([^*\s][^*\n]*?)\*|(?<![\w])_([^_\s][^_\n]*?)_(?![\w])|(https?:\/\/[^\s<>()]+[^\s<>().,;:!?'"])/g;
 
 export function renderInline(text, parent) {
   let last = 0;
-  INLINE.lastIndex = 0;
-  for (let m; (m = INLINE.exec(text)); ) {
+  const inline = new RegExp(INLINE.source, "g");  // its own lastIndex: the calls below recurse
+  for (let m; (m = inline.exec(text)); ) {
     if (m.index > last) parent.append(document.createTextNode(text.slice(last, m.index)));
     last = m.index + m[0].length;
     if (m[1]) {

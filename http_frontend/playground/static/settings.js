@@ -88,6 +88,7 @@ export class Settings {
       }
       out.tools = tools.map((t) => (t.type ? t : { type: "function", function: t }));
       out.tool_choice = els.tool_choice.value;
+      if (!els.parallel_tool_calls.checked) out.parallel_tool_calls = false;
     }
     if (els.no_thinking.checked) out.chat_template_kwargs = { enable_thinking: false };
     return out;

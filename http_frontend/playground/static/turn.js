@@ -48,10 +48,15 @@ export class Turn {
 
   get ttft() { return this.tFirst === null ? null : (this.tFirst - this.t0) / 1000; }
 
+  // Output tokens over the time they streamed in. When they came almost at once (a tool call
+  // parsed whole, a short answer), over the whole request instead, rather than an absurd rate.
   get tokensPerSecond() {
     const tokens = this.usage?.completion_tokens;
-    if (!tokens || this.tFirst === null || this.tEnd === null || this.tEnd <= this.tFirst) return null;
-    return tokens / ((this.tEnd - this.tFirst) / 1000);
+    if (!tokens || this.tFirst === null || this.tEnd === null) return null;
+    const streaming = this.tEnd - this.tFirst;
+    const total = this.tEnd - this.t0;
+    const window = streaming >= 0.25 * total && streaming > 0 ? streaming : total;
+    return window > 0 ? tokens / (window / 1000) : null;
   }
 
   // The assistant message to send back in the next request's history.
