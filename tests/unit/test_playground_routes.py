@@ -112,3 +112,18 @@ def test_no_playground_flag_and_variable(monkeypatch: pytest.MonkeyPatch) -> Non
     from http_frontend.cli import build_parser
 
     assert "--no-playground" in build_parser().format_help()
+
+
+def test_every_file_of_the_page_is_package_data() -> None:
+    """An installed (non-editable) front-end has the page: pyproject ships static/ as package data."""
+    import fnmatch
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = patterns["http_frontend.playground"]
+    static = root / "http_frontend" / "playground" / "static"
+    for path in static.iterdir():
+        assert any(fnmatch.fnmatch(f"static/{path.name}", pattern) for pattern in shipped), path.name
