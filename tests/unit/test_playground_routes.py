@@ -90,6 +90,9 @@ def test_no_playground_turns_the_routes_off() -> None:
     assert client.simulate_get("/").status_code == 404
     assert client.simulate_get("/playground/app.js").status_code == 404
     assert client.simulate_get("/health").status_code == 200
+    keyed = client_for(FakeEngine(), FrontendSettings(api_keys=(KEY,), playground=False))
+    assert keyed.simulate_get("/").status_code == 404  # nothing there, key or not
+    assert keyed.simulate_get("/stats").status_code == 401
     assert FrontendSettings.from_env({}).playground is True
     with pytest.raises(ValueError, match=PLAYGROUND_ENV):
         FrontendSettings.from_env({PLAYGROUND_ENV: "maybe"})

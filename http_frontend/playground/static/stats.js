@@ -102,11 +102,12 @@ export class StatsPanel {
         ["Batch size", `${stats.batch_size ?? 0} (max ${stats.max_batch_size ?? 0})`],
         ["Tokens/s", this.rate.toFixed(1), "", "tokens-per-second"],
         ["Tokens generated", String(stats.tokens_generated ?? 0), "", "tokens-generated"],
-        ["Prompt cache", `${stats.prompt_cache_entries ?? 0} entries, ${fmtBytes(stats.prompt_cache_bytes)}`],
+        ["Cache entries", `${stats.prompt_cache_entries ?? 0} (${fmtBytes(stats.prompt_cache_bytes)})`],
         ["Cache hit rate", hits + misses ? `${((100 * hits) / (hits + misses)).toFixed(0)} % (${hits}/${hits + misses})` : "–"],
         ["Cached tokens", String(stats.cached_tokens ?? 0)],
-        ["Requests", `${stats.requests_finished ?? 0} done, ${stats.requests_aborted ?? 0} aborted, ${stats.requests_rejected ?? 0} refused`, "", "requests"],
-        ["Scheduler", `${stats.scheduler ?? "?"}${stats.batching ? " (batching)" : ""}`],
+        ["Requests done", String(stats.requests_finished ?? 0), "", "requests"],
+        ["Aborted / refused", `${stats.requests_aborted ?? 0} / ${stats.requests_rejected ?? 0}`, "", "aborted"],
+        ["Scheduler", stats.batching ? "batching" : "serial", stats.scheduler ?? ""],
         ["Uptime", fmtDuration(stats.uptime)],
       );
     } else if (health?.engine) {
