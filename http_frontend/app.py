@@ -26,6 +26,7 @@ from http_frontend.openai.chat import ChatCompletions
 from http_frontend.openai.completions import Completions
 from http_frontend.openai.responses import ResponseById, Responses
 from http_frontend.openai.tokenize import Detokenize, Tokenize
+from http_frontend.playground.resource import add_playground
 from http_frontend.service.adapters import AdapterByName, Adapters
 from http_frontend.service.admin import Stats, Unload
 from http_frontend.service.engines import EngineDrain, Engines
@@ -111,4 +112,6 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     app.add_route("/admin/engines/{engine_id}/drain", drain)
     app.add_route("/admin/engines/{engine_id}/undrain", drain, suffix="undrain")
     app.add_route("/openapi.json", OpenAPIResource())
+    if settings.playground:
+        add_playground(app)  # GET / and /playground: the browser page (--no-playground turns it off)
     return DisconnectWatch(RequestObserver(app, metrics, route_finder(router)))

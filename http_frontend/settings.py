@@ -31,6 +31,8 @@ LOG_LEVEL_ENV = "MLX_FRONTEND_LOG_LEVEL"
 ALLOW_PRIVATE_IMAGE_URLS_ENV = "MLX_FRONTEND_ALLOW_PRIVATE_IMAGE_URLS"
 MAX_IMAGE_BYTES_ENV = "MLX_FRONTEND_MAX_IMAGE_BYTES"
 IMAGE_FETCH_TIMEOUT_ENV = "MLX_FRONTEND_IMAGE_FETCH_TIMEOUT"
+# The browser playground at / (http_frontend.playground); "0" turns it off for API-only deployments.
+PLAYGROUND_ENV = "MLX_FRONTEND_PLAYGROUND"
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_MESSAGES = 2048
@@ -102,6 +104,7 @@ class FrontendSettings:
     allow_private_image_urls: bool = False
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # per image or audio clip, inline or fetched
     image_fetch_timeout: float = DEFAULT_IMAGE_FETCH_TIMEOUT  # seconds for one URL, redirects included
+    playground: bool = True  # serve the browser playground at / and /playground
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FrontendSettings:
@@ -126,6 +129,8 @@ class FrontendSettings:
             allow_private_image_urls=_bool(env, ALLOW_PRIVATE_IMAGE_URLS_ENV),
             max_image_bytes=_positive_int(env, MAX_IMAGE_BYTES_ENV, DEFAULT_MAX_IMAGE_BYTES),
             image_fetch_timeout=_seconds(env, IMAGE_FETCH_TIMEOUT_ENV, DEFAULT_IMAGE_FETCH_TIMEOUT),
+            # On unless turned off: unset means on, so a plain gunicorn run serves it too.
+            playground=_bool(env, PLAYGROUND_ENV) if env.get(PLAYGROUND_ENV, "").strip() else True,
         )
 
     def __repr__(self) -> str:
@@ -136,7 +141,7 @@ class FrontendSettings:
                 f"max_messages={self.max_messages}, max_tokens_limit={self.max_tokens_limit}, "
                 f"request_timeout={self.request_timeout}, log_level={self.log_level!r}, "
                 f"allow_private_image_urls={self.allow_private_image_urls}, max_image_bytes={self.max_image_bytes}, "
-                f"image_fetch_timeout={self.image_fetch_timeout})")
+                f"image_fetch_timeout={self.image_fetch_timeout}, playground={self.playground})")
 
 
 # -- the `frontend` command's flags for these settings ---------------------------------------
@@ -165,7 +170,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
     parser.add_argument("--api-key", action="append", type=_key_arg, default=None, metavar="KEY",
                         help="require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every route "
-                             "but GET /health; repeat for several keys. Prefer the variable: flags show in `ps`. "
+                             "but GET /health and the playground's page; repeat for several keys. Prefer the "
+                             "variable: flags show in `ps`. "
                              f"[{API_KEY_ENV}, comma-separated] (default: none, no authentication)")
     parser.add_argument("--admin-api-key", action="append", type=_key_arg, default=None, metavar="KEY",
                         help="a key that may also POST /unload and register or remove adapters (ordinary keys "
@@ -198,6 +204,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "reading is then cut off with a slow_client error and its request aborted (0 = the "
                              f"default). [{MAX_PENDING_BYTES_ENV}] (default: %(default)s)")
     add_media_flags(parser)
+    parser.add_argument("--no-playground", dest="playground", action="store_false",
+                        default=env(PLAYGROUND_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
+                        help="do not serve the browser playground at / and /playground (API-only deployments; "
+                             f"those paths then answer 404). [{PLAYGROUND_ENV}=0] (default: served)")
 
 
 def _positive_seconds_arg(text: str) -> float:
@@ -251,6 +261,7 @@ def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
         ALLOW_PRIVATE_IMAGE_URLS_ENV: "true" if getattr(args, "allow_private_image_urls", False) else "",
         MAX_IMAGE_BYTES_ENV: str(getattr(args, "max_image_bytes", 0) or DEFAULT_MAX_IMAGE_BYTES),
         IMAGE_FETCH_TIMEOUT_ENV: str(getattr(args, "image_fetch_timeout", DEFAULT_IMAGE_FETCH_TIMEOUT)),
+        PLAYGROUND_ENV: "1" if getattr(args, "playground", True) else "0",
     }
 
 

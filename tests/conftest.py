@@ -11,10 +11,11 @@ from tests.helpers import Engine, Frontend
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The tier is the folder: tests/stack gets the `stack` marker, tests/clients `clients` (see pyproject)."""
+    """The tier is the folder: tests/stack gets the `stack` marker, tests/clients `clients`, tests/browser
+    `browser` (see pyproject)."""
     for item in items:
         tier = item.path.parent.name
-        if tier in ("stack", "clients"):
+        if tier in ("stack", "clients", "browser"):
             item.add_marker(tier)
 
 

@@ -31,6 +31,13 @@ PUBLIC_ROUTES = {("GET", "/health"), ("HEAD", "/health")}
 # Resources whose responders change what every client shares (unload, adapters) name the methods
 # that need the admin role in this attribute, e.g. `Unload.admin_methods`.
 ADMIN_METHODS_ATTRIBUTE = "admin_methods"
+# Resources anyone may read without a key name their methods here: the playground's page and files,
+# which hold no data (everything the page then fetches needs a key as usual).
+PUBLIC_METHODS_ATTRIBUTE = "public_methods"
+# Only requests for these paths wait for routing to learn whether their resource is public; every
+# other keyless request is refused before routing, as before.
+PAGE_PATHS = ("/", "/playground")
+PAGE_PREFIX = "/playground/"
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,15 @@ def needs_admin(req: falcon.asgi.Request, resource: object) -> bool:
     """Decided on the resource the router chose, never on how the path is spelled: falcon routes
     `//unload` to `Unload` as well, so a pattern on `req.path` could be walked around."""
     return req.method in getattr(resource, ADMIN_METHODS_ATTRIBUTE, ())
+
+
+def may_be_public_page(req: falcon.asgi.Request) -> bool:
+    """A keyless GET/HEAD of the playground's paths: decided once routed, on the resource (`is_public_resource`)."""
+    return req.method in ("GET", "HEAD") and (req.path in PAGE_PATHS or req.path.startswith(PAGE_PREFIX))
+
+
+def is_public_resource(req: falcon.asgi.Request, resource: object) -> bool:
+    return req.method in getattr(resource, PUBLIC_METHODS_ATTRIBUTE, ())
 
 
 def _digest(key: str) -> bytes:
@@ -107,6 +123,9 @@ class APIKeyAuth:
             return
         candidate = presented_key(req)
         if candidate is None:
+            if may_be_public_page(req):
+                req.context.key_deferred = True  # checked in process_resource, on the routed resource
+                return
             raise unauthorized("Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
         given = _digest(candidate)
         admin = self._found(given, self._admin_digests)
@@ -116,7 +135,12 @@ class APIKeyAuth:
 
     async def process_resource(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, resource: object,
                                params: dict[str, object]) -> None:
-        """After routing, before the responder (and before the body is read): the admin role's routes."""
+        """After routing, before the responder (and before the body is read): public pages, the admin role's routes.
+
+        Decided on the resource the router chose, never on how the path is spelled, as `needs_admin`.
+        """
+        if getattr(req.context, "key_deferred", False) and not is_public_resource(req, resource):
+            raise unauthorized("Missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'")
         caller = getattr(req.context, "caller", None)
         if needs_admin(req, resource) and not (caller is not None and caller.admin):
             raise APIError(403, "This route needs an admin key (--admin-api-key)", code="admin_key_required",
