@@ -12,6 +12,17 @@ mlx-vlm batches prompts as input embeddings: each request's embeddings are compu
 it joins (vision tower + projector, through the per-image feature cache of
 `engine_daemon.multimodal.inputs.prepare`), then mlx-vlm prefills them in chunks.
 
+Prompt KV is reused across requests by mlx-vlm's own automatic prefix cache (`mlx_vlm.apc`:
+hash-chained 16-token KV blocks, LRU under a byte cap), the vision counterpart of the text
+models' `PrefixCache`: a text conversation with a vision model, or a long system prompt before
+an image, prefills only what is new. mlx-vlm reuses a block prefix only while it holds no
+image token (Qwen2-VL-style M-RoPE positions after an image are not recoverable from the KV
+alone), so the image and what follows it are prefilled again; the image features themselves
+come from the feature cache. The hash chain is salted with the content hashes of the request's
+images and audio in prompt order (`VisionInputs.media_keys`), as mlx-vlm salts with the pixels:
+image placeholders are the same tokens for every image, so token ids alone could let one
+image's KV answer for another in any restore path that does cover images.
+
 Two things mlx-vlm's generator does generator-wide, the engine does per request:
 * sampling: the generator samples greedily; a request with its own sampling settings
   carries a last logits processor (`RequestHead`) that draws its token with the request's
@@ -22,6 +33,7 @@ Two things mlx-vlm's generator does generator-wide, the engine does per request:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -103,22 +115,58 @@ class PromptProgress:
     end_of_prompt: bool
 
 
+def _prefix_cache(memory_bytes: int) -> Any:
+    """mlx-vlm's prefix cache in memory only (its disk tier is its own; ours is `DiskTier`), or None."""
+    if memory_bytes <= 0:
+        return None
+    from mlx_vlm.apc import APCManager
+
+    return APCManager(overrides={"memory_max_gb": memory_bytes / (1 << 30), "disk_enabled": False})
+
+
+def _media_salt(media_keys: list[str]) -> int:
+    """A stable 63-bit salt for the KV hash chain from the prompt's media, 0 for text-only prompts."""
+    if not media_keys:
+        return 0
+    digest = hashlib.sha256("\n".join(media_keys).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _counting_generator_class() -> type:
+    """mlx-vlm's BatchGenerator, telling which prompt tokens each request took from the prefix cache."""
+    from mlx_vlm.generate import BatchGenerator
+
+    class CountingBatchGenerator(BatchGenerator):
+        on_prefix: Any = None
+
+        def _apc_pick_for(self, sequence: Any) -> dict | None:
+            pick = super()._apc_pick_for(sequence)
+            if self.on_prefix is not None:
+                self.on_prefix(sequence[0], int(pick["prefix_len"]) if pick else 0)
+            return pick
+
+    return CountingBatchGenerator
+
+
 class VisionBatchGenerator:
     """mlx-vlm's BatchGenerator for one loaded vision model, with the engine's per-request semantics."""
 
     def __init__(self, loaded: LoadedModel, *, max_tokens: int, completion_batch_size: int,
-                 prefill_batch_size: int, prefill_step_size: int, stream: Any = None):
-        from mlx_vlm.generate import BatchGenerator
-
+                 prefill_batch_size: int, prefill_step_size: int, stream: Any = None,
+                 prefix_cache_bytes: int = 0):
         self.loaded = loaded
         self.model = loaded.model
         self.support: VisionSupport = loaded.vision
         self.completion_batch_size = completion_batch_size
         self.prompt_concurrency = max(1, prefill_batch_size)
-        self._gen = BatchGenerator(
+        self.prefix_cache = _prefix_cache(prefix_cache_bytes)
+        self._gen = _counting_generator_class()(
             self.model.language_model, _NEVER_STOP, max_tokens=max_tokens,
             completion_batch_size=completion_batch_size, prefill_batch_size=self.prompt_concurrency,
-            prefill_step_size=prefill_step_size, compute_logprobs=False, stream=stream, greedy_sampling=True)
+            prefill_step_size=prefill_step_size, compute_logprobs=False, stream=stream, greedy_sampling=True,
+            apc_manager=self.prefix_cache)
+        self._gen.on_prefix = self._took_prefix
+        self._requests: dict[int, EngineRequest] = {}
         self._heads: dict[int, RequestHead] = {}
         self._decoding: set[int] = set()
         self._prompt_batch: Any = None
@@ -152,6 +200,9 @@ class VisionBatchGenerator:
                                                        **kwargs)
         kwargs.pop("cached_image_features", None)
         prompt_kwargs = {**kwargs, **{k: v for k, v in embedded.to_dict().items() if v is not None}}
+        if self.prefix_cache is not None:
+            # Without it mlx-vlm would salt with a hash of the whole prompt's embeddings: no prefix could match.
+            prompt_kwargs["_apc_semantic_hash"] = _media_salt(inputs.media_keys)
         sampling = request.sampling
         greedy = float(sampling.get("temperature", 0.0)) == 0.0
         head = RequestHead(None if greedy else make_request_sampler(sampling),
@@ -162,6 +213,7 @@ class VisionBatchGenerator:
         (uid,) = self._gen.insert([request.prompt_tokens], max_tokens=[request.max_tokens],
                                   prompt_kwargs=[prompt_kwargs], logits_processors=[processors or None])
         self._heads[uid] = head
+        self._requests[uid] = request
         return uid
 
     def next(self) -> tuple[list[PromptProgress], list[VisionResponse]]:
@@ -192,11 +244,28 @@ class VisionBatchGenerator:
 
     def close(self) -> None:
         self._gen.close()
+        self._requests.clear()
         self._heads.clear()
         self._decoding.clear()
 
     # -- helpers -------------------------------------------------------------------------------
+    def _took_prefix(self, uid: int, tokens: int) -> None:
+        """Counts a prefix-cache hit on the request (its usage reports it as cached_tokens)."""
+        request = self._requests.get(uid)
+        if request is not None:
+            request.cached_tokens = tokens
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Hits, misses and reused tokens of the vision prefix cache, for /stats and /metrics."""
+        if self.prefix_cache is None:
+            return {}
+        stats = self.prefix_cache.stats
+        return {"vision_kv_hits": stats.hits, "vision_kv_misses": stats.misses,
+                "vision_kv_cached_tokens": stats.matched_tokens, "vision_kv_stored_tokens": stats.stored_tokens,
+                "vision_kv_evictions": stats.evictions}
+
     def _forget(self, uid: int) -> None:
+        self._requests.pop(uid, None)
         self._heads.pop(uid, None)
         self._decoding.discard(uid)
 
@@ -228,7 +297,15 @@ def make_generator(loaded: LoadedModel, config: Any, stream: Any) -> VisionBatch
     return VisionBatchGenerator(loaded, max_tokens=config.default_max_tokens,
                                 completion_batch_size=config.decode_concurrency,
                                 prefill_batch_size=config.prompt_concurrency,
-                                prefill_step_size=config.prefill_step_size, stream=stream)
+                                prefill_step_size=config.prefill_step_size, stream=stream,
+                                prefix_cache_bytes=_prefix_cache_bytes(config))
+
+
+def _prefix_cache_bytes(config: Any) -> int:
+    """The text prefix cache's byte cap for the vision one (one model is loaded at a time), 0 when off."""
+    if config.prompt_cache_size <= 0:
+        return 0
+    return int(config.prompt_cache_bytes or 1 << 30)
 
 
 __all__ = ["VisionBatchGenerator", "RequestHead", "make_generator"]

@@ -51,6 +51,9 @@ class VisionInputs:
     extra: dict[str, Any] = field(default_factory=dict)
     # one content hash per image, in prompt order (keys of the feature cache)
     image_keys: list[str] = field(default_factory=list)
+    # content hashes of every image and audio clip, in prompt order: what the prompt's KV depends on
+    # besides its token ids (the placeholders are the same tokens for every image)
+    media_keys: list[str] = field(default_factory=list)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -216,7 +219,9 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel) -> VisionInputs:
     extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     return VisionInputs(input_ids=inputs["input_ids"], pixel_values=inputs.get("pixel_values"),
                         mask=inputs.get("attention_mask"), extra=extra,
-                        image_keys=[_image_key(media[i]) for i in image_order])
+                        image_keys=[_image_key(media[i]) for i in image_order],
+                        media_keys=[f"image:{_image_key(media[i])}" for i in image_order]
+                        + [f"audio:{_image_key(media[i])}" for i in audio_order])
 
 
 def prepare(request: EngineRequest, loaded: LoadedModel) -> None:

@@ -80,7 +80,9 @@ class BatchScheduler(BaseScheduler):
         return [r for r, _ in self.waiting] + list(self.pending) + list(self.by_uid.values())
 
     def prompt_cache_stats(self) -> dict[str, int]:
-        return {**self.prompt_cache.stats(), **self.sharing.stats(), **vision_cache_stats(self.models.current)}
+        vision_kv = getattr(self.generator, "prefix_cache_stats", dict)()  # VisionBatchGenerator's KV blocks
+        return {**self.prompt_cache.stats(), **self.sharing.stats(), **vision_cache_stats(self.models.current),
+                **vision_kv}
 
     # -- admission ------------------------------------------------------------------
     def accept(self, request: EngineRequest) -> None:

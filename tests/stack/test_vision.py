@@ -212,6 +212,41 @@ def test_same_image_is_not_encoded_again(client: openai.OpenAI, stack: Frontend,
         assert image_chat(client, data_url(IMAGE)).choices[0].message.content == reference["text"]
 
 
+def test_prompt_kv_is_reused_and_answers_as_a_cold_run(client: openai.OpenAI, stack: Frontend) -> None:
+    """mlx-vlm's prefix cache behind `VisionBatchGenerator`: a vision model's text conversation reuses
+    its KV (all but the last partial 16-token block) and answers exactly as the cold run did."""
+    system = {"role": "system", "content": "You answer questions about pictures, briefly and kindly. " * 6}
+    turn = [system, {"role": "user", "content": "What is a histogram?"}]
+
+    def ask(messages: list[dict[str, Any]]) -> Any:
+        return client.chat.completions.create(model=VLM, max_tokens=8, temperature=0, messages=messages)
+
+    before = stats(stack)
+    cold = ask(turn)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    warm = ask(turn)
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    assert cold.usage.prompt_tokens - 16 <= warm.usage.prompt_tokens_details.cached_tokens < cold.usage.prompt_tokens
+    after = stats(stack)
+    assert after["vision_kv_cached_tokens"] >= before.get("vision_kv_cached_tokens", 0) + cold.usage.prompt_tokens - 16
+    # The next turn of the conversation prefills only what is new.
+    follow = ask([*turn, {"role": "assistant", "content": cold.choices[0].message.content},
+                  {"role": "user", "content": "And a bar chart?"}])
+    assert follow.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens - 16
+    metrics = httpx.get(f"{stack.base_url}/metrics", timeout=10).text
+    assert 'tier="vision_kv"' in metrics
+
+
+def test_image_prompts_never_take_another_images_kv(client: openai.OpenAI, reference: dict[str, Any]) -> None:
+    """Image placeholders are the same token ids for every image: the media salt keeps images apart."""
+    first = image_chat(client, data_url(png(21)))
+    again = image_chat(client, data_url(png(21)))
+    other = image_chat(client, data_url(png(22)))
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert image_chat(client, data_url(IMAGE)).choices[0].message.content == reference["text"]
+
+
 def test_several_images_keep_their_order(client: openai.OpenAI, reference: dict[str, Any]) -> None:
     def ask(*images: bytes) -> Any:
         parts = [{"type": "text", "text": PROMPT}]
