@@ -30,7 +30,10 @@ def chromium_binary() -> str | None:
     return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: Playwright's sync API runs an asyncio loop in this thread while it is
+# started, and every later test calling asyncio.run() would fail ("cannot be called from a running
+# event loop"). It is stopped when the browser module ends.
+@pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
     try:
         from playwright.sync_api import sync_playwright
@@ -59,7 +62,7 @@ def chromium() -> Iterator[Any]:
         manager.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from model_builders.text import build_model
     from model_builders.vlm import build_vlm
@@ -70,7 +73,7 @@ def browser_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser_stack(browser_models: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory
                   ) -> Iterator[tuple[Engine, Frontend]]:
     logs = tmp_path_factory.mktemp("browser-logs")
