@@ -17,6 +17,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = item.path.parent.name
         if tier in ("stack", "clients", "browser"):
             item.add_marker(tier)
+    # The browser tier runs last: Playwright's sync API runs an asyncio loop in the main thread while it
+    # is started, so a browser that fails to stop cleanly can never break a later test's asyncio.run().
+    items.sort(key=lambda item: item.path.parent.name == "browser")
 
 
 @pytest.fixture(scope="session")

@@ -58,8 +58,20 @@ def chromium() -> Iterator[Any]:
     try:
         yield browser
     finally:
-        browser.close()
-        manager.stop()
+        try:
+            browser.close()
+        finally:
+            manager.stop()
+            _forget_a_leftover_running_loop()
+
+
+def _forget_a_leftover_running_loop() -> None:
+    """Playwright's sync API marks its loop as this thread's running loop while it is started; a stop
+    that did not finish (a crashed browser) would leave it marked and fail every later asyncio.run()."""
+    import asyncio
+
+    if asyncio._get_running_loop() is not None:
+        asyncio._set_running_loop(None)
 
 
 @pytest.fixture(scope="module")
