@@ -25,7 +25,7 @@ from engine_daemon.group.settings import GROUP_FAILED_EXIT
 log = logging.getLogger(__name__)
 
 HEARTBEAT = 0.5
-LOST_AFTER = 3.0  # seconds without a heartbeat: the peer is gone
+LOST_AFTER = 5.0  # seconds without a heartbeat: the peer is gone (slack for a busy, GIL-bound rank)
 WAKE_ADDRESS = "inproc://group-wake"
 
 
@@ -40,7 +40,8 @@ class ControlServer(threading.Thread):
         self._identities: dict[int, bytes] = {}
         self._registered = threading.Event()
         self._stop = threading.Event()
-        self.on_lost = None  # callable(rank): set by the owner, called once per lost rank
+        self.on_lost = None  # callable(rank | None): set by the owner; None: a connection closed, rank unknown
+        self.stopping = False  # a clean shutdown: followers leaving is expected
         self._lost: set[int] = set()
         self._waker = context.socket(zmq.PUSH)  # used by the mlx thread only (`wake`)
         self._wake_in = context.socket(zmq.PULL)
@@ -67,9 +68,13 @@ class ControlServer(threading.Thread):
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.bind(self.endpoint)
+        # A killed follower's TCP connection closes at once (the ring backend may not raise for a long time):
+        # the disconnect fails the group within milliseconds, the heartbeats then say which rank it was.
+        monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._wake_in, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(100))
@@ -83,8 +88,16 @@ class ControlServer(threading.Thread):
                     while router.poll(0):
                         identity, message = router.recv_multipart()
                         self._heard(router, identity, message)
+                if monitor in ready:
+                    while monitor.poll(0):
+                        monitor.recv_multipart()
+                        if self._registered.is_set() and not self.stopping and self.on_lost is not None:
+                            log.warning("group: a follower's control connection closed")
+                            self.on_lost(None)
                 self._check_lost()
         finally:
+            router.disable_monitor()
+            monitor.close()
             router.close()
 
     def _send(self, router: zmq.Socket, identity: bytes, message: bytes) -> None:
@@ -97,7 +110,7 @@ class ControlServer(threading.Thread):
         if not message.startswith(b"HB "):
             return
         try:
-            rank, weights, active = (int(part) for part in message[3:].split())
+            rank, weights, active, pid = (int(part) for part in message[3:].split())
         except ValueError:
             return
         if not 0 < rank < self.size:
@@ -106,13 +119,13 @@ class ControlServer(threading.Thread):
             log.info("group: rank %d joined the control socket", rank)
         self._identities[rank] = identity
         self.last_seen[rank] = time.monotonic()
-        self.reports[rank] = {"weights_bytes": weights, "active_bytes": active}
+        self.reports[rank] = {"weights_bytes": weights, "active_bytes": active, "pid": pid}
         if len(self._identities) == self.size - 1:
             self._registered.set()
         self._send(router, identity, b"ACK")
 
     def _check_lost(self) -> None:
-        if not self._registered.is_set() or self.on_lost is None:
+        if not self._registered.is_set() or self.on_lost is None or self.stopping:
             return
         for rank in self.stale_ranks():
             if rank not in self._lost:
@@ -154,7 +167,7 @@ class ControlClient(threading.Thread):
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
-                    dealer.send(b"HB %d %d %d" % (self.rank, *self.memory()))
+                    dealer.send(b"HB %d %d %d %d" % (self.rank, *self.memory(), os.getpid()))
                     next_beat = now + HEARTBEAT
                 if dealer.poll(int(HEARTBEAT * 1000)):
                     message = dealer.recv()

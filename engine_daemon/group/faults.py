@@ -25,10 +25,12 @@ log = logging.getLogger(__name__)
 
 
 class GroupFaults:
-    def __init__(self, control: ControlServer, exit_delay: float, fail_streams: Callable[[str], None]):
+    def __init__(self, control: ControlServer, exit_delay: float, fail_streams: Callable[[str], None],
+                 last_progress: Callable[[], float]):
         self.control = control
         self.exit_delay = exit_delay
         self.fail_streams = fail_streams
+        self.last_progress = last_progress  # monotonic end of the last tick all ranks finished
         self._lock = threading.Lock()
         self.failure: dict[str, Any] | None = None
 
@@ -42,12 +44,15 @@ class GroupFaults:
             if self.failure is not None:
                 return
             self.failure = {"reason": reason, "failed_rank": rank, "at": time.time()}
+            progress = self.last_progress()
         log.critical("engine group failed: %s", reason)
         if not streams_failed:
             try:
                 self.fail_streams(reason)
             except Exception:
                 log.exception("could not fail the open streams")
+        # Engine-measured: from the last step every rank finished to every open stream's error event.
+        self.failure["streams_failed_after_s"] = round(time.monotonic() - progress, 3) if progress else None
         threading.Thread(target=self._name_rank_then_exit, name="group-exit", daemon=True).start()
 
     def _name_rank_then_exit(self) -> None:

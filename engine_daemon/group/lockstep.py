@@ -47,6 +47,7 @@ class Lockstep:
         self._ops: list[tuple[str, Any]] = []
         self._plan: StepPlan | None = None
         self.sleeping = True  # followers wait for a wake (`ControlServer.wake`) before the next plan
+        self.last_progress = time.monotonic()  # end of the last tick every rank finished
         self.in_step_since = 0.0  # monotonic start of the tick in flight (the watchdog's clock); 0: none
         self.plan_seconds = 0.0  # time spent broadcasting plans, waits for the slowest rank included
         self.plans = 0
@@ -80,6 +81,7 @@ class Lockstep:
                 raise GroupFailed(f"token checksum mismatch at tick {self._plan.tick}: ranks {bad} generated other "
                                   f"tokens than rank 0 ({values})")
         self.in_step_since = 0.0
+        self.last_progress = time.monotonic()
 
     def go_idle(self) -> None:
         """Nothing left to run: the followers apply what is pending and go back to their idle wait."""
@@ -88,6 +90,7 @@ class Lockstep:
         self._send(StepPlan(self.tick, self._ops, idle=True))
         self.sleeping = True
         self.in_step_since = 0.0
+        self.last_progress = time.monotonic()
 
     def stop(self) -> None:
         """A clean shutdown: followers leave their loop and exit 0."""

@@ -8,6 +8,7 @@ Kept out of `MlxWorker` so a single engine carries none of it: the worker only c
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -35,8 +36,9 @@ class GroupLeader:
         self.settings, self.group, self.context = settings, group, context
         self.outbox_address, self.scheduler = outbox_address, scheduler
         self.control = ControlServer(context, settings.control, settings.size)
-        self.faults = GroupFaults(self.control, settings.exit_delay, self._fail_streams_elsewhere)
-        self.control.on_lost = lambda rank: self.faults.fail(f"rank {rank} stopped sending heartbeats", rank)
+        self.faults = GroupFaults(self.control, settings.exit_delay, self._fail_streams_elsewhere,
+                                  lambda: self.lockstep.last_progress if self.lockstep is not None else 0.0)
+        self.control.on_lost = self._lost
         self.lockstep: Lockstep | None = None
         self.watchdog: StepWatchdog | None = None
         self.weights_bytes = 0
@@ -76,6 +78,7 @@ class GroupLeader:
 
     def stop(self) -> None:
         """A clean shutdown: followers leave their loops and exit 0."""
+        self.control.stopping = True
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.lockstep is not None and not self.failed:
@@ -84,6 +87,12 @@ class GroupLeader:
             except Exception:
                 log.exception("could not tell the followers to stop")
         self.control.stop()
+
+    def _lost(self, rank: int | None) -> None:
+        if rank is None:
+            self.faults.fail("a follower rank's connection closed (its process is gone)")
+        else:
+            self.faults.fail(f"rank {rank} stopped sending heartbeats", rank)
 
     def _hung(self, waited: float) -> None:
         self.faults.fail(f"a step ran {waited:.1f} s, past --group-step-timeout {self.settings.step_timeout:g} s: "
@@ -105,7 +114,8 @@ class GroupLeader:
         log.critical("failed %d open request(s): %s", len(requests), reason)
 
     def describe(self) -> dict[str, Any]:
-        ranks = [{"rank": 0, "weights_bytes": self.weights_bytes, "active_bytes": mx.get_active_memory()}]
+        ranks = [{"rank": 0, "weights_bytes": self.weights_bytes, "active_bytes": mx.get_active_memory(),
+                  "pid": os.getpid()}]
         ranks += [{"rank": rank, **self.control.reports.get(rank, {})} for rank in range(1, self.settings.size)]
         return {**self.settings.describe(), "failed": self.failed, **(self.faults.failure or {}),
                 "ranks": ranks, **(self.lockstep.stats() if self.lockstep is not None else {})}
