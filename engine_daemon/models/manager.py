@@ -82,11 +82,15 @@ class ModelManager:
             context_window=context_window_of_config(config),
             vocab_size=int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0),
             weights_bytes=sum(p.nbytes for p in parameters),
-            kv_bytes_per_token=kv_bytes_per_token(config, itemsize),
+            # In a group each rank holds 1/N of the KV (TP: its heads, PP: its layers): --memory-budget is per rank.
+            kv_bytes_per_token=-(-kv_bytes_per_token(config, itemsize) // self._ranks()),
             generation_defaults=read_generation_defaults(ref.path),
         )
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
         return self.current
+
+    def _ranks(self) -> int:
+        return self.group.size() if self.group_mode else 1
 
     def _load_vision(self, ref: ModelRef) -> LoadedModel:
         """A vision/audio model: mlx-vlm model + processor (load_vision_model imports mlx-vlm)."""
