@@ -12,6 +12,7 @@ from pathlib import Path
 from engine_daemon.calls.drain import install_signals as install_drain_signals
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.config import SchedulerConfig
+from engine_daemon.group.options import add_group_arguments, group_refusal, join_group
 from engine_daemon.lora.registry import is_adapter_dir
 from engine_daemon.models.names import ModelNames, ModelsConfigError
 from engine_daemon.models.store import ModelNotFound, model_roots, resolve, set_operator_names
@@ -276,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--log-level", default=os.environ.get("MLX_ENGINE_LOG_LEVEL", "INFO"),
                         help="logging level. [MLX_ENGINE_LOG_LEVEL] (default: %(default)s)")
+    add_group_arguments(parser)
     return parser
 
 
@@ -383,9 +385,24 @@ def main(argv: list[str] | None = None) -> int:
     failed = _check_adapter_and_draft(args, names.source_of(args.model) if args.model else None, log)
     if failed:
         return failed
+    group = None
+    if args.group:
+        try:
+            refusal = group_refusal(args)
+            if refusal:
+                raise ValueError(refusal)
+            group = join_group(args)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        if not group[0].leader:  # a follower: no front-end socket, it replays rank 0's plans
+            from engine_daemon.scheduling.follower import FollowerLoop
+
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            return FollowerLoop(group[0], group[1], config).run()
     server = EngineServer(args.endpoint, config, preload=args.model, peer_timeout=args.peer_timeout,
                           stall_timeout=args.stall_timeout, security=security,
-                          responses=ResponseStore(args.responses_ttl, args.responses_max_bytes))
+                          responses=ResponseStore(args.responses_ttl, args.responses_max_bytes), group=group)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     install_drain_signals(server)  # SIGUSR1 / SIGUSR2: drain / undrain (rolling restarts)

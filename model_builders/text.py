@@ -83,6 +83,18 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
     },
+    # Engine groups' tests: four layers (two per pipeline stage), four query and two KV heads (two per
+    # tensor-parallel rank), float32 like every preset (bf16/4-bit TP rounds differently from one process).
+    "tiny-group": {
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 2048,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+    },
     # The mid-size benchmark model: ~85.3M float32 parameters (~340 MB). Big enough that a
     # decode step is bound by weight reads like a real model, small enough that CPU runs
     # finish in minutes; the issue tracker's throughput figures are taken on this shape.

@@ -117,6 +117,8 @@ SCHEMAS: dict[MsgType, Schema] = {
         "adapter": ((str, NONE), False),
         "started_at": (NUMBER, False),
         "pid": ((int,), False),
+        # An engine group's rank 0: {"mode", "size", "backend", "ranks": [{"rank", "weights_bytes", ...}], ...}
+        "group": ((dict, NONE), False),
     },
     MsgType.PONG: {
         "epoch": ((int,), True),

@@ -43,7 +43,9 @@ def status(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
             "queued": worker_status.queued, "running": worker_status.running, "pid": os.getpid(),
             "host": socket.gethostname(), "started_at": ctx.started_at,
             "uptime": time.time() - ctx.started_at, "model_loads": ctx.worker.models.loads,
-            **ctx.loading()}
+            **ctx.loading(),
+            # Engine groups: mode, size, backend, per-rank memory, and which rank failed (`GroupLeader`).
+            **({"group": ctx.worker.group.describe()} if ctx.worker.group is not None else {})}
 
 
 def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any, Protocol
 
+from engine_daemon.errors import RequestError
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.scheduling.base import BaseScheduler, Event
 
@@ -31,6 +32,9 @@ class MlxContext(Protocol):
 
 
 def unload(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    if getattr(ctx.scheduler, "lockstep", None) is not None:  # followers would keep their shards
+        raise RequestError(400, "unsupported_in_group",
+                           "An engine group keeps its model loaded; stop the group instead")
     events = ctx.scheduler.fail_all(503, "model_unloaded", "The model was unloaded")
     return events, {"status": "success" if ctx.models.unload() else "no_model_loaded"}
 

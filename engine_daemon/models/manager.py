@@ -6,6 +6,7 @@ import gc
 import logging
 import os
 import time
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -14,6 +15,7 @@ from mlx_lm import load as mlx_lm_load
 from engine_daemon.cpu import parallel_ops as cpu_parallel
 from engine_daemon.models.loaded import LoadedModel, kv_bytes_per_token, read_generation_defaults
 from engine_daemon.models.names import ModelNames, apply_profile
+from engine_daemon.models.sharded import load_shard
 from engine_daemon.models.store import ModelRef, context_window_of_config, model_kind
 from engine_daemon.models.vlm_loader import load_vision_model
 
@@ -23,7 +25,8 @@ log = logging.getLogger(__name__)
 class ModelManager:
     """Keeps at most one model loaded; a different model evicts the current one."""
 
-    def __init__(self, trust_remote_code: bool = False, names: ModelNames | None = None) -> None:
+    def __init__(self, trust_remote_code: bool = False, names: ModelNames | None = None,
+                 group: Any = None, group_mode: str | None = None) -> None:
         # Off by default: a model directory's *.py would run inside the engine (--trust-remote-code).
         self.trust_remote_code = trust_remote_code
         self.names = names or ModelNames()
@@ -32,6 +35,8 @@ class ModelManager:
         self.last_load_seconds = 0.0
         # (model id, monotonic start) while a load runs: the io thread reports it in /health and the log.
         self.loading: tuple[str, float] | None = None
+        # Engine groups: this rank loads only its shard (`load_shard`) of the group's one text model.
+        self.group, self.group_mode = group, group_mode
 
     def ensure(self, ref: ModelRef) -> LoadedModel:
         """The loaded model for `ref` with its name's settings, loading it (and evicting another) when needed."""
@@ -52,12 +57,19 @@ class ModelManager:
             return self.current
         self.unload()
         if model_kind(ref.path) != "text":
+            if self.group_mode:
+                raise ValueError("engine groups serve text models only (mlx-vlm has no sharded load)")
             return self._load_vision(ref)
         log.info("loading model %s from %s", ref.id, ref.path)
         started = time.perf_counter()
-        model, tokenizer, config = mlx_lm_load(
-            str(ref.path), return_config=True, trust_remote_code=self.trust_remote_code,
-            tokenizer_config={"trust_remote_code": True} if self.trust_remote_code else None)
+        tokenizer_config = {"trust_remote_code": True} if self.trust_remote_code else None
+        if self.group_mode:
+            model, tokenizer, config = load_shard(ref.path, self.group_mode, self.group, self.trust_remote_code,
+                                                  tokenizer_config)
+        else:
+            model, tokenizer, config = mlx_lm_load(str(ref.path), return_config=True,
+                                                   trust_remote_code=self.trust_remote_code,
+                                                   tokenizer_config=tokenizer_config)
         self.last_load_seconds = time.perf_counter() - started
         self.loads += 1
         cpu_parallel.install()  # the model's module is imported now: split its CPU element-wise work
@@ -70,11 +82,15 @@ class ModelManager:
             context_window=context_window_of_config(config),
             vocab_size=int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0),
             weights_bytes=sum(p.nbytes for p in parameters),
-            kv_bytes_per_token=kv_bytes_per_token(config, itemsize),
+            # In a group each rank holds 1/N of the KV (TP: its heads, PP: its layers): --memory-budget is per rank.
+            kv_bytes_per_token=-(-kv_bytes_per_token(config, itemsize) // self._ranks()),
             generation_defaults=read_generation_defaults(ref.path),
         )
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
         return self.current
+
+    def _ranks(self) -> int:
+        return self.group.size() if self.group_mode else 1
 
     def _load_vision(self, ref: ModelRef) -> LoadedModel:
         """A vision/audio model: mlx-vlm model + processor (load_vision_model imports mlx-vlm)."""

@@ -22,6 +22,7 @@ from engine_daemon.generation import vision_batch
 from engine_daemon.generation.grouped import GroupedGenerator
 from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.generation.speculative import eligible as speculative_eligible
+from engine_daemon.group.lockstep import GroupFailed, Lockstep, agree_seed
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.models.store import ModelRef
 from engine_daemon.models.vision_support import cache_stats as vision_cache_stats
@@ -62,6 +63,9 @@ class BatchScheduler(BaseScheduler):
         # --draft-model: lone requests decode speculatively (SpeculativeDecoder)
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)
+        # Rank 0 of an engine group: every generator call is recorded and broadcast as a step plan (Lockstep).
+        # Followers hold no prompt cache, so a group prefills every prompt (no prefix reuse or sharing).
+        self.lockstep: Lockstep | None = None
 
     # -- counts ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -97,6 +101,27 @@ class BatchScheduler(BaseScheduler):
             if has_media and exc.param == "prompt":
                 exc.param = "messages"  # the client sent a chat, not a raw prompt
             raise
+        if self.lockstep is not None:
+            self._check_group_request(request)
+
+    @staticmethod
+    def _check_group_request(request: EngineRequest) -> None:
+        """What followers cannot replay from a plan is refused in a group, never half-served."""
+        if request.body.get("adapter"):
+            raise RequestError(400, "unsupported_in_group", "LoRA adapters are not served by an engine group",
+                               param="model")
+        if request.processors:
+            raise RequestError(400, "unsupported_in_group", "Structured output, grammars and thinking budgets are "
+                               "not served by an engine group yet", param="response_format")
+
+    def resolve_model(self, name: str | None) -> ModelRef:
+        """An engine group serves the one model it was started with: no switch (every rank would reload)."""
+        ref = super().resolve_model(name)
+        current = self.models.current
+        if self.lockstep is not None and current is not None and ref != current.ref:
+            raise RequestError(400, "unsupported_in_group", f"This engine group serves {current.ref.id} only; "
+                               "it cannot switch models", param="model")
+        return ref
 
     def _admit(self, request: EngineRequest) -> list[Event]:
         """Queues an accepted request; it enters the batch (and is ACCEPTED) when a slot frees."""
@@ -117,7 +142,7 @@ class BatchScheduler(BaseScheduler):
         for request in self.pending:
             if ceiling and held[request.client] >= ceiling:
                 continue
-            if text and self.sharing.should_wait(request, self.by_uid):
+            if text and self.lockstep is None and self.sharing.should_wait(request, self.by_uid):
                 continue  # a prompt in flight is computing its prefix: take it from the cache next step
             if best is None or held[request.client] < held[best.client]:
                 best = request
@@ -163,7 +188,11 @@ class BatchScheduler(BaseScheduler):
             return
         adapter = request.body.get("adapter")  # the adapter key admission settled (BaseScheduler.accept)
         # Memory, then disk; the prompt's last token is always computed (its logits give the first token).
-        cache, cached = self.prompt_cache.fetch(self._cache_key(adapter), prompt)
+        cache, cached = None, 0
+        if self.lockstep is None:
+            cache, cached = self.prompt_cache.fetch(self._cache_key(adapter), prompt)
+        else:
+            request.sampling = agree_seed(request.sampling)  # every rank draws from the same key chain
         rest = prompt[cached:]
         request.cached_tokens = cached
         if cached:
@@ -181,6 +210,8 @@ class BatchScheduler(BaseScheduler):
         self.by_uid[uid] = request
         self.uid_of[request.rid] = uid
         self.stats.prompt_tokens += len(prompt)
+        if self.lockstep is not None:
+            self.lockstep.added(uid, rest, request.max_tokens, request.sampling, list(request.eos_token_ids))
 
     def _ensure_generator(self) -> None:
         current = self.models.current
@@ -273,6 +304,8 @@ class BatchScheduler(BaseScheduler):
         self.sharing.forget(uids)
         if uids:
             self.generator.remove(uids)
+            if self.lockstep is not None:
+                self.lockstep.removed(uids)
         found += len(uids)
         self.stats.requests_aborted += found
         return found
@@ -288,10 +321,18 @@ class BatchScheduler(BaseScheduler):
         if decoding and len(self.by_uid) > decoding:
             self.stats.prefill_chunk_tokens = generator.prefill_step_size
         fused_before = getattr(generator, "fused_steps", 0)
+        if self.lockstep is not None:
+            self.lockstep.before_step(generator.prefill_step_size)  # a failed broadcast raises: the group fails
         started = time.perf_counter()
         try:
             progress, responses = generator.next()
+            if self.lockstep is not None:
+                self.lockstep.after_step((response.uid, int(response.token)) for response in responses)
+        except GroupFailed:
+            raise
         except Exception as exc:
+            if self.lockstep is not None:
+                raise GroupFailed(f"a group step failed: {exc}") from exc
             log.exception("batch step failed: failing %d request(s)", len(self.by_uid))
             error = engine_failure(exc)
             events += [error_event(request, error) for request in self.by_uid.values()]
@@ -311,7 +352,7 @@ class BatchScheduler(BaseScheduler):
                       prompt_done, generator.prefill_step_size, ", fused" if fused else "")
         if not decoding:
             self.prompt_cache.observe_prefill(prompt_done, seconds)
-        if self.models.current.kind == "text":
+        if self.models.current.kind == "text" and self.lockstep is None:
             self.sharing.publish(progress, self.by_uid, generator, self._remember)
         self.stats.max_batch_size = max(self.stats.max_batch_size, len(responses))
         stopped_early: dict[int, str | None] = {}  # uid -> adapter key
@@ -331,7 +372,10 @@ class BatchScheduler(BaseScheduler):
                 self._remember(response.all_tokens, response.prompt_cache, request.body.get("adapter"))
             else:
                 stopped_early[response.uid] = request.body.get("adapter")  # a stop string: still in the generator
-        if stopped_early:
+        if stopped_early and self.lockstep is not None:
+            generator.remove(list(stopped_early))
+            self.lockstep.removed(stopped_early)
+        elif stopped_early:
             for uid, tokens_cache in generator.remove(list(stopped_early), return_prompt_caches=True).items():
                 cache, tokens = tokens_cache
                 self._remember(tokens, cache, stopped_early[uid])
@@ -351,6 +395,6 @@ class BatchScheduler(BaseScheduler):
 
     def _remember(self, tokens: list[int], cache: list[Any], adapter: str | None = None) -> None:
         """Keeps a finished request's KV for the next turn of its conversation (with the same adapter)."""
-        if not tokens or not cache:
+        if not tokens or not cache or self.lockstep is not None:
             return
         self.prompt_cache.insert(self._cache_key(adapter), tokens, cache)

@@ -18,6 +18,8 @@ import zmq
 
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
+from engine_daemon.group.lockstep import GroupFailed
+from engine_daemon.group.settings import GroupSettings
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.scheduling.base import BaseScheduler, Event
 from engine_daemon.scheduling.batch import BatchScheduler
@@ -31,6 +33,7 @@ from engine_daemon.scheduling.commands import (
     StopCommand,
 )
 from engine_daemon.scheduling.frames import encode_events
+from engine_daemon.scheduling.group_leader import GroupLeader
 from engine_daemon.scheduling.serial import SerialScheduler
 from protocol import MsgType
 
@@ -65,12 +68,17 @@ class MlxWorker(threading.Thread):
     """Drains commands, runs scheduler steps, emits frames; never blocks on a socket."""
 
     def __init__(self, context: zmq.Context, outbox_address: str, config: SchedulerConfig,
-                 preload: str | None = None):
+                 preload: str | None = None, group: tuple[GroupSettings, object] | None = None):
         super().__init__(name="mlx", daemon=True)
         self.commands: queue.Queue[Command] = queue.Queue()
         self.status = EngineStatus()
-        self.models = ModelManager(trust_remote_code=config.trust_remote_code, names=config.names)
+        settings, mx_group = group if group is not None else (None, None)
+        self.models = ModelManager(trust_remote_code=config.trust_remote_code, names=config.names, group=mx_group,
+                                   group_mode=settings.mode if settings else None)
         self.scheduler = make_scheduler(self.models, config)
+        # Rank 0 of an engine group (`engined --group`): plans, control socket, watchdog, faults.
+        self.group = (GroupLeader(settings, mx_group, context, outbox_address, self.scheduler)
+                      if settings is not None else None)
         self._context = context
         self._outbox_address = outbox_address
         self._preload = preload
@@ -90,18 +98,26 @@ class MlxWorker(threading.Thread):
         try:
             if self._preload:
                 self._load(self._preload)
+            if self.group is not None:
+                self._attach_group()
             while not self._stopping.is_set():
                 events = self._drain_commands(block=not self.scheduler.has_work())
+                if self.group is not None and self.group.failed:
+                    self._publish(outbox, events)
+                    continue  # no more steps: the process exits after --group-exit-delay
                 if self.scheduler.has_work():
                     self._mark_busy()
                     self.status.busy_since = self.status.busy_since or time.monotonic()
                     events += self._step()
                     self.status.steps += 1
                     self.status.last_step_at = time.monotonic()
+                    events += self._group_after_tick()
                 self._publish(outbox, events)
                 self._update_status()
                 self._unload_if_idle()
                 self.status.busy_since = 0.0
+            if self.group is not None:
+                self.group.stop()
             try:
                 self.scheduler.on_shutdown()
             except Exception:
@@ -118,9 +134,27 @@ class MlxWorker(threading.Thread):
         """One scheduler step; a bug in it fails the requests in flight, never the thread."""
         try:
             return self.scheduler.step()
-        except Exception:
+        except Exception as exc:
+            if self.group is not None:  # one rank failing a step leaves the others out of step: the group fails
+                log.exception("group step failed")
+                return self.group.failed_events(exc)
             log.exception("scheduler step failed: failing every request in flight")
             return self.scheduler.fail_all(500, "engine_error", "The engine hit an internal error")
+
+    def _attach_group(self) -> None:
+        current = self.models.current
+        if current is None:
+            raise GroupFailed("the group's model did not load on rank 0")
+        self.group.attach(self.scheduler.stream, current.weights_bytes)
+
+    def _group_after_tick(self) -> list[Event]:
+        if self.group is None:
+            return []
+        try:
+            self.group.after_tick()
+        except Exception as exc:
+            return self.group.failed_events(exc)
+        return []
 
     def _load(self, name: str) -> None:
         self.status.state = "loading"
@@ -203,6 +237,8 @@ class MlxWorker(threading.Thread):
 
     def _handle(self, command: Command) -> list[Event]:
         if isinstance(command, AddCommand):
+            if self.group is not None and self.group.failed:
+                return [(command.peer, MsgType.ERROR, self.group.refusal(command.body["rid"]))]
             return self.scheduler.submit(command.peer, command.body, command.prepared)
         if isinstance(command, AbortCommand):
             found = self.scheduler.abort(set(command.rids))

@@ -23,6 +23,7 @@ from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.calls.table import Thread, lookup
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
+from engine_daemon.group.settings import GroupSettings
 from engine_daemon.models import store as model_store
 from engine_daemon.request.preprocess import Preprocessor
 from engine_daemon.scheduling.commands import AbortCommand, AddCommand, CallCommand, PeerGoneCommand, ReplyCommand
@@ -74,7 +75,8 @@ class EngineServer:
 
     def __init__(self, endpoint: str, config: SchedulerConfig, preload: str | None = None,
                  peer_timeout: float = 10.0, stall_timeout: float = 60.0,
-                 security: SocketSecurity | None = None, responses: ResponseStore | None = None):
+                 security: SocketSecurity | None = None, responses: ResponseStore | None = None,
+                 group: tuple[GroupSettings, object] | None = None):
         self.endpoint = endpoint
         self.peer_timeout = peer_timeout
         self.stall_timeout = stall_timeout
@@ -84,7 +86,7 @@ class EngineServer:
         # Peers whose HELLO named another protocol version: dropped until a correct HELLO.
         self.refused: set[bytes] = set()
         self.context = zmq.Context()
-        self.worker = MlxWorker(self.context, OUTBOX_ADDRESS, config, preload)
+        self.worker = MlxWorker(self.context, OUTBOX_ADDRESS, config, preload, group)
         self.preprocessor = Preprocessor(
             lambda: self.worker.models.current,
             lambda peer, body, prepared: self.worker.commands.put(AddCommand(peer, body, prepared)))
@@ -99,6 +101,10 @@ class EngineServer:
         self.draining = False  # `calls.drain`: PONGs say "draining" so front-ends route no new work here
 
     def stop(self) -> None:
+        if self.worker.group is not None and self.worker.group.failed:
+            # A failed group's rank 0 keeps answering /health (which rank failed) until its own exit.
+            log.info("stop requested while the group failed: exiting after --group-exit-delay")
+            return
         self._stop.set()
 
     def serve(self) -> None:
@@ -214,7 +220,8 @@ class EngineServer:
         self._reply(router, peer, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": status.state,
             "model": status.model, "adapter": self.worker.scheduler.adapters.registry.default,
-            "started_at": self.started_at, "pid": os.getpid()})
+            "started_at": self.started_at, "pid": os.getpid(),
+            **({"group": self.worker.group.describe()} if self.worker.group is not None else {})})
 
     def state(self) -> str:
         """The worker's state, or 'stalled' when one piece of its work runs past --stall-timeout.
@@ -223,6 +230,8 @@ class EngineServer:
         streams and /health says what is wrong. A model load is never a stall.
         """
         status = self.worker.status
+        if self.worker.group is not None and self.worker.group.failed:
+            return "stalled"  # the group failed: alive (for /health) but serving nothing until it restarts
         if model_store.downloading is not None:
             return "loading"  # a Hub download blocks the mlx thread: slow, but not wedged
         busy_since = status.busy_since

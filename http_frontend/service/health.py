@@ -36,6 +36,11 @@ def healthy(status: dict[str, Any]) -> dict[str, Any]:
     media["engine"].update(loading_model=status.get("loading_model"), loading_seconds=status.get("loading_seconds"))
     if status.get("downloaded_bytes") is not None:  # a Hub download in progress
         media["engine"]["downloaded_bytes"] = status["downloaded_bytes"]
+    group = status.get("group")
+    if group:  # an engine group: its ranks, and which one failed (the engine then says "stalled")
+        media["group"] = group
+        if group.get("failed"):
+            media["status"] = "group_failed"
     return media
 
 

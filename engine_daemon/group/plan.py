@@ -1,0 +1,63 @@
+"""The step plan: everything a follower rank needs to do exactly what rank 0's generator did.
+
+Why ops and not requests: followers never see the front-end, the tokenizer's work or the
+admission rules; they only need the generator calls, in rank 0's order (inserts with the
+prompt tokens, sampling settings and the seed rank 0 drew; removals), the prefill chunk
+size rank 0's pacer chose from its own clock, and whether to step. Anything that depends
+on one rank's clock or memory is thus decided once, on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class AddOp:
+    """One `insert` into the generator: rank 0's uid, prompt, limit, sampling (seed included), eos ids."""
+
+    uid: int
+    prompt: list[int]
+    max_tokens: int
+    sampling: dict[str, Any]
+    eos: list[int]
+
+
+@dataclass
+class StepPlan:
+    """One tick. `ops` are applied in order before the step; then `step` runs generator.next()."""
+
+    tick: int
+    ops: list[tuple[str, Any]] = field(default_factory=list)  # ("add", AddOp) | ("remove", [uids])
+    prefill_step_size: int = 2048
+    step: bool = False
+    checksum: bool = False  # after the step, every rank agrees on the token checksum (`checksum`)
+    idle: bool = False  # after this plan, followers wait for a wake instead of the next plan
+    stop: bool = False  # the group shuts down cleanly
+
+    def encode(self) -> bytes:
+        ops = [["add", [op.uid, op.prompt, op.max_tokens, op.sampling, op.eos]] if kind == "add" else [kind, op]
+               for kind, op in self.ops]
+        return msgpack.packb([PLAN_VERSION, self.tick, ops, self.prefill_step_size, self.step, self.checksum,
+                              self.idle, self.stop], use_bin_type=True)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> StepPlan:
+        version, tick, ops, prefill, step, checksum, idle, stop = msgpack.unpackb(
+            payload, raw=False, strict_map_key=False)
+        if version != PLAN_VERSION:
+            raise ValueError(f"step plan version {version}, expected {PLAN_VERSION}")
+        decoded: list[tuple[str, Any]] = []
+        for kind, op in ops:
+            if kind == "add":
+                decoded.append(("add", AddOp(*op)))
+            elif kind == "remove":
+                decoded.append(("remove", list(op)))
+            else:
+                raise ValueError(f"unknown step plan op {kind!r}")
+        return cls(tick, decoded, prefill, step, checksum, idle, stop)

@@ -1,0 +1,113 @@
+"""A follower rank's loop: wait for a wake, then apply rank 0's plans to its own generator.
+
+Followers have no front-end socket, no tokenizer work, no admission and publish nothing:
+each plan's ops (inserts with rank 0's prompt tokens, sampling and seed; removals) go to
+this rank's generator in rank 0's order, then the same `generator.next()` runs, whose
+collectives (TP all_sums, PP sends) meet rank 0's. Token checksums are compared when the
+plan asks. Runs on the process's main thread, which owns this rank's MLX stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import mlx.core as mx
+import zmq
+from mlx_lm.generate import StopSequences
+
+from engine_daemon.config import SchedulerConfig
+from engine_daemon.generation.grouped import GroupedGenerator
+from engine_daemon.group.checksum import TokenChecksum, mismatched_ranks
+from engine_daemon.group.control import ControlClient
+from engine_daemon.group.plan import AddOp, StepPlan
+from engine_daemon.group.settings import GROUP_FAILED_EXIT, GroupSettings
+from engine_daemon.group.wire import PlanChannel
+from engine_daemon.lora.adapters import AdapterManager
+from engine_daemon.models.manager import ModelManager
+from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
+
+log = logging.getLogger(__name__)
+
+
+class FollowerLoop:
+    def __init__(self, settings: GroupSettings, group: Any, config: SchedulerConfig):
+        self.settings, self.group, self.config = settings, group, config
+        self.models = ModelManager(trust_remote_code=config.trust_remote_code, names=config.names, group=group,
+                                   group_mode=settings.mode)
+        self.context = zmq.Context()
+        self.control = ControlClient(self.context, settings.control, settings.rank, self._memory)
+        self.stopping = threading.Event()
+        self.checksum = TokenChecksum()
+        self._local: dict[int, int] = {}  # rank 0's uid -> this generator's
+        self._leader: dict[int, int] = {}  # and back
+        self.generator: GroupedGenerator | None = None
+        self.ticks = 0
+
+    def _memory(self) -> tuple[int, int]:
+        current = self.models.current
+        return (current.weights_bytes if current else 0, mx.get_active_memory())
+
+    def run(self) -> int:
+        """0 after rank 0's clean stop; GROUP_FAILED_EXIT when the group failed."""
+        self.control.start()
+        config = self.config
+        ref = self.models.names.resolve(config.default_model, default_model=config.default_model,
+                                        roots=config.model_dirs, allow_download=False)
+        loaded = self.models.ensure(ref)
+        stream = mx.default_stream(mx.default_device())
+        channel = PlanChannel(self.group, stream)
+        adapters = AdapterManager(config.model_dirs, config.adapter_cache_size, None, config.default_model)
+        self.generator = GroupedGenerator(loaded, config, stream, adapters, None)
+        log.info("rank %d ready (%s shard of %s, %.1f MiB of weights): waiting for plans", self.settings.rank,
+                 self.settings.mode, ref.id, loaded.weights_bytes / 2**20)
+        try:
+            while self.control.wait_wake(self.stopping):
+                while True:
+                    plan = StepPlan.decode(channel.exchange())
+                    self._apply(plan, channel)
+                    if plan.stop:
+                        log.info("rank 0 stopped the group: rank %d exits", self.settings.rank)
+                        return 0
+                    if plan.idle:
+                        break
+        except Exception:
+            log.critical("rank %d: the group failed", self.settings.rank, exc_info=True)
+            return GROUP_FAILED_EXIT
+        finally:
+            self.control.stop()
+        return 0
+
+    def _apply(self, plan: StepPlan, channel: PlanChannel) -> None:
+        generator = self.generator
+        for kind, op in plan.ops:
+            if kind == "add":
+                self._insert(op)
+            else:
+                local = [self._local.pop(uid) for uid in op if uid in self._local]
+                for uid in local:
+                    self._leader.pop(uid, None)
+                if local:
+                    generator.remove(local)
+        if not plan.step:
+            return
+        generator.prefill_step_size = plan.prefill_step_size
+        _, responses = generator.next()
+        self.ticks += 1
+        self.checksum.observe((self._leader[r.uid], int(r.token)) for r in responses if r.uid in self._leader)
+        for response in responses:
+            if response.finish_reason is not None and response.uid in self._leader:
+                self._local.pop(self._leader.pop(response.uid), None)
+        if plan.checksum:
+            values = channel.agree(self.checksum.value)
+            if mismatched_ranks(values):
+                raise RuntimeError(f"token checksum mismatch at tick {plan.tick}: {values}")
+
+    def _insert(self, op: AddOp) -> None:
+        (uid,) = self.generator.insert(
+            [op.prompt], max_tokens=[op.max_tokens], caches=[None], all_tokens=[[]],
+            samplers=[make_request_sampler(op.sampling)], logits_processors=[make_request_processors(op.sampling)],
+            stop_sequences=[StopSequences([[token] for token in op.eos])], adapters=[None], speculative=[False])
+        self._local[op.uid] = uid
+        self._leader[uid] = op.uid

@@ -1,0 +1,269 @@
+"""Engine groups (#16): a real 2-rank group over loopback (`mlx.launch --backend ring -n 2`), TP and PP.
+
+One group per mode for the whole module (the last test breaks it on purpose), one single-process
+engine for the reference outputs. The model is the `tiny-group` preset in float32: TP in bf16 or
+4-bit rounds differently from one process, float32 gives the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import Frontend, Proc, engine_env, running_stack
+
+STEP_TIMEOUT = 3.0  # --group-step-timeout of the test groups (the SIGSTOP test waits for it)
+PROMPTS = ["Hi", "Tell me about the sea and the ships on it.", "Count with me: one two three four five six.",
+           "Write a long story about a fox, a dog, a river, a bridge and the town beyond the hills " * 3]
+MAX_TOKENS = 40
+EXIT_DELAY = 5.0  # --group-exit-delay: a failed rank 0 answers /health this long, then exits 75
+
+
+def _ports_free(*ports: int) -> bool:
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def _group_port() -> int:
+    """A ring starting port P with P, P+1 (the two ranks) and P+100 (the control socket) free."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 60000 and _ports_free(port + 1, port + 100):
+            return port
+    raise RuntimeError("no free port range for the group")
+
+
+def chat(model: str, prompt: str, **extra: object) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True, **extra}
+
+
+def stream_text(base_url: str, body: dict, on_chunk=None, stop_after: int | None = None) -> tuple[str, list[dict]]:
+    """The streamed text and every data payload; `stop_after` chunks: close the stream (an abort)."""
+    text, events = "", []
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            event = {"done": True} if payload == "[DONE]" else json.loads(payload)
+            events.append(event)
+            for choice in event.get("choices", []):
+                text += choice["delta"].get("content") or ""
+            if on_chunk is not None:
+                on_chunk(len(events))
+            if stop_after is not None and len(events) >= stop_after:
+                break
+    return text, events
+
+
+@pytest.fixture(scope="module")
+def group_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from model_builders.text import build_model
+
+    return build_model(tmp_path_factory.mktemp("models") / "tiny-group", size="tiny-group", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(group_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """What one process serves: greedy texts, seeded texts, its weight bytes."""
+    logs = tmp_path_factory.mktemp("single")
+    with running_stack(f"ipc://{ipc_dir}/grp-single.sock", logs, model=str(group_model)) as (_, frontend):
+        base = frontend.base_url
+        greedy = [stream_text(base, chat("default", prompt))[0] for prompt in PROMPTS]
+        seeded = [stream_text(base, chat("default", prompt, temperature=1.0, seed=1234))[0] for prompt in PROMPTS[:2]]
+        weights = sum(p.stat().st_size for p in group_model.glob("*.safetensors"))
+    return {"greedy": greedy, "seeded": seeded, "weights_file_bytes": weights}
+
+
+@dataclass
+class Group:
+    mode: str
+    launch: Proc
+    frontend: Frontend
+    endpoint: str
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.frontend.base_url}/health", timeout=10)
+
+    def pids(self) -> list[int]:
+        return [rank["pid"] for rank in self.health().json()["group"]["ranks"]]
+
+
+@pytest.fixture(scope="module", params=["tp", "pp"])
+def group(request: pytest.FixtureRequest, group_model: Path, ipc_dir: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[Group]:
+    mode = request.param
+    logs = tmp_path_factory.mktemp(f"group-{mode}")
+    endpoint = f"ipc://{ipc_dir}/grp-{mode}.sock"
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    argv = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
+            "--starting-port", str(_group_port()), "--", sys.executable, "-m", "engine_daemon",
+            "--endpoint", endpoint, "--model", str(group_model), "--group", mode,
+            "--group-step-timeout", str(STEP_TIMEOUT), "--group-checksum-every", "4",
+            "--group-exit-delay", str(EXIT_DELAY)]
+    launch = Proc(argv, logs / "group.log", engine_env())
+    frontend = Frontend(endpoint, logs / "frontend.log", workers=1)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert launch.popen.poll() is None, launch.log()
+            try:
+                if httpx.get(f"{frontend.base_url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, launch.log()
+            time.sleep(0.2)
+        yield Group(mode, launch, frontend, endpoint)
+    finally:
+        frontend.stop()
+        if launch.popen.poll() is None:
+            os.killpg(launch.pid, signal.SIGTERM)  # mlx.launch and both ranks: rank 0 stops the group cleanly
+            try:
+                launch.popen.wait(20)
+            except Exception:
+                os.killpg(launch.pid, signal.SIGKILL)
+        for pid in _group_pids(launch):
+            _kill_quietly(pid, signal.SIGKILL)
+        launch.stop()
+
+
+def _group_pids(launch: Proc) -> list[int]:
+    """Processes of the launcher's process group still alive (a stopped rank, say)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == launch.pid:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _kill_quietly(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except OSError:
+        pass
+
+
+def test_greedy_matches_one_process_with_a_join_mid_batch_and_an_abort(group: Group, reference: dict) -> None:
+    base = group.frontend.base_url
+    flowing = threading.Event()
+
+    def on_chunk(n: int) -> None:
+        if n >= 4:
+            flowing.set()
+
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(stream_text, base, chat("default", PROMPTS[3]), on_chunk)
+        second = pool.submit(stream_text, base, chat("default", PROMPTS[1]))
+        aborted = pool.submit(stream_text, base, chat("default", PROMPTS[2]), None, 6)
+        assert flowing.wait(60), "the first stream never flowed"
+        joined = pool.submit(stream_text, base, chat("default", PROMPTS[0]))  # joins the running batch
+        texts = {3: first.result(60)[0], 1: second.result(60)[0], 0: joined.result(60)[0]}
+        partial = aborted.result(60)[0]
+    for index, text in texts.items():
+        assert text == reference["greedy"][index], f"prompt {index} differs from one process in {group.mode}"
+    assert reference["greedy"][2].startswith(partial)
+    stats = group.health().json()["group"]
+    assert not stats["failed"] and stats["checksums"] > 0 and stats["checksum_tokens"] > 0
+    # The aborted request left every rank's batch: the group keeps serving the same tokens.
+    assert stream_text(base, chat("default", PROMPTS[2]))[0] == reference["greedy"][2]
+
+
+def test_seeded_sampling_matches_one_process(group: Group, reference: dict) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        texts = list(pool.map(lambda p: stream_text(group.frontend.base_url,
+                                                    chat("default", p, temperature=1.0, seed=1234))[0], PROMPTS[:2]))
+    assert texts == reference["seeded"]
+
+
+def test_group_reports_shards_and_idles_without_spinning(group: Group, reference: dict) -> None:
+    health = group.health()
+    assert health.status_code == 200
+    info = health.json()["group"]
+    assert info["mode"] == group.mode and info["size"] == 2 and not info["failed"]
+    full = reference["weights_file_bytes"]
+    for rank in info["ranks"]:
+        # Each rank holds its shard plus what it must replicate (embeddings, norms): less than the model.
+        assert 0.3 * full < rank["weights_bytes"] < 0.85 * full, (rank, full)
+    pids = group.pids()
+    time.sleep(1.0)  # the last request's idle plan has gone out
+    before = [_cpu_seconds(pid) for pid in pids]
+    started = time.monotonic()
+    time.sleep(5.0)
+    elapsed = time.monotonic() - started
+    used = [(_cpu_seconds(pid) - b) / elapsed for pid, b in zip(pids, before)]
+    assert all(share < 0.02 for share in used), f"idle CPU per rank: {used}"
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_lost_rank_fails_the_group_and_every_stream(group: Group) -> None:
+    """TP: kill -9 of rank 1 mid-stream; PP: SIGSTOP of rank 1 (the watchdog's case). Breaks the group."""
+    base = group.frontend.base_url
+    rank1 = group.pids()[1]
+    started = threading.Barrier(4)
+    body = chat("default", "Talk for a long time.", max_tokens=4000)
+
+    def on_chunk(n: int) -> None:
+        if n == 2:
+            started.wait(60)
+
+    with ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(stream_text, base, body, on_chunk) for _ in range(3)]
+        started.wait(60)
+        os.kill(rank1, signal.SIGKILL if group.mode == "tp" else signal.SIGSTOP)
+        results = [future.result(60) for future in streams]
+    try:
+        for _, events in results:
+            assert "error" in events[-2] and events[-1] == {"done": True}, events[-3:]
+            assert events[-2]["error"]["code"] == "engine_group_failed"
+        deadline = time.monotonic() + 10
+        while True:
+            health = group.health()
+            failure = health.json().get("group") or {}
+            if failure.get("failed_rank") is not None:
+                break
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.1)
+        assert health.status_code == 503 and health.json()["status"] == "group_failed"
+        assert failure["failed_rank"] == 1
+        # Engine-measured: from the last step every rank finished to the error events.
+        limit = 3.0 if group.mode == "tp" else STEP_TIMEOUT + 1.0
+        assert failure["streams_failed_after_s"] <= limit, failure
+        r = httpx.post(f"{base}/v1/chat/completions", json=chat("default", "hi", stream=False), timeout=10)
+        assert r.status_code == 503
+        # Then rank 0 exits 75 (EX_TEMPFAIL) for mlx.launch or the service units to restart the group.
+        deadline = time.monotonic() + EXIT_DELAY + 10
+        while "Node with rank 0 exited with code 75" not in group.launch.log():
+            assert time.monotonic() < deadline, group.launch.log()[-3000:]
+            time.sleep(0.2)
+    finally:
+        _kill_quietly(rank1, signal.SIGKILL)
