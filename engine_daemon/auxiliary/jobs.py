@@ -39,6 +39,9 @@ class AuxiliaryJob:
     def prepare(self) -> None:
         """Off-thread preparation (tokenizing, decoding); the default has none."""
 
+    def queued(self) -> None:
+        """Called on the mlx thread when the job joins the queue (after `prepare`); the default does nothing."""
+
     def step(self, budget: int) -> bool:
         """A bounded slice of MLX work (about `budget` tokens); True once the job is finished."""
         raise NotImplementedError
@@ -76,6 +79,7 @@ class AuxiliaryQueue:
     counts: Counter = field(default_factory=Counter)
 
     def add(self, peer: bytes, cid: str, job: AuxiliaryJob) -> None:
+        job.queued()
         self.entries.append(_Entry(peer, cid, job))
         self.counts[f"{job.kind}_jobs"] += 1
 
