@@ -24,6 +24,7 @@ from http_frontend.middleware.disconnect import DisconnectWatch
 from http_frontend.middleware.observer import RequestObserver, route_finder
 from http_frontend.openai.chat import ChatCompletions
 from http_frontend.openai.completions import Completions
+from http_frontend.openai.embeddings import Embeddings
 from http_frontend.openai.responses import ResponseById, Responses
 from http_frontend.openai.tokenize import Detokenize, Tokenize
 from http_frontend.playground.resource import add_playground
@@ -97,6 +98,7 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     add_route(app, "/v1/responses/{response_id}", responses_by_id)
     add_route(app, "/v1/responses/{response_id}/input_items", responses_by_id, suffix="input_items")
     add_route(app, "/v1/responses/{response_id}/cancel", responses_by_id, suffix="cancel")
+    add_route(app, "/v1/embeddings", Embeddings(client, settings))
     add_route(app, "/v1/tokenize", Tokenize(client, settings))
     add_route(app, "/v1/detokenize", Detokenize(client, settings))
     add_route(app, "/v1/models", Models(client))

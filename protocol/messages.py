@@ -56,10 +56,24 @@ class CallMethod(str, enum.Enum):
     RESPONSES_PUT = "responses.put"
     RESPONSES_GET = "responses.get"
     RESPONSES_DELETE = "responses.delete"
+    # Auxiliary models (embedding, transcription, speech slots beside the chat model): args and
+    # result are documented at `AUXILIARY_CALLS`.
+    EMBEDDINGS = "embeddings"
     DRAIN = "drain"  # {"draining": bool}: PONGs say "draining", routers send no new work (rolling restarts)
     DEBUG_SLEEP = "debug_sleep"  # fault injection (tests only): wedges the mlx thread
     DEBUG_CRASH = "debug_crash"  # fault injection (tests only): kills the mlx thread
 
+
+# The auxiliary CALLs' args and results. Arrays travel as raw little-endian float32 `bytes`
+# (a msgpack list of floats is several times slower to pack and unpack).
+AUXILIARY_CALLS = {
+    CallMethod.EMBEDDINGS: {
+        # input: a list of strings or a list of token-id lists (never mixed); dimensions: Matryoshka size or None
+        "args": {"model": "str | None", "input": "list[str] | list[list[int]]", "dimensions": "int | None"},
+        # data: one float32 vector per input, in order; model: the name that served it
+        "result": {"model": "str", "data": "list[bytes]", "dimensions": "int", "prompt_tokens": "int"},
+    },
+}
 
 FRONTEND_TO_ENGINE = frozenset(
     {MsgType.HELLO, MsgType.PING, MsgType.ADD, MsgType.ABORT, MsgType.CALL, MsgType.BYE}

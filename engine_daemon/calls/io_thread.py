@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
+from engine_daemon.auxiliary.embedding import pooling_of
 from engine_daemon.calls import response_store
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.generation.speculative import speculative_stats
@@ -43,7 +45,7 @@ def status(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
             "queued": worker_status.queued, "running": worker_status.running, "pid": os.getpid(),
             "host": socket.gethostname(), "started_at": ctx.started_at,
             "uptime": time.time() - ctx.started_at, "model_loads": ctx.worker.models.loads,
-            **ctx.loading(),
+            "auxiliary_models": ctx.worker.aux.describe(), **ctx.loading(),
             # Engine groups: mode, size, backend, per-rank memory, and which rank failed (`GroupLeader`).
             **({"group": ctx.worker.group.describe()} if ctx.worker.group is not None else {})}
 
@@ -65,11 +67,16 @@ def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:
         models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
     for entry in models:
         path = entry.pop("path", None)
+        if entry.get("kind", "text") == "text" and path and pooling_of(Path(path)):
+            entry["kind"] = "embedding"  # served by /v1/embeddings in the embedding slot, not as a chat model
         served_as = entry["id"] if entry["id"] in names.entries else names.name_of_path(path) or entry["id"]
         entry["loaded"] = served_as == loaded
         if entry["loaded"]:
             entry["context_window"] = current.context_window  # as loaded: a profile may override it
-    return models
+    # The auxiliary slots' models (loaded, or configured with --embedding-model and the like), typed by kind.
+    auxiliary = ctx.worker.aux.catalogue()
+    aux_ids = {entry["id"] for entry in auxiliary}
+    return auxiliary + [m for m in models if m["id"] not in aux_ids]
 
 
 def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +84,8 @@ def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
     return {**status(ctx, args), "frontends": len(ctx.peers), "steps": ctx.worker.status.steps,
             "batch_size": ctx.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
             **scheduler.prompt_cache_stats(), **ctx.responses.stats(), **scheduler.adapters.stats(),
-            **ctx.preprocessor.stats(),
+            **ctx.preprocessor.stats(), **ctx.worker.aux_jobs.stats(), "auxiliary_loads": ctx.worker.aux.loads,
+            "auxiliary_work": ctx.worker.aux.counters(),
             **speculative_stats(scheduler.speculative, ctx.worker.status.model)}
 
 
