@@ -1,7 +1,7 @@
 """Per-tick cost of the step-plan broadcast (`PlanChannel.exchange`) between two ranks over loopback.
 
 Run under mlx.launch; rank 0 prints the figures. Three plan shapes: a decode tick (no ops:
-the common case, one all_sum of the 512-byte header), a tick that admits a 1,000-token
+the common case, one all_sum of the 128-byte header), a tick that admits a 1,000-token
 prompt (two all_sums), and, for scale, a bare all_sum of one float32 (the least a collective
 costs on this backend).
 

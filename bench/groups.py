@@ -129,6 +129,8 @@ def main() -> int:
     parser.add_argument("--prompt-words", type=int, default=64)
     parser.add_argument("--idle-seconds", type=float, default=30.0)
     parser.add_argument("--modes", default="single,tp,pp")
+    parser.add_argument("--rank-threads", type=int, default=0,
+                        help="per group rank: OPENBLAS_NUM_THREADS and --cpu-parallel-ops (0: the defaults)")
     args = parser.parse_args()
     model = bench_model(args.size)
     full = sum(p.stat().st_size for p in model.glob("*.safetensors"))
@@ -139,7 +141,10 @@ def main() -> int:
             with our_stack(model, ["--prompt-cache-size", "0"]) as (base_url, _):
                 rows.append(measure("1 process", base_url, args))
         else:
-            with group_stack(model, mode) as (base_url, _):
+            extra = ["--cpu-parallel-ops", str(args.rank_threads)] if args.rank_threads else []
+            if args.rank_threads:
+                os.environ["OPENBLAS_NUM_THREADS"] = str(args.rank_threads)
+            with group_stack(model, mode, extra) as (base_url, _):
                 rows.append(measure(f"{mode.upper()}2 group", base_url, args))
     print(json.dumps(rows, indent=1))
     return 0

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-HEADER = 512  # bytes of the first all_sum: 4 of length, the rest plan
+HEADER = 128  # bytes of the first all_sum: 4 of length, the rest plan (a decode tick's plan is ~15 bytes)
 
 
 class PlanChannel:

@@ -76,16 +76,23 @@ class GroupLeader:
     def refusal(self, rid: str) -> dict[str, Any]:
         return {**GROUP_FAILED, "rid": rid, "message": "The engine group failed; it restarts, retry the request"}
 
+    def stopping(self) -> None:
+        self.control.stopping = True
+
     def stop(self) -> None:
         """A clean shutdown: followers leave their loops and exit 0."""
         self.control.stopping = True
         if self.watchdog is not None:
-            self.watchdog.stop()
+            # Followers already gone (the whole group got SIGTERM) would leave the stop plan waiting in its
+            # collective: the watchdog, shortened, still bounds it.
+            self.watchdog.timeout = min(self.watchdog.timeout, 5.0)
         if self.lockstep is not None and not self.failed:
             try:
                 self.lockstep.stop()
             except Exception:
                 log.exception("could not tell the followers to stop")
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.control.stop()
 
     def _lost(self, rank: int | None) -> None:

@@ -7,6 +7,7 @@ as encoded frames through an inproc PUSH socket the io thread polls.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -164,6 +165,10 @@ class MlxWorker(threading.Thread):
         current = self.models.current
         if current is None:
             raise GroupFailed("the group's model did not load on rank 0")
+        if current.profile.context_overflow == "summarize":
+            # A summary would run the model on rank 0 alone, outside any plan: its collectives would wait forever.
+            log.warning("--context-overflow summarize is not available in an engine group: truncating instead")
+            current.profile = dataclasses.replace(current.profile, context_overflow="truncate")
         self.group.attach(self.scheduler.stream, current.weights_bytes)
 
     def _group_after_tick(self) -> list[Event]:

@@ -113,6 +113,8 @@ class EngineServer:
             # A failed group's rank 0 keeps answering /health (which rank failed) until its own exit.
             log.info("stop requested while the group failed: exiting after --group-exit-delay")
             return
+        if self.worker.group is not None:
+            self.worker.group.stopping()  # followers leaving from now on is the shutdown, not a fault
         self._stop.set()
 
     def serve(self) -> None:
