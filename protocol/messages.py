@@ -56,10 +56,33 @@ class CallMethod(str, enum.Enum):
     RESPONSES_PUT = "responses.put"
     RESPONSES_GET = "responses.get"
     RESPONSES_DELETE = "responses.delete"
+    # Audio slots beside the chat model (long CALLs: partial RESULTs, then the final one); args and
+    # results are documented at `AUDIO_CALLS`.
+    TRANSCRIBE = "audio.transcribe"
+    SPEECH = "audio.speech"
     DRAIN = "drain"  # {"draining": bool}: PONGs say "draining", routers send no new work (rolling restarts)
     DEBUG_SLEEP = "debug_sleep"  # fault injection (tests only): wedges the mlx thread
     DEBUG_CRASH = "debug_crash"  # fault injection (tests only): kills the mlx thread
 
+
+# The audio CALLs' args and results. Samples travel as raw little-endian float32 `bytes`.
+AUDIO_CALLS = {
+    CallMethod.TRANSCRIBE: {
+        # audio: 16 kHz mono float32; task: "transcribe" | "translate"; temperature None: Whisper's fallback
+        # schedule; timestamps: decode with timestamp tokens (segments); stream: send each window's segments
+        "args": {"model": "str", "audio": "bytes", "task": "str", "language": "str | None", "prompt": "str | None",
+                 "temperature": "float | None", "timestamps": "bool", "word_timestamps": "bool", "stream": "bool"},
+        # partial (stream only): {"delta": str, "segments": [segment]} per window
+        "result": {"model": "str", "text": "str", "language": "str", "language_name": "str", "duration": "float",
+                   "segments": "list[{id, seek, start, end, text, tokens, temperature, avg_logprob, "
+                               "compression_ratio, no_speech_prob, words?}]"},
+    },
+    CallMethod.SPEECH: {
+        "args": {"model": "str", "input": "str", "voice": "str | None", "instructions": "str | None"},
+        # partials: {"audio": bytes (float32 mono), "sample_rate": int}, one per synthesized segment
+        "result": {"model": "str", "sample_rate": "int", "samples": "int"},
+    },
+}
 
 FRONTEND_TO_ENGINE = frozenset(
     {MsgType.HELLO, MsgType.PING, MsgType.ADD, MsgType.ABORT, MsgType.CALL, MsgType.BYE}
@@ -144,7 +167,9 @@ SCHEMAS: dict[MsgType, Schema] = {
         "type": ((str,), False),
         "param": ((str, NONE), False),
     },
-    MsgType.RESULT: {"cid": ((str,), True), "result": ((object,), False)},
+    # `partial`: one of several RESULTs of a long CALL (audio.transcribe / audio.speech: a transcript
+    # segment, a piece of audio); the call stays open until the RESULT without it.
+    MsgType.RESULT: {"cid": ((str,), True), "result": ((object,), False), "partial": ((bool,), False)},
 }
 
 # Sampling and limit fields an ADD may carry in `params`, with their types.

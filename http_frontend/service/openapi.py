@@ -13,6 +13,8 @@ from typing import Any
 
 import falcon.asgi
 
+from http_frontend.service.openapi_audio import AUDIO_PATHS, AUDIO_SCHEMAS
+
 Schema = dict[str, Any]
 
 
@@ -425,15 +427,14 @@ def openapi_document() -> dict[str, Any]:
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": STRING}}}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {
-            "200": {"description": "OpenAPI 3 document", "content": _json(ANY_OBJECT)}}}},
-    }
+            "200": {"description": "OpenAPI 3 document", "content": _json(ANY_OBJECT)}}}}, **AUDIO_PATHS}
     return {
         "openapi": "3.0.3",
         "info": {"title": "mlx-engined", "version": "1",
                  "description": "OpenAI- and Anthropic-compatible API for local MLX models. Every /v1 route also "
                                 "answers without the /v1 prefix."},
         "paths": paths,
-        "components": {"schemas": SCHEMAS,
+        "components": {"schemas": {**SCHEMAS, **AUDIO_SCHEMAS},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
     }
