@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from engine_daemon.auxiliary.flags import add_auxiliary_flags, auxiliary_config
 from engine_daemon.calls.drain import install_signals as install_drain_signals
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.config import SchedulerConfig
@@ -274,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                         default=int(os.environ.get("MLX_ENGINE_NUM_DRAFT_TOKENS", "3")),
                         help="tokens the draft model proposes per verification step. [MLX_ENGINE_NUM_DRAFT_TOKENS] "
                              "(default: %(default)s)")
+    add_auxiliary_flags(parser)  # --embedding-model, --aux-step-tokens, ...
     parser.add_argument("--log-level", default=os.environ.get("MLX_ENGINE_LOG_LEVEL", "INFO"),
                         help="logging level. [MLX_ENGINE_LOG_LEVEL] (default: %(default)s)")
     return parser
@@ -372,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter_cache_size=args.adapter_cache_size,
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
+        **auxiliary_config(args),
     )
     if args.model:
         # The operator named it: fetch it now if it is not cached, before serving.

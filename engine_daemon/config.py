@@ -72,3 +72,7 @@ class SchedulerConfig:
     # to this many seconds (then the batch drains and the model switches): fewer loads when clients
     # alternate models, bounded extra wait for the other model. 0: strict arrival order.
     model_switch_delay: float = 2.0
+    # Auxiliary slots (`AuxiliarySlots`): kind -> model preloaded at start (--embedding-model, ...), and the
+    # tokens of auxiliary work run between two generation steps (--aux-step-tokens).
+    auxiliary_models: dict[str, str] = field(default_factory=dict)
+    aux_step_tokens: int = 512

@@ -56,8 +56,10 @@ class CallMethod(str, enum.Enum):
     RESPONSES_PUT = "responses.put"
     RESPONSES_GET = "responses.get"
     RESPONSES_DELETE = "responses.delete"
-    # Audio slots beside the chat model (long CALLs: partial RESULTs, then the final one); args and
-    # results are documented at `AUDIO_CALLS`.
+    # Auxiliary models (embedding, transcription, speech slots beside the chat model): args and
+    # result are documented at `AUXILIARY_CALLS`. The audio ones are long CALLs: partial RESULTs,
+    # then the final one.
+    EMBEDDINGS = "embeddings"
     TRANSCRIBE = "audio.transcribe"
     SPEECH = "audio.speech"
     DRAIN = "drain"  # {"draining": bool}: PONGs say "draining", routers send no new work (rolling restarts)
@@ -65,8 +67,15 @@ class CallMethod(str, enum.Enum):
     DEBUG_CRASH = "debug_crash"  # fault injection (tests only): kills the mlx thread
 
 
-# The audio CALLs' args and results. Samples travel as raw little-endian float32 `bytes`.
-AUDIO_CALLS = {
+# The auxiliary CALLs' args and results. Arrays travel as raw little-endian float32 `bytes`
+# (a msgpack list of floats is several times slower to pack and unpack).
+AUXILIARY_CALLS = {
+    CallMethod.EMBEDDINGS: {
+        # input: a list of strings or a list of token-id lists (never mixed); dimensions: Matryoshka size or None
+        "args": {"model": "str | None", "input": "list[str] | list[list[int]]", "dimensions": "int | None"},
+        # data: one float32 vector per input, in order; model: the name that served it
+        "result": {"model": "str", "data": "list[bytes]", "dimensions": "int", "prompt_tokens": "int"},
+    },
     CallMethod.TRANSCRIBE: {
         # audio: 16 kHz mono float32; task: "transcribe" | "translate"; temperature None: Whisper's fallback
         # schedule; timestamps: decode with timestamp tokens (segments); stream: send each window's segments

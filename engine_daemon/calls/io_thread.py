@@ -43,7 +43,7 @@ def status(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
             "queued": worker_status.queued, "running": worker_status.running, "pid": os.getpid(),
             "host": socket.gethostname(), "started_at": ctx.started_at,
             "uptime": time.time() - ctx.started_at, "model_loads": ctx.worker.models.loads,
-            **ctx.loading()}
+            "auxiliary_models": ctx.worker.aux.describe(), **ctx.loading()}
 
 
 def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -67,7 +67,10 @@ def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:
         entry["loaded"] = served_as == loaded
         if entry["loaded"]:
             entry["context_window"] = current.context_window  # as loaded: a profile may override it
-    return models
+    # The auxiliary slots' models (loaded, or configured with --embedding-model and the like), typed by kind.
+    auxiliary = ctx.worker.aux.catalogue()
+    aux_ids = {entry["id"] for entry in auxiliary}
+    return auxiliary + [m for m in models if m["id"] not in aux_ids]
 
 
 def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +78,7 @@ def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
     return {**status(ctx, args), "frontends": len(ctx.peers), "steps": ctx.worker.status.steps,
             "batch_size": ctx.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
             **scheduler.prompt_cache_stats(), **ctx.responses.stats(), **scheduler.adapters.stats(),
-            **ctx.preprocessor.stats(),
+            **ctx.preprocessor.stats(), **ctx.worker.aux_jobs.stats(), "auxiliary_loads": ctx.worker.aux.loads,
             **speculative_stats(scheduler.speculative, ctx.worker.status.model)}
 
 

@@ -12,6 +12,9 @@ import os
 import time
 from typing import Any, Protocol
 
+from engine_daemon.auxiliary.jobs import AuxiliaryQueue
+from engine_daemon.auxiliary.slots import AuxiliarySlots
+from engine_daemon.errors import RequestError
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.scheduling.base import BaseScheduler, Event
 
@@ -28,11 +31,19 @@ class MlxContext(Protocol):
 
     scheduler: BaseScheduler
     models: ModelManager
+    aux: AuxiliarySlots
+    aux_jobs: AuxiliaryQueue
 
 
 def unload(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
+    """Unloads the generation model and every auxiliary model; their requests in flight end with 503."""
     events = ctx.scheduler.fail_all(503, "model_unloaded", "The model was unloaded")
-    return events, {"status": "success" if ctx.models.unload() else "no_model_loaded"}
+    events += ctx.aux_jobs.fail(None, RequestError(503, "model_unloaded", "The model was unloaded",
+                                                   error_type="server_error"))
+    auxiliary = ctx.aux.unload()
+    unloaded = ctx.models.unload()
+    return events, {"status": "success" if unloaded or auxiliary else "no_model_loaded",
+                    "auxiliary_unloaded": auxiliary}
 
 
 def adapters_add(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_daemon.calls import drain, io_thread, mlx_thread, tokenize
+from engine_daemon.calls import auxiliary, drain, io_thread, mlx_thread, tokenize
 from protocol import CallMethod
 
 
@@ -21,13 +21,16 @@ class Thread(enum.Enum):
     IO = "io"
     MLX = "mlx"
     POOL = "pool"  # the admission pool (`Preprocessor`): tokenizer work on client input, off the mlx thread
+    # auxiliary models (`AuxiliarySlots`): the handler checks the args on the io thread and returns an
+    # `AuxiliaryRequest`; the mlx thread loads the model, the pool prepares the job, the mlx thread runs it
+    AUX = "aux"
 
 
 @dataclass(frozen=True)
 class CallSpec:
     thread: Thread
-    # io: (IoContext, args) -> result; mlx: (MlxContext, args) -> (events, result);
-    # pool: (the loaded model or None, args) -> result
+    # io: (IoContext, args) -> result; aux: (IoContext, args) -> AuxiliaryRequest;
+    # mlx: (MlxContext, args) -> (events, result); pool: (the loaded model or None, args) -> result
     handler: Callable[[Any, dict[str, Any]], Any]
 
 
@@ -45,6 +48,7 @@ CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.ADAPTERS_REMOVE: CallSpec(Thread.MLX, mlx_thread.adapters_remove),
     CallMethod.TOKENIZE: CallSpec(Thread.POOL, tokenize.tokenize),
     CallMethod.DETOKENIZE: CallSpec(Thread.POOL, tokenize.detokenize),
+    CallMethod.EMBEDDINGS: CallSpec(Thread.AUX, auxiliary.embeddings),
     CallMethod.DEBUG_SLEEP: CallSpec(Thread.MLX, mlx_thread.debug_sleep),
     CallMethod.DEBUG_CRASH: CallSpec(Thread.MLX, mlx_thread.debug_crash),
 }

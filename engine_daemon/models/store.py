@@ -55,7 +55,20 @@ def is_mlx_model_dir(path: Path) -> bool:
         return False
     # mlx-vlm also ships text-only, embedding and image-generation architectures: only its vision/audio
     # models count here (`load_vision_model` loads them).
-    return importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None or kind_of_config(config) != "text"
+    return (importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None or kind_of_config(config) != "text"
+            or is_embedding_architecture(model_type))
+
+
+def is_embedding_architecture(model_type: str) -> bool:
+    """An encoder mlx-embeddings ships (bert, xlm-roberta, modernbert...): an embedding slot's model.
+
+    Looked up on disk, as `_mlx_vlm_supports`: importing mlx_embeddings pulls in mlx-vlm.
+    """
+    spec = importlib.util.find_spec("mlx_embeddings")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    name = model_type.lower().replace("-", "_")
+    return any((Path(location) / "models" / f"{name}.py").is_file() for location in spec.submodule_search_locations)
 
 
 # -- model kinds: which loader a model needs (`load_vision_model` for vision/audio) ---------

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine_daemon.auxiliary.jobs import AuxiliaryJob, AuxiliaryRequest
 from engine_daemon.errors import RequestError
 from engine_daemon.request.state import PreparedPrompt
 
@@ -58,8 +59,28 @@ class ReplyCommand:
 
 
 @dataclass(frozen=True)
+class AuxiliaryCommand:
+    """An auxiliary CALL (embeddings, ...): the mlx thread loads its model and makes its job."""
+
+    peer: bytes
+    cid: str
+    request: AuxiliaryRequest
+
+
+@dataclass(frozen=True)
+class AuxiliaryReadyCommand:
+    """An auxiliary job back from its off-thread `prepare` (or the error it raised): queue it."""
+
+    peer: bytes
+    cid: str
+    job: AuxiliaryJob
+    error: RequestError | None = None
+
+
+@dataclass(frozen=True)
 class StopCommand:
     """Wakes the mlx thread so it sees that it must stop."""
 
 
-Command = AddCommand | AbortCommand | PeerGoneCommand | CallCommand | ReplyCommand | StopCommand
+Command = (AddCommand | AbortCommand | PeerGoneCommand | CallCommand | ReplyCommand | AuxiliaryCommand
+           | AuxiliaryReadyCommand | StopCommand)

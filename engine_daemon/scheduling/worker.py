@@ -11,11 +11,15 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import zmq
 
+from engine_daemon.auxiliary.jobs import AuxiliaryQueue
+from engine_daemon.auxiliary.slots import AuxiliarySlots
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
 from engine_daemon.models.manager import ModelManager
@@ -24,6 +28,8 @@ from engine_daemon.scheduling.batch import BatchScheduler
 from engine_daemon.scheduling.commands import (
     AbortCommand,
     AddCommand,
+    AuxiliaryCommand,
+    AuxiliaryReadyCommand,
     CallCommand,
     Command,
     PeerGoneCommand,
@@ -77,6 +83,15 @@ class MlxWorker(threading.Thread):
         self._stopping = threading.Event()
         self._idle_unload = config.idle_unload  # --idle-unload seconds, None: keep the model
         self._last_active = time.monotonic()
+        # Embedding / transcription / speech models beside the generation model, and their jobs.
+        self.aux = AuxiliarySlots(
+            config.names, roots=config.model_dirs, allow_download=config.allow_download,
+            memory_budget_bytes=config.memory_budget_bytes, preload=config.auxiliary_models,
+            main_weight_bytes=lambda: self.models.current.weights_bytes if self.models.current else 0)
+        self.aux_jobs = AuxiliaryQueue(config.aux_step_tokens)
+        # Runs a job's `prepare` off this thread, then `answer(result, error)`: the engine's admission
+        # pool (`Preprocessor.run_call`); None (tests): in line.
+        self.offload: Callable[[Callable[[], Any], Callable[[Any, RequestError | None], None]], None] | None = None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -90,14 +105,18 @@ class MlxWorker(threading.Thread):
         try:
             if self._preload:
                 self._load(self._preload)
+            self._preload_auxiliary()
             while not self._stopping.is_set():
-                events = self._drain_commands(block=not self.scheduler.has_work())
+                events = self._drain_commands(block=not (self.scheduler.has_work() or self.aux_jobs.has_work()))
                 if self.scheduler.has_work():
                     self._mark_busy()
                     self.status.busy_since = self.status.busy_since or time.monotonic()
                     events += self._step()
                     self.status.steps += 1
                     self.status.last_step_at = time.monotonic()
+                if self.aux_jobs.has_work():  # one bounded slice between two generation steps
+                    self.status.busy_since = self.status.busy_since or time.monotonic()
+                    events += self.aux_jobs.tick()
                 self._publish(outbox, events)
                 self._update_status()
                 self._unload_if_idle()
@@ -134,15 +153,25 @@ class MlxWorker(threading.Thread):
         self._update_status()
         self._last_active = time.monotonic()  # --idle-unload counts from the end of the preload
 
+    def _preload_auxiliary(self) -> None:
+        """--embedding-model and the like: loaded at start; a failure is logged, the engine serves on."""
+        for kind, name in self.aux.preload.items():
+            try:
+                self.aux.get(kind, name)
+            except Exception:
+                log.exception("could not preload %s model %s", kind, name)
+        self._last_active = time.monotonic()
+
     def _unload_if_idle(self) -> None:
         """--idle-unload: frees the model once no command or request has come for that long.
 
         Any work of this loop turn (a command, a scheduler step, a load) counts as use;
         the next request after an unload loads the model again.
         """
-        if self.status.busy_since or self.scheduler.has_work():
+        if self.status.busy_since or self.scheduler.has_work() or self.aux_jobs.has_work():
             self._last_active = time.monotonic()
             return
+        self.aux.unload_idle(time.monotonic(), self._idle_unload)  # each auxiliary model by its own last use
         current = self.models.current
         if not self._idle_unload or current is None:
             return
@@ -195,9 +224,9 @@ class MlxWorker(threading.Thread):
             return [(command.peer, MsgType.ERROR, {"rid": command.body["rid"], "status": 500, "code": "engine_error",
                                                    "message": "The engine could not take this request",
                                                    "type": "server_error"})]
-        if isinstance(command, CallCommand):
+        if isinstance(command, (CallCommand, AuxiliaryCommand)):
             return [(command.peer, MsgType.ERROR, {"cid": command.cid, "status": 500, "code": "engine_error",
-                                                   "message": f"CALL {command.method} failed",
+                                                   "message": f"CALL {getattr(command, 'method', 'auxiliary')} failed",
                                                    "type": "server_error"})]
         return []
 
@@ -221,11 +250,40 @@ class MlxWorker(threading.Thread):
             except RequestError as exc:  # a refusal the client should see (400 and the like), not a crash
                 return [(command.peer, MsgType.ERROR, {**exc.to_body(None), "cid": command.cid})]
             return events + [(command.peer, MsgType.RESULT, {"cid": command.cid, "result": result})]
+        if isinstance(command, AuxiliaryCommand):
+            return self._start_auxiliary(command)
+        if isinstance(command, AuxiliaryReadyCommand):
+            if command.error is not None:
+                return [(command.peer, MsgType.ERROR, {**command.error.to_body(None), "cid": command.cid})]
+            self.aux_jobs.add(command.peer, command.cid, command.job)
+            return []
         if isinstance(command, ReplyCommand):
             if command.error is not None:
                 return [(command.peer, MsgType.ERROR, {**command.error.to_body(None), "cid": command.cid})]
             return [(command.peer, MsgType.RESULT, {"cid": command.cid, "result": command.result})]
         return []  # StopCommand: the loop sees _stopping
+
+    def _start_auxiliary(self, command: AuxiliaryCommand) -> list[Event]:
+        """Loads the job's model (its kind's slot; never the generation model) and prepares the job off-thread."""
+        request = command.request
+        try:
+            job = self.aux.get(request.kind, request.model).job(request.args)
+        except RequestError as exc:
+            return [(command.peer, MsgType.ERROR, {**exc.to_body(None), "cid": command.cid})]
+
+        def answer(_: Any, error: RequestError | None) -> None:
+            self.commands.put(AuxiliaryReadyCommand(command.peer, command.cid, job, error))
+
+        if self.offload is None:
+            try:
+                job.prepare()
+            except RequestError as exc:
+                answer(None, exc)
+                return []
+            answer(None, None)
+        else:
+            self.offload(job.prepare, answer)
+        return []
 
     def _publish(self, outbox: zmq.Socket, events: list[Event]) -> None:
         """One DELTAS frame per peer per step; every other event is its own frame.

@@ -25,7 +25,14 @@ from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
 from engine_daemon.models import store as model_store
 from engine_daemon.request.preprocess import Preprocessor
-from engine_daemon.scheduling.commands import AbortCommand, AddCommand, CallCommand, PeerGoneCommand, ReplyCommand
+from engine_daemon.scheduling.commands import (
+    AbortCommand,
+    AddCommand,
+    AuxiliaryCommand,
+    CallCommand,
+    PeerGoneCommand,
+    ReplyCommand,
+)
 from engine_daemon.scheduling.worker import MlxWorker
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
@@ -88,6 +95,7 @@ class EngineServer:
         self.preprocessor = Preprocessor(
             lambda: self.worker.models.current,
             lambda peer, body, prepared: self.worker.commands.put(AddCommand(peer, body, prepared)))
+        self.worker.offload = self.preprocessor.run_call  # auxiliary jobs' tokenizing / decoding, off the mlx thread
         self._stop = threading.Event()
         self._lock: BinaryIO | None = None
         self.security = security or SocketSecurity()
@@ -278,6 +286,9 @@ class EngineServer:
             result = spec.handler(self, args)
         except RequestError as exc:
             self._reply(router, peer, MsgType.ERROR, {**exc.to_body(None), "cid": cid})
+            return
+        if spec.thread is Thread.AUX:  # checked here; the mlx thread loads its model and runs its job
+            self.worker.commands.put(AuxiliaryCommand(peer, cid, result))
             return
         self._reply(router, peer, MsgType.RESULT, {"cid": cid, "result": result})
 

@@ -31,6 +31,8 @@ def healthy(status: dict[str, Any]) -> dict[str, Any]:
     media = {"status": "stalled" if status["state"] == "stalled" else "healthy", "loaded_model": status["model"],
              "loaded_model_kind": status.get("model_kind"),  # "text" | "vision" | "audio"
              "loaded_adapter": status["adapter"],
+             # the embedding / transcription / speech models loaded beside it (their own slots)
+             "auxiliary_models": status.get("auxiliary_models") or [],
              "engine": {k: status[k] for k in ENGINE_FIELDS}}
     # While a model loads: which one and for how long (state "loading").
     media["engine"].update(loading_model=status.get("loading_model"), loading_seconds=status.get("loading_seconds"))

@@ -1,0 +1,40 @@
+"""The `engined` flags of the auxiliary slots (each with its environment variable).
+
+Kept here rather than in `engine_daemon.cli` so that each kind's flag sits beside the
+others of its feature; the CLI adds them to its parser and passes what they say on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+# kind -> (flag, environment variable): the model preloaded into that kind's slot at start
+PRELOAD_FLAGS: dict[str, tuple[str, str]] = {
+    "embedding": ("--embedding-model", "MLX_ENGINE_EMBEDDING_MODEL"),
+}
+AUX_STEP_TOKENS_ENV = "MLX_ENGINE_AUX_STEP_TOKENS"
+DEFAULT_AUX_STEP_TOKENS = 512
+
+
+def add_auxiliary_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--embedding-model", default=os.environ.get("MLX_ENGINE_EMBEDDING_MODEL") or None,
+                        metavar="MODEL",
+                        help="embedding model loaded at start into its own slot beside --model (a directory or an "
+                             "HF repo id; BERT / XLM-R / ModernBERT through mlx-embeddings, Qwen3-Embedding-style "
+                             "decoders through mlx-lm). /v1/embeddings requests naming an unknown model use it. "
+                             "Without it, the first request naming an embedding model loads that one. "
+                             "[MLX_ENGINE_EMBEDDING_MODEL]")
+    parser.add_argument("--aux-step-tokens", type=int,
+                        default=int(os.environ.get(AUX_STEP_TOKENS_ENV, str(DEFAULT_AUX_STEP_TOKENS))),
+                        help="tokens of auxiliary work (embedding batches) the mlx thread runs between two "
+                             "generation steps: smaller keeps chat streams smoother while embeddings are served, "
+                             f"larger serves embeddings faster. [{AUX_STEP_TOKENS_ENV}] (default: %(default)s)")
+
+
+def auxiliary_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The `SchedulerConfig` fields the flags set."""
+    preload = {kind: getattr(args, flag[2:].replace("-", "_"), None) for kind, (flag, _) in PRELOAD_FLAGS.items()}
+    return {"auxiliary_models": {kind: name for kind, name in preload.items() if name},
+            "aux_step_tokens": max(1, args.aux_step_tokens)}

@@ -1,0 +1,120 @@
+"""Auxiliary work in bounded slices, run by the mlx thread between two scheduler steps.
+
+An embedding batch or a Whisper window is one MLX call that cannot yield midway; run whole,
+a 50-input request would freeze every chat stream for its duration. So each piece of
+auxiliary work is an `AuxiliaryJob` whose `step(budget)` does a bounded slice (about
+`budget` tokens of work) and says whether it is finished, and the worker runs one slice
+per loop turn (`AuxiliaryQueue.tick`), after the scheduler's step. Client-controlled CPU
+work (tokenizing, audio decoding) is the job's `prepare`, run on the admission pool,
+never on the mlx thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_daemon.errors import RequestError, describe
+from protocol import MsgType
+
+log = logging.getLogger(__name__)
+
+# (peer identity, message type, body), as the schedulers' events
+Event = tuple[bytes, MsgType, dict[str, Any]]
+
+
+class AuxiliaryJob:
+    """One request's auxiliary work. Subclasses implement `step` and `result`.
+
+    `prepare` runs first, once, on the admission pool (no MLX there: CPU work on what the
+    client sent, bounded, raising RequestError for bad input). `step` runs on the mlx thread.
+    `finished` may turn true without a `step` of this job: embedding jobs share batches, so
+    another job's step can compute this one's vectors (cross-request batching).
+    """
+
+    kind: str = ""
+
+    def prepare(self) -> None:
+        """Off-thread preparation (tokenizing, decoding); the default has none."""
+
+    def step(self, budget: int) -> bool:
+        """A bounded slice of MLX work (about `budget` tokens); True once the job is finished."""
+        raise NotImplementedError
+
+    def finished(self) -> bool:
+        return False
+
+    def result(self) -> Any:
+        """The CALL's RESULT body (plain msgpack values; arrays as raw little-endian float32 bytes)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AuxiliaryRequest:
+    """A validated auxiliary CALL: which kind of model, the name asked for, the job's arguments."""
+
+    kind: str
+    model: str | None
+    args: dict[str, Any]
+
+
+@dataclass
+class _Entry:
+    peer: bytes
+    cid: str
+    job: AuxiliaryJob
+
+
+@dataclass
+class AuxiliaryQueue:
+    """Jobs in arrival order; the head job gets one slice per tick; finished jobs are answered."""
+
+    budget: int = 512  # --aux-step-tokens
+    entries: deque[_Entry] = field(default_factory=deque)
+    counts: Counter = field(default_factory=Counter)
+
+    def add(self, peer: bytes, cid: str, job: AuxiliaryJob) -> None:
+        self.entries.append(_Entry(peer, cid, job))
+        self.counts[f"{job.kind}_jobs"] += 1
+
+    def has_work(self) -> bool:
+        return bool(self.entries)
+
+    def tick(self) -> list[Event]:
+        """One slice of the head job, then an answer for every job that is finished by now."""
+        if not self.entries:
+            return []
+        head = self.entries[0]
+        events: list[Event] = []
+        try:
+            head.job.step(self.budget)
+            self.counts["slices"] += 1
+        except RequestError as exc:
+            events.append(self._error(head, exc))
+        except Exception as exc:  # a bug in one job fails that job, never the mlx thread
+            log.exception("auxiliary %s job failed", head.job.kind)
+            events.append(self._error(head, RequestError(500, "engine_error", describe(exc),
+                                                         error_type="server_error")))
+        for entry in list(self.entries):
+            if entry is head and events:
+                continue
+            if entry.job.finished():
+                self.entries.remove(entry)
+                self.counts[f"{entry.job.kind}_done"] += 1
+                events.append((entry.peer, MsgType.RESULT, {"cid": entry.cid, "result": entry.job.result()}))
+        return events
+
+    def _error(self, entry: _Entry, error: RequestError) -> Event:
+        self.entries.remove(entry)
+        self.counts[f"{entry.job.kind}_failed"] += 1
+        return (entry.peer, MsgType.ERROR, {**error.to_body(None), "cid": entry.cid})
+
+    def fail(self, kind: str | None, error: RequestError) -> list[Event]:
+        """Ends the jobs of `kind` (None: all) with `error`: their model was unloaded."""
+        return [self._error(entry, error) for entry in list(self.entries) if kind is None or entry.job.kind == kind]
+
+    def stats(self) -> dict[str, Any]:
+        return {"auxiliary_jobs_queued": len(self.entries), "auxiliary_jobs": dict(self.counts),
+                "aux_step_tokens": self.budget}
