@@ -13,6 +13,8 @@ from typing import Any
 # kind -> (flag, environment variable): the model preloaded into that kind's slot at start
 PRELOAD_FLAGS: dict[str, tuple[str, str]] = {
     "embedding": ("--embedding-model", "MLX_ENGINE_EMBEDDING_MODEL"),
+    "transcription": ("--transcription-model", "MLX_ENGINE_TRANSCRIPTION_MODEL"),
+    "speech": ("--speech-model", "MLX_ENGINE_SPEECH_MODEL"),
 }
 AUX_STEP_TOKENS_ENV = "MLX_ENGINE_AUX_STEP_TOKENS"
 DEFAULT_AUX_STEP_TOKENS = 512
@@ -26,6 +28,19 @@ def add_auxiliary_flags(parser: argparse.ArgumentParser) -> None:
                              "decoders through mlx-lm). /v1/embeddings requests naming an unknown model use it. "
                              "Without it, the first request naming an embedding model loads that one. "
                              "[MLX_ENGINE_EMBEDDING_MODEL]")
+    parser.add_argument("--transcription-model", default=os.environ.get("MLX_ENGINE_TRANSCRIPTION_MODEL") or None,
+                        metavar="MODEL",
+                        help="Whisper model (mlx-audio's layout, e.g. mlx-community/whisper-large-v3-turbo) loaded "
+                             "at start into its own slot beside --model, for /v1/audio/transcriptions and "
+                             "/translations. Requests naming an unknown model (e.g. whisper-1) use it. Without it, "
+                             "the first request naming a Whisper model loads that one. "
+                             "[MLX_ENGINE_TRANSCRIPTION_MODEL]")
+    parser.add_argument("--speech-model", default=os.environ.get("MLX_ENGINE_SPEECH_MODEL") or None,
+                        metavar="MODEL",
+                        help="text-to-speech model mlx-audio loads (e.g. a Soprano or Kokoro checkpoint) loaded at "
+                             "start into its own slot beside --model, for /v1/audio/speech. Requests naming an "
+                             "unknown model (e.g. tts-1) use it. Without it, the first request naming a TTS model "
+                             "loads that one. [MLX_ENGINE_SPEECH_MODEL]")
     parser.add_argument("--aux-step-tokens", type=int,
                         default=int(os.environ.get(AUX_STEP_TOKENS_ENV, str(DEFAULT_AUX_STEP_TOKENS))),
                         help="tokens of auxiliary work (embedding batches) the mlx thread runs between two "

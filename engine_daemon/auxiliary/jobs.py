@@ -46,6 +46,11 @@ class AuxiliaryJob:
     def finished(self) -> bool:
         return False
 
+    def partials(self) -> list[Any]:
+        """RESULT values to send before the final one (long CALLs: a transcript window, a piece of
+        speech), taken after each slice; the default has none."""
+        return []
+
     def result(self) -> Any:
         """The CALL's RESULT body (plain msgpack values; arrays as raw little-endian float32 bytes)."""
         raise NotImplementedError
@@ -91,14 +96,17 @@ class AuxiliaryQueue:
         try:
             head.job.step(self.budget)
             self.counts["slices"] += 1
+            events += [(head.peer, MsgType.RESULT, {"cid": head.cid, "result": value, "partial": True})
+                       for value in head.job.partials()]
         except RequestError as exc:
             events.append(self._error(head, exc))
         except Exception as exc:  # a bug in one job fails that job, never the mlx thread
             log.exception("auxiliary %s job failed", head.job.kind)
             events.append(self._error(head, RequestError(500, "engine_error", describe(exc),
                                                          error_type="server_error")))
+        failed = any(kind == MsgType.ERROR for _, kind, _ in events)
         for entry in list(self.entries):
-            if entry is head and events:
+            if entry is head and failed:
                 continue
             if entry.job.finished():
                 self.entries.remove(entry)

@@ -190,7 +190,9 @@ class Transcriptions:
         words = "word" in granularities
         args = {"model": model, "task": self.task, "language": language.lower() if language else None,
                 "prompt": form.text("prompt") or None,
-                "temperature": temperature or None,  # 0 / absent: Whisper's fallback schedule, as OpenAI does
+                # absent: Whisper's temperature fallback (0, then 0.2 ... 1.0 for windows that look failed);
+                # given (0 included): that temperature alone, one decode per window
+                "temperature": temperature,
                 "timestamps": response_format in ("srt", "vtt", "verbose_json"), "word_timestamps": words}
         return args, response_format, words, stream
 
@@ -255,7 +257,7 @@ class Speech:
         first = await call.next()
         if first is _DONE:
             call.result()  # a refusal before any audio: an ordinary JSON error
-            raise APIError(500, "The engine produced no audio", code="engine_error", error_type="server_error")
+            raise bad_request("The speech model produced no audio for this input", param="input")
         rate = int(first.get("sample_rate") or 24_000)
         encoder = StreamingEncoder(fmt, rate, speed)
         chunks = self._encoded(call, first, encoder)
