@@ -6,9 +6,9 @@ through exactly the loaders a real checkpoint goes through (`mlx_audio.stt.utils
 `mlx_audio.tts.utils.load`).
 
 Whisper (``build_whisper``): mlx-audio's own Whisper (``mlx_audio.stt.models.whisper``) in its MLX
-layout (``n_mels``, ``n_audio_ctx``... in config.json), a 1-layer encoder and a 2-layer decoder of width 32. ``n_audio_ctx``
-stays 1500 because the encoder's input is always a 30-s window of 3000 mel frames. The vocabulary is
-the multilingual one (51,865 ids, so the model counts as multilingual: 99 language tokens,
+layout (``n_mels``, ``n_audio_ctx``... in config.json), a 1-layer encoder and a 2-layer decoder of
+width 32. ``n_audio_ctx`` stays 1500 because the encoder's input is always a 30-s window of 3000 mel
+frames. The vocabulary is the multilingual one (51,865 ids, so the model counts as multilingual: 99 language tokens,
 translate / transcribe, timestamps) with Whisper's special tokens at Whisper's ids; the text part
 is a byte-level BPE trained offline on the corpus of ``model_builders.tokenizer`` and padded with
 pronounceable pseudo-words (so whatever a random model emits decodes to readable text). The
@@ -228,7 +228,7 @@ def build_whisper(out_dir: str | Path, seed: int = 0) -> Path:
         weights = _random_parameters(model, seed)
         # Peakier logits: with std-1 logits the 1,501 timestamp tokens' summed probability always beats
         # the best text token, so Whisper's timestamp rules force timestamp after timestamp until
-        # nothing is allowed (NaN log-probs, "!" ids). Three times wider embeddings let text win.
+        # nothing is allowed (NaN log-probs, "!" ids). Four times wider embeddings let text win.
         weights["decoder.token_embedding.weight"] = weights["decoder.token_embedding.weight"] * _EMBEDDING_SCALE
         n_params = save_weights(target, weights)
         atomic_write_bytes(target / "tokenizer.json", _whisper_tokenizer_json(seed).encode())
