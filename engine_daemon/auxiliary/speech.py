@@ -10,7 +10,9 @@ the HTTP response starts streaming with the first segment, not after the last.
 The front-end does everything else: encoding (mp3, opus, aac, flac, wav, pcm) and `speed`
 (FFmpeg's atempo), so every model supports every format and speed alike. `voice` is passed to
 the model as is (models without voices ignore it); `instructions` only to a model whose
-`generate` takes them, else the request is refused rather than silently ignoring them.
+`generate` takes them, else the request is refused rather than silently ignoring them. A
+`--models-config` entry's `max_tokens` caps the tokens of each segment (models whose `generate`
+takes `max_tokens`, such as Soprano, whose own cap is 512 tokens: 33 s of audio).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class SpeechModel:
         self.weight_bytes = sum(int(v.nbytes) for _, v in tree_flatten(self.model.parameters()))
         self.parameters = set(inspect.signature(self.model.generate).parameters)
         self.counts = {"segments": 0, "audio_seconds": 0}
+        self.profile: Any = None  # its --models-config entry (set by the slots): `max_tokens` caps each segment
 
     def job(self, args: dict[str, Any]) -> SpeechJob:
         instructions = args.get("instructions")
@@ -85,6 +88,9 @@ class SpeechJob(AuxiliaryJob):
         for name in _INSTRUCTION_PARAMS:
             if self.args.get("instructions") and name in self.owner.parameters:
                 kwargs[name] = self.args["instructions"]
+        limit = getattr(self.owner.profile, "max_tokens", None)
+        if limit and "max_tokens" in self.owner.parameters:
+            kwargs["max_tokens"] = limit
         if "verbose" not in self.owner.parameters and "kwargs" not in self.owner.parameters:
             kwargs.pop("verbose")
         return iter(self.owner.model.generate(**kwargs))
