@@ -25,6 +25,7 @@ from http_frontend.middleware.observer import RequestObserver, route_finder
 from http_frontend.openai.audio import Speech, Transcriptions
 from http_frontend.openai.chat import ChatCompletions
 from http_frontend.openai.completions import Completions
+from http_frontend.openai.embeddings import Embeddings
 from http_frontend.openai.responses import ResponseById, Responses
 from http_frontend.openai.tokenize import Detokenize, Tokenize
 from http_frontend.playground.resource import add_playground
@@ -101,6 +102,7 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     add_route(app, "/v1/audio/transcriptions", Transcriptions(client, settings, "transcribe", settings.request_timeout))
     add_route(app, "/v1/audio/translations", Transcriptions(client, settings, "translate", settings.request_timeout))
     add_route(app, "/v1/audio/speech", Speech(client, settings, settings.request_timeout))
+    add_route(app, "/v1/embeddings", Embeddings(client, settings))
     add_route(app, "/v1/tokenize", Tokenize(client, settings))
     add_route(app, "/v1/detokenize", Detokenize(client, settings))
     add_route(app, "/v1/models", Models(client))

@@ -62,6 +62,8 @@ class CallMethod(str, enum.Enum):
     EMBEDDINGS = "embeddings"
     TRANSCRIBE = "audio.transcribe"
     SPEECH = "audio.speech"
+    # {"count": steps timed so far, "gaps_ms": the last <= 4096 gaps between decode steps}: the engine's own ITL
+    STEP_GAPS = "step_gaps"
     DRAIN = "drain"  # {"draining": bool}: PONGs say "draining", routers send no new work (rolling restarts)
     DEBUG_SLEEP = "debug_sleep"  # fault injection (tests only): wedges the mlx thread
     DEBUG_CRASH = "debug_crash"  # fault injection (tests only): kills the mlx thread

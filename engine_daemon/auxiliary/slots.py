@@ -27,7 +27,7 @@ import mlx.core as mx
 from engine_daemon.auxiliary.model import KINDS, AuxiliaryModel, loader_for, weights_on_disk
 from engine_daemon.errors import RequestError
 from engine_daemon.models.names import ModelNames
-from engine_daemon.models.store import InvalidModelName, ModelNotFound
+from engine_daemon.models.store import InvalidModelName, ModelNotFound, ModelRef
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ class AuxiliarySlots:
         log.info("loading %s model %s from %s", kind, name, path)
         started = time.perf_counter()
         model = loader(name, str(path))
+        if hasattr(model, "profile"):  # its name's --models-config settings (e.g. `embedding_dimensions`)
+            model.profile = self.names.profile_for(ModelRef(name, path))
         self.loads += 1
         slot = self.slots[kind] = _Slot(model, time.time(), time.monotonic())
         log.info("loaded %s model %s in %.2f s (%.0f MiB)", kind, name, time.perf_counter() - started,
@@ -163,6 +165,10 @@ class AuxiliarySlots:
                          now - slot.last_used, idle_seconds)
                 gone += self.unload(kind)
         return gone
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """For /stats: each loaded model's own work counters (embedding batches, inputs, tokens), by kind."""
+        return {kind: dict(getattr(slot.model, "counts", {})) for kind, slot in list(self.slots.items())}
 
     def weight_bytes(self) -> int:
         return sum(slot.model.weight_bytes for slot in self.slots.values())

@@ -100,6 +100,8 @@ class SpeechJob(AuxiliaryJob):
             return True
         if self.owner.model is None:
             raise RequestError(503, "model_unloaded", "The speech model was unloaded")
+        # A window / segment cannot be cut to a token budget: kept out of the queue's per-token cost estimate.
+        self.last_slice_tokens = 0
         if self._segments is None:
             import mlx.core as mx
 

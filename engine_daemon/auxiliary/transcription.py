@@ -106,6 +106,8 @@ class TranscriptionJob(AuxiliaryJob):
         model = self.owner.model
         if model is None:
             raise RequestError(503, "model_unloaded", "The transcription model was unloaded")
+        # A window / segment cannot be cut to a token budget: kept out of the queue's per-token cost estimate.
+        self.last_slice_tokens = 0
         window = self.audio[self.offset:self.offset + WINDOW_SAMPLES]
         start = self.offset / SAMPLE_RATE
         temperature = self.args.get("temperature")

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
+from engine_daemon.auxiliary.embedding import pooling_of
 from engine_daemon.calls import response_store
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.generation.speculative import speculative_stats
@@ -63,6 +65,8 @@ def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:
         models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
     for entry in models:
         path = entry.pop("path", None)
+        if entry.get("kind", "text") == "text" and path and pooling_of(Path(path)):
+            entry["kind"] = "embedding"  # served by /v1/embeddings in the embedding slot, not as a chat model
         served_as = entry["id"] if entry["id"] in names.entries else names.name_of_path(path) or entry["id"]
         entry["loaded"] = served_as == loaded
         if entry["loaded"]:
@@ -79,7 +83,15 @@ def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
             "batch_size": ctx.worker.status.running, **scheduler.describe(), **scheduler.stats.as_dict(),
             **scheduler.prompt_cache_stats(), **ctx.responses.stats(), **scheduler.adapters.stats(),
             **ctx.preprocessor.stats(), **ctx.worker.aux_jobs.stats(), "auxiliary_loads": ctx.worker.aux.loads,
+            "auxiliary_work": ctx.worker.aux.counters(),
             **speculative_stats(scheduler.speculative, ctx.worker.status.model)}
+
+
+def step_gaps(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own per-token timing: gaps between consecutive decode steps (benchmarks read it)."""
+    worker = ctx.worker
+    count, gaps = worker.step_gap_count, list(worker.step_gaps)
+    return {"count": count, "gaps_ms": [round(gap * 1000, 3) for gap in gaps]}
 
 
 def adapters_list(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:

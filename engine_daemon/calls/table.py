@@ -38,6 +38,7 @@ CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.STATUS: CallSpec(Thread.IO, io_thread.status),
     CallMethod.LIST_MODELS: CallSpec(Thread.IO, io_thread.list_models),
     CallMethod.STATS: CallSpec(Thread.IO, io_thread.stats),
+    CallMethod.STEP_GAPS: CallSpec(Thread.IO, io_thread.step_gaps),
     CallMethod.ADAPTERS_LIST: CallSpec(Thread.IO, io_thread.adapters_list),
     CallMethod.RESPONSES_PUT: CallSpec(Thread.IO, io_thread.responses_put),
     CallMethod.RESPONSES_GET: CallSpec(Thread.IO, io_thread.responses_get),

@@ -58,7 +58,7 @@ REASONING_MARKERS: dict[str, tuple[str, str] | None] = {
 GLOB_CHARACTERS = frozenset("*?[")  # an alias with one of these is an fnmatch pattern (`ModelNames.resolve`)
 MODEL_OWN_TEMPLATE = "model"  # `chat_template: model` in an entry: the model's own, not --chat-template-file
 _ENTRY_KEYS = {"alias", "name", "path", "repo", "max_tokens", "context_length", "chat_template", "tool_parser",
-               "reasoning_parser", "context_overflow", "defaults", *SAMPLING_KEYS}
+               "reasoning_parser", "context_overflow", "defaults", "embedding_dimensions", *SAMPLING_KEYS}
 
 
 class ModelsConfigError(ValueError):
@@ -77,6 +77,8 @@ class ModelProfile:
     tool_parser: str | None = None
     reasoning_parser: str | None = None
     context_overflow: str = "error"
+    # An embedding model's `dimensions` (Matryoshka truncation): True/False overrides what its files say.
+    embedding_dimensions: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,13 @@ def _positive_int(entry: Mapping[str, Any], key: str, where: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelsConfigError(f"{where}: '{key}' must be a positive integer, not {value!r}")
+    return value
+
+
+def _optional_bool(entry: Mapping[str, Any], key: str, where: str) -> bool | None:
+    value = entry.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ModelsConfigError(f"{where}: {key} must be true or false")
     return value
 
 
@@ -186,6 +195,7 @@ def _entry(raw: Any, base: Path, defaults: ModelProfile, index: int) -> ModelEnt
         chat_template=template, chat_template_file=template_file,
         tool_parser=tool_parser, reasoning_parser=reasoning,
         context_overflow=check_overflow_mode(overflow, where) if overflow is not None else defaults.context_overflow,
+        embedding_dimensions=_optional_bool(raw, "embedding_dimensions", where),
     )
     return ModelEntry(name.strip(), source, profile)
 

@@ -15,6 +15,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_daemon.auxiliary.embedding import pooling_of
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.cpu import parallel_ops as cpu_parallel
 from engine_daemon.errors import RequestError
@@ -127,6 +128,9 @@ class BaseScheduler:
         # The loaded directory under another spelling (its --model path vs. a name under --model-dir) is the
         # loaded model, not a reason to load the same weights again. Operator names keep their own
         # settings (a profile), so only unnamed spellings are folded together.
+        if pooling_of(ref.path):  # loading it here would evict the chat model, then fail in mlx-lm
+            raise RequestError(400, "invalid_model", f"The model '{name}' is an embedding model: use /v1/embeddings",
+                               param="model")
         named = self.models.names.entries
         if (current is not None and ref.path == current.ref.path and ref.id not in named
                 and current.ref.id not in named):

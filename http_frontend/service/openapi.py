@@ -1,10 +1,8 @@
 """GET /openapi.json: an OpenAPI 3 description of every route this front-end serves.
 
-Written by hand from the same limits the validators enforce, and kept true by
-`tests.test_openapi`, which checks that every registered route is described and
-runs Schemathesis against a live server: no 5xx, and every response (status,
-content type, body) matches what is written here. Each /v1 route also answers
-without the prefix; only the /v1 spelling is listed.
+Written by hand from the validators' limits and kept true by `tests.test_openapi` (every route described;
+Schemathesis against a live server: no 5xx, every response as written here). Each /v1 route also answers
+without the prefix; only the /v1 spelling is listed. Auxiliary routes (embeddings, audio): `openapi_auxiliary`.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ from typing import Any
 import falcon.asgi
 
 from http_frontend.service.openapi_audio import AUDIO_PATHS, AUDIO_SCHEMAS
+from http_frontend.service.openapi_auxiliary import AUXILIARY_SCHEMAS, auxiliary_paths
 
 Schema = dict[str, Any]
 
@@ -39,7 +38,6 @@ def ref(name: str) -> Schema:
 
 STRING, INTEGER, NUMBER, BOOLEAN = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 ANY_OBJECT = {"type": "object", "additionalProperties": True}
-
 ERROR = obj({"error": obj({"message": STRING, "type": STRING, "param": nullable(STRING),
                            "code": nullable(STRING)}, ("message", "type"))}, ("error",))
 ANTHROPIC_ERROR = obj({"type": {"type": "string", "enum": ["error"]},
@@ -247,7 +245,7 @@ ANTHROPIC_MESSAGE = obj({
                   "cache_creation_input_tokens": INTEGER}, ("input_tokens", "output_tokens")),
 }, ("id", "type", "role", "content", "stop_reason", "usage"))
 
-MODEL_TYPE = {"type": "string", "enum": ["text", "vision", "audio"]}
+MODEL_TYPE = {"type": "string", "enum": ["text", "vision", "audio", "embedding", "transcription", "speech"]}
 MODEL = obj({"id": STRING, "object": {"type": "string", "enum": ["model"]}, "created": INTEGER, "owned_by": STRING,
              "context_window": nullable(INTEGER), "type": MODEL_TYPE, "kind": MODEL_TYPE, "loaded": BOOLEAN},
             ("id", "object"))
@@ -274,7 +272,7 @@ SCHEMAS: dict[str, Schema] = {
     "ResponsesRequest": RESPONSES_REQUEST, "Response": RESPONSE_OBJECT, "ResponseDeleted": RESPONSE_DELETED,
     "MessagesRequest": ANTHROPIC_REQUEST, "Message": ANTHROPIC_MESSAGE,
     "CountTokensRequest": ANTHROPIC_COUNT_REQUEST,
-    "Model": MODEL, "Health": HEALTH,
+    "Model": MODEL, "Health": HEALTH, **AUXILIARY_SCHEMAS, **AUDIO_SCHEMAS,
     "Adapter": ADAPTER, "AdapterRegistration": ADAPTER_REGISTRATION, "AdapterDeleted": ADAPTER_DELETED,
     "TokenizeRequest": TOKENIZE_REQUEST, "TokenizeResult": TOKENIZE_RESULT,
     "DetokenizeRequest": DETOKENIZE_REQUEST, "DetokenizeResult": DETOKENIZE_RESULT,
@@ -396,6 +394,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/messages/count_tokens": {"post": _operation(
             "Anthropic token counting", "CountTokensRequest",
             _ok(obj({"input_tokens": INTEGER}, ("input_tokens",))), (400, 401, 404, 413, 503, 504), anthropic=True)},
+        **auxiliary_paths(_operation, _ok, ref),  # /v1/embeddings and the other auxiliary models' routes
         "/v1/tokenize": {"post": _operation("Token ids of a prompt or of templated chat messages", "TokenizeRequest",
                                             _ok(ref("TokenizeResult")), CALL_ERRORS + (413,))},
         "/v1/detokenize": {"post": _operation("Text of token ids", "DetokenizeRequest",
@@ -434,7 +433,7 @@ def openapi_document() -> dict[str, Any]:
                  "description": "OpenAI- and Anthropic-compatible API for local MLX models. Every /v1 route also "
                                 "answers without the /v1 prefix."},
         "paths": paths,
-        "components": {"schemas": {**SCHEMAS, **AUDIO_SCHEMAS},
+        "components": {"schemas": SCHEMAS,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
                                            "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}},
     }
