@@ -1,11 +1,13 @@
-"""The speech slot: text-to-speech through mlx-audio, one synthesized segment per slice.
+"""The speech slot: text-to-speech through mlx-audio, in slices of a segment or of a few tokens.
 
 mlx-audio's TTS models share one interface: `mlx_audio.tts.utils.load(path)` and a `generate`
 that yields a `GenerationResult` (float32 samples, sample rate) per segment of the input (a
 line, or a sentence group, as the model splits it). The job keeps that generator and advances
 it once per `step`, so the mlx thread returns to chat steps between segments, and hands each
 segment's samples to the front-end at once as a partial RESULT (raw little-endian float32):
-the HTTP response starts streaming with the first segment, not after the last.
+the HTTP response starts streaming with the first segment, not after the last. Soprano-style
+models go finer (`speech_tokens`): a slice is at most 32 of their tokens, a sentence's audio is
+sent when it ends.
 
 The front-end does everything else: encoding (mp3, opus, aac, flac, wav, pcm) and `speed`
 (FFmpeg's atempo), so every model supports every format and speed alike. `voice` is passed to
@@ -28,6 +30,7 @@ import numpy as np
 
 from engine_daemon.auxiliary.jobs import AuxiliaryJob
 from engine_daemon.auxiliary.model import register_loader
+from engine_daemon.auxiliary.speech_tokens import TOKENS_PER_SLICE, TokenSteps, supports
 from engine_daemon.errors import RequestError
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,7 @@ class SpeechJob(AuxiliaryJob):
         self.args = args
         self.samples = 0
         self._segments: Iterator[Any] | None = None
+        self._steps: TokenSteps | None = None  # Soprano-style models: token-sized slices
         self._partials: list[dict[str, Any]] = []
         self._done = False
 
@@ -100,28 +104,44 @@ class SpeechJob(AuxiliaryJob):
             return True
         if self.owner.model is None:
             raise RequestError(503, "model_unloaded", "The speech model was unloaded")
-        # A window / segment cannot be cut to a token budget: kept out of the queue's per-token cost estimate.
+        # Not the queue's tokens (embedding tokens): kept out of its per-token cost estimate.
         self.last_slice_tokens = 0
-        if self._segments is None:
+        if self._segments is None and self._steps is None:
             import mlx.core as mx
 
             mx.random.seed(SEED)  # the same input gives the same audio (models sample their tokens)
-            self._segments = self._start()
+            if supports(self.owner.model):
+                self._steps = TokenSteps(self.owner.model, self.args["input"],
+                                         getattr(self.owner.profile, "max_tokens", None))
+            else:
+                self._segments = self._start()
+        if self._steps is not None:
+            if not self._steps.done():
+                pcm = self._steps.advance(min(budget, TOKENS_PER_SLICE))
+                if pcm is not None:
+                    self._send(pcm)
+            if self._steps.done():
+                return self._finish()
+            return False
         try:
             segment = next(self._segments)
         except StopIteration:
-            self._done = True
-            self.owner.counts["audio_seconds"] += int(round(self.samples / self.owner.sample_rate))
-            return True
-        pcm = np.asarray(segment.audio, dtype=np.float32).reshape(-1)
-        rate = int(getattr(segment, "sample_rate", 0) or self.owner.sample_rate)
-        if rate != self.owner.sample_rate:
+            return self._finish()
+        if int(getattr(segment, "sample_rate", 0) or self.owner.sample_rate) != self.owner.sample_rate:
             raise RequestError(500, "engine_error", "The speech model changed its sample rate mid-stream",
                                error_type="server_error")
+        self._send(np.asarray(segment.audio, dtype=np.float32).reshape(-1))
+        return False
+
+    def _send(self, pcm: np.ndarray) -> None:
         self.samples += pcm.size
         self.owner.counts["segments"] += 1
-        self._partials.append({"audio": pcm.astype("<f4", copy=False).tobytes(), "sample_rate": rate})
-        return False
+        self._partials.append({"audio": pcm.astype("<f4", copy=False).tobytes(), "sample_rate": self.owner.sample_rate})
+
+    def _finish(self) -> bool:
+        self._done = True
+        self.owner.counts["audio_seconds"] += int(round(self.samples / self.owner.sample_rate))
+        return True
 
     def finished(self) -> bool:
         return self._done

@@ -220,6 +220,24 @@ def reference_samples(client: openai.OpenAI) -> int:
     return samples
 
 
+def test_speech_is_mlx_audios_generate(client: openai.OpenAI, models: dict[str, Path]) -> None:
+    """Token-sized slices on the engine give the very samples of one seeded `generate` call in this process."""
+    import mlx.core as mx
+    from mlx_audio.tts.utils import load
+
+    from engine_daemon.auxiliary.speech import SEED
+
+    text = SPEECH_INPUT + " And a second sentence, long enough to stand alone."
+    audio = client.audio.speech.create(model="tts-1", voice="alloy", input=text, response_format="pcm")
+    tts = load(str(models["tts"]))  # building the model draws random numbers: seed after it
+    mx.random.seed(SEED)
+    expected = np.concatenate([np.asarray(r.audio, dtype=np.float32)
+                               for r in tts.generate(text=text, max_tokens=TTS_TOKENS)])
+    served = np.frombuffer(audio.content, dtype="<i2")
+    assert served.size == expected.size
+    assert np.array_equal(served, (np.clip(expected, -1, 1) * 32767).astype("<i2"))
+
+
 @pytest.mark.parametrize("fmt", list(CONTAINERS))
 def test_speech_file_formats_play_back(client: openai.OpenAI, reference_samples: int, fmt: str) -> None:
     audio = client.audio.speech.create(model="tts-1", voice="alloy", input=SPEECH_INPUT, response_format=fmt)
