@@ -75,4 +75,4 @@ class SchedulerConfig:
     # Auxiliary slots (`AuxiliarySlots`): kind -> model preloaded at start (--embedding-model, ...), and the
     # tokens of auxiliary work run between two generation steps (--aux-step-tokens).
     auxiliary_models: dict[str, str] = field(default_factory=dict)
-    aux_step_tokens: int = 512
+    aux_step_tokens: int = 0  # 0: sized from measured costs (`AuxiliaryQueue.slice_budget`)

@@ -22,6 +22,7 @@ from http_frontend.engine.pool_config import epsilon_from_env, min_bound_from_en
 from http_frontend.middleware.auth import security_middleware
 from http_frontend.middleware.disconnect import DisconnectWatch
 from http_frontend.middleware.observer import RequestObserver, route_finder
+from http_frontend.openai.audio import Speech, Transcriptions
 from http_frontend.openai.chat import ChatCompletions
 from http_frontend.openai.completions import Completions
 from http_frontend.openai.embeddings import Embeddings
@@ -98,6 +99,9 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     add_route(app, "/v1/responses/{response_id}", responses_by_id)
     add_route(app, "/v1/responses/{response_id}/input_items", responses_by_id, suffix="input_items")
     add_route(app, "/v1/responses/{response_id}/cancel", responses_by_id, suffix="cancel")
+    add_route(app, "/v1/audio/transcriptions", Transcriptions(client, settings, "transcribe", settings.request_timeout))
+    add_route(app, "/v1/audio/translations", Transcriptions(client, settings, "translate", settings.request_timeout))
+    add_route(app, "/v1/audio/speech", Speech(client, settings, settings.request_timeout))
     add_route(app, "/v1/embeddings", Embeddings(client, settings))
     add_route(app, "/v1/tokenize", Tokenize(client, settings))
     add_route(app, "/v1/detokenize", Detokenize(client, settings))

@@ -31,6 +31,10 @@ LOG_LEVEL_ENV = "MLX_FRONTEND_LOG_LEVEL"
 ALLOW_PRIVATE_IMAGE_URLS_ENV = "MLX_FRONTEND_ALLOW_PRIVATE_IMAGE_URLS"
 MAX_IMAGE_BYTES_ENV = "MLX_FRONTEND_MAX_IMAGE_BYTES"
 IMAGE_FETCH_TIMEOUT_ENV = "MLX_FRONTEND_IMAGE_FETCH_TIMEOUT"
+# /v1/audio/* (http_frontend.openai.audio): upload size, decoded length, speech input length
+MAX_AUDIO_BYTES_ENV = "MLX_FRONTEND_MAX_AUDIO_BYTES"
+MAX_AUDIO_SECONDS_ENV = "MLX_FRONTEND_MAX_AUDIO_SECONDS"
+MAX_SPEECH_CHARS_ENV = "MLX_FRONTEND_MAX_SPEECH_CHARS"
 # The browser playground at / (http_frontend.playground); "0" turns it off for API-only deployments.
 PLAYGROUND_ENV = "MLX_FRONTEND_PLAYGROUND"
 
@@ -40,6 +44,12 @@ DEFAULT_MAX_PENDING_BYTES = 8 * 1024 * 1024
 DEFAULT_REQUEST_TIMEOUT = 600.0
 DEFAULT_MAX_IMAGE_BYTES = 10 * 1024 * 1024
 DEFAULT_IMAGE_FETCH_TIMEOUT = 10.0
+DEFAULT_MAX_AUDIO_BYTES = 25 * 1024 * 1024  # OpenAI's upload limit for /v1/audio/transcriptions
+# 16 kHz float32 samples travel to the engine in one frame (protocol MAX_FRAME_BYTES, 32 MiB): 480 s is
+# 30.7 MB, so the default leaves room for the rest of the CALL.
+DEFAULT_MAX_AUDIO_SECONDS = 480.0
+MAX_AUDIO_SECONDS_CEILING = 520.0
+DEFAULT_MAX_SPEECH_CHARS = 4096  # OpenAI's limit on /v1/audio/speech `input`
 
 
 def split_list(value: str | None) -> tuple[str, ...]:
@@ -82,6 +92,14 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _audio_seconds(environ: Mapping[str, str]) -> float:
+    value = _seconds(environ, MAX_AUDIO_SECONDS_ENV, DEFAULT_MAX_AUDIO_SECONDS)
+    if value > MAX_AUDIO_SECONDS_CEILING:
+        raise ValueError(f"{MAX_AUDIO_SECONDS_ENV} may be at most {MAX_AUDIO_SECONDS_CEILING:g} (the decoded clip "
+                         "travels to the engine in one 32 MiB frame)")
+    return value
+
+
 @dataclass(frozen=True)
 class FrontendSettings:
     """Security, limits and timeouts of one front-end worker."""
@@ -105,6 +123,9 @@ class FrontendSettings:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # per image or audio clip, inline or fetched
     image_fetch_timeout: float = DEFAULT_IMAGE_FETCH_TIMEOUT  # seconds for one URL, redirects included
     playground: bool = True  # serve the browser playground at / and /playground
+    max_audio_bytes: int = DEFAULT_MAX_AUDIO_BYTES  # one uploaded audio file (transcriptions, translations)
+    max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS  # decoded length of one upload
+    max_speech_chars: int = DEFAULT_MAX_SPEECH_CHARS  # characters of /v1/audio/speech `input`
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FrontendSettings:
@@ -131,6 +152,9 @@ class FrontendSettings:
             image_fetch_timeout=_seconds(env, IMAGE_FETCH_TIMEOUT_ENV, DEFAULT_IMAGE_FETCH_TIMEOUT),
             # On unless turned off: unset means on, so a plain gunicorn run serves it too.
             playground=_bool(env, PLAYGROUND_ENV) if env.get(PLAYGROUND_ENV, "").strip() else True,
+            max_audio_bytes=_positive_int(env, MAX_AUDIO_BYTES_ENV, DEFAULT_MAX_AUDIO_BYTES),
+            max_audio_seconds=_audio_seconds(env),
+            max_speech_chars=_positive_int(env, MAX_SPEECH_CHARS_ENV, DEFAULT_MAX_SPEECH_CHARS),
         )
 
     def __repr__(self) -> str:
@@ -141,7 +165,9 @@ class FrontendSettings:
                 f"max_messages={self.max_messages}, max_tokens_limit={self.max_tokens_limit}, "
                 f"request_timeout={self.request_timeout}, log_level={self.log_level!r}, "
                 f"allow_private_image_urls={self.allow_private_image_urls}, max_image_bytes={self.max_image_bytes}, "
-                f"image_fetch_timeout={self.image_fetch_timeout}, playground={self.playground})")
+                f"image_fetch_timeout={self.image_fetch_timeout}, playground={self.playground}, "
+                f"max_audio_bytes={self.max_audio_bytes}, max_audio_seconds={self.max_audio_seconds}, "
+                f"max_speech_chars={self.max_speech_chars})")
 
 
 # -- the `frontend` command's flags for these settings ---------------------------------------
@@ -204,6 +230,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                              "reading is then cut off with a slow_client error and its request aborted (0 = the "
                              f"default). [{MAX_PENDING_BYTES_ENV}] (default: %(default)s)")
     add_media_flags(parser)
+    add_audio_flags(parser)
     parser.add_argument("--no-playground", dest="playground", action="store_false",
                         default=env(PLAYGROUND_ENV, "1").strip().lower() not in ("0", "false", "no", "off"),
                         help="do not serve the browser playground at / and /playground (API-only deployments; "
@@ -238,6 +265,33 @@ def add_media_flags(parser: argparse.ArgumentParser) -> None:
                              f"[{IMAGE_FETCH_TIMEOUT_ENV}] (default: %(default)s)")
 
 
+def _audio_seconds_arg(text: str) -> float:
+    value = _positive_seconds_arg(text)
+    if value > MAX_AUDIO_SECONDS_CEILING:
+        raise argparse.ArgumentTypeError(f"at most {MAX_AUDIO_SECONDS_CEILING:g} seconds (the decoded clip travels "
+                                         "to the engine in one 32 MiB frame)")
+    return value
+
+
+def add_audio_flags(parser: argparse.ArgumentParser) -> None:
+    """Limits of /v1/audio/transcriptions, /translations and /speech; each defaults to its variable."""
+    env = os.environ.get
+    parser.add_argument("--max-audio-bytes", type=_limit_arg,
+                        default=env(MAX_AUDIO_BYTES_ENV, str(DEFAULT_MAX_AUDIO_BYTES)),
+                        help="largest audio file uploaded to /v1/audio/transcriptions or /translations, in bytes; "
+                             f"larger gets 413 (0 = the default, OpenAI's 25 MB). [{MAX_AUDIO_BYTES_ENV}] "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-audio-seconds", type=_audio_seconds_arg,
+                        default=env(MAX_AUDIO_SECONDS_ENV) or str(DEFAULT_MAX_AUDIO_SECONDS),
+                        help="longest decoded upload in seconds; longer gets 400 audio_too_long (decoding stops "
+                             f"there). At most {MAX_AUDIO_SECONDS_CEILING:g}: the 16 kHz samples go to the engine in "
+                             f"one frame. [{MAX_AUDIO_SECONDS_ENV}] (default: %(default)s)")
+    parser.add_argument("--max-speech-chars", type=_limit_arg,
+                        default=env(MAX_SPEECH_CHARS_ENV, str(DEFAULT_MAX_SPEECH_CHARS)),
+                        help="most characters of /v1/audio/speech `input`; more gets 400 (0 = the default, "
+                             f"OpenAI's 4096). [{MAX_SPEECH_CHARS_ENV}] (default: %(default)s)")
+
+
 def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
     """The parsed flags as the variables workers read (the flag wins over the variable)."""
     keys = args.api_key if args.api_key is not None else split_list(os.environ.get(API_KEY_ENV))
@@ -262,6 +316,9 @@ def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
         MAX_IMAGE_BYTES_ENV: str(getattr(args, "max_image_bytes", 0) or DEFAULT_MAX_IMAGE_BYTES),
         IMAGE_FETCH_TIMEOUT_ENV: str(getattr(args, "image_fetch_timeout", DEFAULT_IMAGE_FETCH_TIMEOUT)),
         PLAYGROUND_ENV: "1" if getattr(args, "playground", True) else "0",
+        MAX_AUDIO_BYTES_ENV: str(getattr(args, "max_audio_bytes", 0) or DEFAULT_MAX_AUDIO_BYTES),
+        MAX_AUDIO_SECONDS_ENV: str(getattr(args, "max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)),
+        MAX_SPEECH_CHARS_ENV: str(getattr(args, "max_speech_chars", 0) or DEFAULT_MAX_SPEECH_CHARS),
     }
 
 

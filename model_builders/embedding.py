@@ -53,11 +53,19 @@ def _build_info(kind: str, seed: int) -> dict:
 
 
 # -- BERT ---------------------------------------------------------------------------------------
-def bert_config(seed: int, vocab_size: int = 1024, max_positions: int = 128) -> dict:
-    return {"architectures": ["BertModel"], "model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": max_positions,
-            "type_vocab_size": 2, "vocab_size": vocab_size, "layer_norm_eps": 1e-12, "hidden_act": "gelu",
-            "pad_token_id": 0, "torch_dtype": "float32", **_build_info("bert", seed)}
+# tiny: for tests; minilm: the shape of all-MiniLM-L6-v2 (a common RAG embedder), for benchmarks
+BERT_SIZES = {
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+             "max_position_embeddings": 128, "vocab_size": 1024},
+    "minilm": {"hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12, "intermediate_size": 1536,
+               "max_position_embeddings": 512, "vocab_size": 4096},
+}
+
+
+def bert_config(seed: int, size: str = "tiny") -> dict:
+    return {"architectures": ["BertModel"], "model_type": "bert", **BERT_SIZES[size], "type_vocab_size": 2,
+            "layer_norm_eps": 1e-12, "hidden_act": "gelu", "pad_token_id": 0, "torch_dtype": "float32",
+            **_build_info(f"bert-{size}" if size != "tiny" else "bert", seed)}
 
 
 def bert_tokenizer_json(vocab_size: int) -> str:
@@ -101,10 +109,10 @@ def _bert_weights(config: dict, seed: int) -> dict:
     return weights
 
 
-def build_bert_embedding(out_dir: str | Path, seed: int = 0) -> Path:
-    """A tiny BERT embedding model in `out_dir` (idempotent: a complete build is reused)."""
+def build_bert_embedding(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """A BERT embedding model of `size` (`BERT_SIZES`) in `out_dir` (idempotent: a complete build is reused)."""
     out_dir = Path(out_dir).expanduser().resolve()
-    config = bert_config(seed)
+    config = bert_config(seed, size)
 
     def write_payload(out: Path) -> None:
         tokenizer_json = bert_tokenizer_json(config["vocab_size"])
@@ -186,11 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--kind", choices=("bert", "decoder"), default="bert",
                         help="bert: mlx-embeddings' BERT; decoder: a Qwen3-Embedding-style model for mlx-lm")
+    parser.add_argument("--size", choices=sorted(BERT_SIZES), default="tiny", help="BERT size (default: tiny)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    build = build_bert_embedding if args.kind == "bert" else build_decoder_embedding
-    print(build(args.out_dir, seed=args.seed))
+    if args.kind == "bert":
+        print(build_bert_embedding(args.out_dir, seed=args.seed, size=args.size))
+    else:
+        print(build_decoder_embedding(args.out_dir, seed=args.seed))
     return 0
 
 

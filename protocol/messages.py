@@ -57,8 +57,13 @@ class CallMethod(str, enum.Enum):
     RESPONSES_GET = "responses.get"
     RESPONSES_DELETE = "responses.delete"
     # Auxiliary models (embedding, transcription, speech slots beside the chat model): args and
-    # result are documented at `AUXILIARY_CALLS`.
+    # result are documented at `AUXILIARY_CALLS`. The audio ones are long CALLs: partial RESULTs,
+    # then the final one.
     EMBEDDINGS = "embeddings"
+    TRANSCRIBE = "audio.transcribe"
+    SPEECH = "audio.speech"
+    # {"count": steps timed so far, "gaps_ms": the last <= 4096 gaps between decode steps}: the engine's own ITL
+    STEP_GAPS = "step_gaps"
     DRAIN = "drain"  # {"draining": bool}: PONGs say "draining", routers send no new work (rolling restarts)
     DEBUG_SLEEP = "debug_sleep"  # fault injection (tests only): wedges the mlx thread
     DEBUG_CRASH = "debug_crash"  # fault injection (tests only): kills the mlx thread
@@ -72,6 +77,21 @@ AUXILIARY_CALLS = {
         "args": {"model": "str | None", "input": "list[str] | list[list[int]]", "dimensions": "int | None"},
         # data: one float32 vector per input, in order; model: the name that served it
         "result": {"model": "str", "data": "list[bytes]", "dimensions": "int", "prompt_tokens": "int"},
+    },
+    CallMethod.TRANSCRIBE: {
+        # audio: 16 kHz mono float32; task: "transcribe" | "translate"; temperature None: Whisper's fallback
+        # schedule; timestamps: decode with timestamp tokens (segments); stream: send each window's segments
+        "args": {"model": "str", "audio": "bytes", "task": "str", "language": "str | None", "prompt": "str | None",
+                 "temperature": "float | None", "timestamps": "bool", "word_timestamps": "bool", "stream": "bool"},
+        # partial (stream only): {"delta": str, "segments": [segment]} per window
+        "result": {"model": "str", "text": "str", "language": "str", "language_name": "str", "duration": "float",
+                   "segments": "list[{id, seek, start, end, text, tokens, temperature, avg_logprob, "
+                               "compression_ratio, no_speech_prob, words?}]"},
+    },
+    CallMethod.SPEECH: {
+        "args": {"model": "str", "input": "str", "voice": "str | None", "instructions": "str | None"},
+        # partials: {"audio": bytes (float32 mono), "sample_rate": int}, one per synthesized segment
+        "result": {"model": "str", "sample_rate": "int", "samples": "int"},
     },
 }
 
@@ -160,7 +180,9 @@ SCHEMAS: dict[MsgType, Schema] = {
         "type": ((str,), False),
         "param": ((str, NONE), False),
     },
-    MsgType.RESULT: {"cid": ((str,), True), "result": ((object,), False)},
+    # `partial`: one of several RESULTs of a long CALL (audio.transcribe / audio.speech: a transcript
+    # segment, a piece of audio); the call stays open until the RESULT without it.
+    MsgType.RESULT: {"cid": ((str,), True), "result": ((object,), False), "partial": ((bool,), False)},
 }
 
 # Sampling and limit fields an ADD may carry in `params`, with their types.

@@ -93,8 +93,7 @@ class EmbeddingJob(AuxiliaryJob):
     def step(self, budget: int) -> bool:
         if self.model.closed:
             raise RequestError(503, "model_unloaded", "The embedding model was unloaded", error_type="server_error")
-        if not self.finished():
-            self.model.run(budget)
+        self.last_slice_tokens = 0 if self.finished() else self.model.run(budget)
         return self.finished()
 
     def deliver(self, index: int, vector: np.ndarray, tokens: int) -> None:

@@ -12,6 +12,7 @@ never on the mlx thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ class AuxiliaryJob:
     """
 
     kind: str = ""
+    # Tokens of work the last `step` did (the queue learns the cost of a token from it); None: the budget.
+    last_slice_tokens: int | None = None
 
     def prepare(self) -> None:
         """Off-thread preparation (tokenizing, decoding); the default has none."""
@@ -48,6 +51,11 @@ class AuxiliaryJob:
 
     def finished(self) -> bool:
         return False
+
+    def partials(self) -> list[Any]:
+        """RESULT values to send before the final one (long CALLs: a transcript window, a piece of
+        speech), taken after each slice; the default has none."""
+        return []
 
     def result(self) -> Any:
         """The CALL's RESULT body (plain msgpack values; arrays as raw little-endian float32 bytes)."""
@@ -70,13 +78,30 @@ class _Entry:
     job: AuxiliaryJob
 
 
+# Sizing the slice (`--aux-step-tokens 0`): while requests decode, a slice may add this share of one
+# decode step to their inter-token gap (so a stream's gaps stay under 2x its steady ones); when
+# nothing decodes, there is nobody to slow down and slices are the largest.
+GAP_SHARE = 0.8
+IDLE_BUDGET = 4096
+MIN_BUDGET = 16
+FIRST_BUDGET = 64
+
+
 @dataclass
 class AuxiliaryQueue:
-    """Jobs in arrival order; the head job gets one slice per tick; finished jobs are answered."""
+    """Jobs in arrival order; the head job gets one slice per tick; finished jobs are answered.
 
-    budget: int = 512  # --aux-step-tokens
+    The slice's token budget is `fixed` (--aux-step-tokens N) or sized each tick from what the
+    queue has measured: seconds per token of auxiliary work (smoothed over recent slices) and the
+    seconds of a decode step (the scheduler's measure), so one slice costs about `GAP_SHARE`
+    decode steps while streams run.
+    """
+
+    fixed: int = 0  # --aux-step-tokens; 0: sized from measurements
     entries: deque[_Entry] = field(default_factory=deque)
     counts: Counter = field(default_factory=Counter)
+    seconds_per_token: float | None = None
+    budget: int = FIRST_BUDGET  # the last slice's budget (reported in /stats)
 
     def add(self, peer: bytes, cid: str, job: AuxiliaryJob) -> None:
         job.queued()
@@ -86,23 +111,48 @@ class AuxiliaryQueue:
     def has_work(self) -> bool:
         return bool(self.entries)
 
-    def tick(self) -> list[Event]:
+    def slice_budget(self, decode_seconds: float | None) -> int:
+        """Tokens for the next slice; `decode_seconds`: a decode step's cost, None when nothing decodes."""
+        if self.fixed:
+            return self.fixed
+        if decode_seconds is None:
+            return IDLE_BUDGET
+        if self.seconds_per_token is None:
+            return FIRST_BUDGET
+        return int(min(IDLE_BUDGET, max(MIN_BUDGET, GAP_SHARE * decode_seconds / self.seconds_per_token)))
+
+    def _observe(self, seconds: float, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        sample = seconds / tokens
+        previous = self.seconds_per_token
+        self.seconds_per_token = sample if previous is None else 0.7 * previous + 0.3 * sample
+
+    def tick(self, decode_seconds: float | None = None) -> list[Event]:
         """One slice of the head job, then an answer for every job that is finished by now."""
         if not self.entries:
             return []
         head = self.entries[0]
         events: list[Event] = []
+        self.budget = self.slice_budget(decode_seconds)
         try:
+            head.job.last_slice_tokens = None
+            started = time.perf_counter()
             head.job.step(self.budget)
+            used = head.job.last_slice_tokens
+            self._observe(time.perf_counter() - started, self.budget if used is None else used)
             self.counts["slices"] += 1
+            events += [(head.peer, MsgType.RESULT, {"cid": head.cid, "result": value, "partial": True})
+                       for value in head.job.partials()]
         except RequestError as exc:
             events.append(self._error(head, exc))
         except Exception as exc:  # a bug in one job fails that job, never the mlx thread
             log.exception("auxiliary %s job failed", head.job.kind)
             events.append(self._error(head, RequestError(500, "engine_error", describe(exc),
                                                          error_type="server_error")))
+        failed = any(kind == MsgType.ERROR for _, kind, _ in events)
         for entry in list(self.entries):
-            if entry is head and events:
+            if entry is head and failed:
                 continue
             if entry.job.finished():
                 self.entries.remove(entry)
@@ -120,5 +170,7 @@ class AuxiliaryQueue:
         return [self._error(entry, error) for entry in list(self.entries) if kind is None or entry.job.kind == kind]
 
     def stats(self) -> dict[str, Any]:
+        per_token = self.seconds_per_token
         return {"auxiliary_jobs_queued": len(self.entries), "auxiliary_jobs": dict(self.counts),
-                "aux_step_tokens": self.budget}
+                "aux_step_tokens": self.budget, "aux_step_tokens_fixed": bool(self.fixed),
+                "aux_ms_per_token": round(per_token * 1000, 4) if per_token is not None else None}

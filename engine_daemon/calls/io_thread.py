@@ -89,6 +89,13 @@ def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
             **speculative_stats(scheduler.speculative, ctx.worker.status.model)}
 
 
+def step_gaps(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
+    """The engine's own per-token timing: gaps between consecutive decode steps (benchmarks read it)."""
+    worker = ctx.worker
+    count, gaps = worker.step_gap_count, list(worker.step_gaps)
+    return {"count": count, "gaps_ms": [round(gap * 1000, 3) for gap in gaps]}
+
+
 def adapters_list(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
     """A snapshot the mlx thread replaces on every change of the registry."""
     return {"data": ctx.worker.scheduler.adapters.registry.snapshot}

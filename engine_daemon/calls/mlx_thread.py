@@ -45,8 +45,10 @@ def unload(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:
                                                    error_type="server_error"))
     auxiliary = ctx.aux.unload()
     unloaded = ctx.models.unload()
-    return events, {"status": "success" if unloaded or auxiliary else "no_model_loaded",
-                    "auxiliary_unloaded": auxiliary}
+    result: dict[str, Any] = {"status": "success" if unloaded or auxiliary else "no_model_loaded"}
+    if auxiliary:
+        result["auxiliary_unloaded"] = auxiliary  # the embedding / audio models' names
+    return events, result
 
 
 def adapters_add(ctx: MlxContext, args: dict[str, Any]) -> CallOutcome:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_daemon.calls import auxiliary, drain, io_thread, mlx_thread, tokenize
+from engine_daemon.calls import audio, auxiliary, drain, io_thread, mlx_thread, tokenize
 from protocol import CallMethod
 
 
@@ -38,6 +38,7 @@ CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.STATUS: CallSpec(Thread.IO, io_thread.status),
     CallMethod.LIST_MODELS: CallSpec(Thread.IO, io_thread.list_models),
     CallMethod.STATS: CallSpec(Thread.IO, io_thread.stats),
+    CallMethod.STEP_GAPS: CallSpec(Thread.IO, io_thread.step_gaps),
     CallMethod.ADAPTERS_LIST: CallSpec(Thread.IO, io_thread.adapters_list),
     CallMethod.RESPONSES_PUT: CallSpec(Thread.IO, io_thread.responses_put),
     CallMethod.RESPONSES_GET: CallSpec(Thread.IO, io_thread.responses_get),
@@ -49,6 +50,8 @@ CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.TOKENIZE: CallSpec(Thread.POOL, tokenize.tokenize),
     CallMethod.DETOKENIZE: CallSpec(Thread.POOL, tokenize.detokenize),
     CallMethod.EMBEDDINGS: CallSpec(Thread.AUX, auxiliary.embeddings),
+    CallMethod.TRANSCRIBE: CallSpec(Thread.AUX, audio.transcribe),
+    CallMethod.SPEECH: CallSpec(Thread.AUX, audio.speech),
     CallMethod.DEBUG_SLEEP: CallSpec(Thread.MLX, mlx_thread.debug_sleep),
     CallMethod.DEBUG_CRASH: CallSpec(Thread.MLX, mlx_thread.debug_crash),
 }

@@ -13,11 +13,14 @@ from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
+from engine_daemon.errors import RequestError
 from engine_daemon.models.loaded import LoadedModel, kv_bytes_per_token, read_generation_defaults
 from engine_daemon.models.names import ModelNames, apply_profile
 from engine_daemon.models.sharded import load_shard
 from engine_daemon.models.store import ModelRef, context_window_of_config, model_kind
 from engine_daemon.models.vlm_loader import load_vision_model
+
+AUXILIARY_KINDS = ("transcription", "speech")  # kinds `model_kind` names that only an auxiliary slot loads
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +58,13 @@ class ModelManager:
         """Loads `ref` with mlx-lm (text) or mlx-vlm (vision/audio), evicting the current model."""
         if self.current is not None and self.current.ref == ref:
             return self.current
+        kind = model_kind(ref.path)
+        if kind in AUXILIARY_KINDS:  # refused before the current model is unloaded: it keeps serving
+            raise RequestError(400, "invalid_model", f"'{ref.id}' is a {kind} model: it serves /v1/audio/"
+                               f"{'transcriptions' if kind == 'transcription' else 'speech'}, not generation",
+                               param="model")
         self.unload()
-        if model_kind(ref.path) != "text":
+        if kind != "text":
             if self.group_mode:
                 raise ValueError("engine groups serve text models only (mlx-vlm has no sharded load)")
             return self._load_vision(ref)

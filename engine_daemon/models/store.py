@@ -56,7 +56,7 @@ def is_mlx_model_dir(path: Path) -> bool:
     # mlx-vlm also ships text-only, embedding and image-generation architectures: only its vision/audio
     # models count here (`load_vision_model` loads them).
     return (importlib.util.find_spec(f"mlx_lm.models.{model_type}") is not None or kind_of_config(config) != "text"
-            or is_embedding_architecture(model_type))
+            or is_embedding_architecture(model_type) or is_speech_architecture(model_type))
 
 
 def is_embedding_architecture(model_type: str) -> bool:
@@ -69,6 +69,19 @@ def is_embedding_architecture(model_type: str) -> bool:
         return False
     name = model_type.lower().replace("-", "_")
     return any((Path(location) / "models" / f"{name}.py").is_file() for location in spec.submodule_search_locations)
+
+
+def is_speech_architecture(model_type: str) -> bool:
+    """Whisper or a text-to-speech architecture mlx-audio ships: a transcription or speech slot's model.
+
+    Looked up on disk, as `is_embedding_architecture` (importing mlx_audio pulls in mlx).
+    """
+    spec = importlib.util.find_spec("mlx_audio")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    name = model_type.lower().replace("-", "_")
+    return name == "whisper" or any((Path(location) / "tts" / "models" / name / "__init__.py").is_file()
+                                    for location in spec.submodule_search_locations)
 
 
 # -- model kinds: which loader a model needs (`load_vision_model` for vision/audio) ---------
@@ -89,6 +102,9 @@ def kind_of_config(config: dict) -> str:
     with mlx-lm (which also reads the text part of some VLM checkpoints).
     """
     model_type = config.get("model_type")
+    if isinstance(model_type, str) and not importlib.util.find_spec(f"mlx_lm.models.{model_type}") \
+            and is_speech_architecture(model_type):
+        return "transcription" if model_type == "whisper" else "speech"  # auxiliary slots' models (mlx-audio)
     if not isinstance(model_type, str) or not _mlx_vlm_supports(model_type):
         return "text"
     if config.get("vision_config"):

@@ -264,6 +264,10 @@ class BatchScheduler(BaseScheduler):
                 self.on_unload()
                 try:
                     self.models.ensure(ref)
+                except RequestError as exc:  # a model that cannot serve generation (an audio model): a 400
+                    self.waiting.popleft()
+                    events.append(self.refuse(request, exc))
+                    continue
                 except Exception as exc:
                     log.exception("could not load %s", ref.id)
                     self.waiting.popleft()

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,10 @@ class MlxWorker(threading.Thread):
             memory_budget_bytes=config.memory_budget_bytes, preload=config.auxiliary_models,
             main_weight_bytes=lambda: self.models.current.weights_bytes if self.models.current else 0)
         self.aux_jobs = AuxiliaryQueue(config.aux_step_tokens)
+        # Seconds between consecutive steps while requests decode (`_time_step`); read by CALL step_gaps.
+        self.step_gaps: deque[float] = deque(maxlen=4096)
+        self.step_gap_count = 0
+        self._step_seconds: deque[float] = deque(maxlen=32)  # recent scheduler steps (`_decode_seconds`)
         # Runs a job's `prepare` off this thread, then `answer(result, error)`: the engine's admission
         # pool (`Preprocessor.run_call`); None (tests): in line.
         self.offload: Callable[[Callable[[], Any], Callable[[Any, RequestError | None], None]], None] | None = None
@@ -125,13 +130,16 @@ class MlxWorker(threading.Thread):
                 if self.scheduler.has_work():
                     self._mark_busy()
                     self.status.busy_since = self.status.busy_since or time.monotonic()
+                    started = time.perf_counter()
                     events += self._step()
+                    if self.status.running:
+                        self._step_seconds.append(time.perf_counter() - started)
                     self.status.steps += 1
-                    self.status.last_step_at = time.monotonic()
+                    self._time_step(time.monotonic())
                     events += self._group_after_tick()
                 if self.aux_jobs.has_work():  # one bounded slice between two generation steps
                     self.status.busy_since = self.status.busy_since or time.monotonic()
-                    events += self.aux_jobs.tick()
+                    events += self.aux_jobs.tick(self._decode_seconds())
                 self._publish(outbox, events)
                 self._update_status()
                 self._unload_if_idle()
@@ -191,6 +199,26 @@ class MlxWorker(threading.Thread):
             log.exception("could not preload model %s", name)
         self._update_status()
         self._last_active = time.monotonic()  # --idle-unload counts from the end of the preload
+
+    def _decode_seconds(self) -> float | None:
+        """A decode step's cost while requests decode (the scheduler's pacer measures it), else None."""
+        if not self.scheduler.running():
+            return None
+        measured = getattr(getattr(self.scheduler, "pacer", None), "decode_seconds", None)
+        if measured is None and self._step_seconds:
+            measured = sorted(self._step_seconds)[len(self._step_seconds) // 2]  # the median recent step
+        return measured
+
+    def _time_step(self, now: float) -> None:
+        """Records the gap since the previous step when requests ran across both: a running stream's ITL.
+
+        With requests decoding, every step gives each of them a token, so these gaps are the
+        engine's own per-token timing (what an auxiliary slice between two steps adds shows here).
+        """
+        if self.status.running and self.status.last_step_at and now - self.status.last_step_at < 5.0:
+            self.step_gaps.append(now - self.status.last_step_at)
+            self.step_gap_count += 1
+        self.status.last_step_at = now
 
     def _preload_auxiliary(self) -> None:
         """--embedding-model and the like: loaded at start; a failure is logged, the engine serves on."""

@@ -17,6 +17,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -187,6 +188,8 @@ class EngineClient:
         self._unanswered_since: float | None = None
         self.streams: dict[str, RequestStream] = {}
         self._calls: dict[str, asyncio.Future] = {}
+        # Long CALLs (audio): partial RESULTs go to their callback; an engine that dies fails them at once.
+        self._partials: dict[str, Callable[[Any], None] | None] = {}
         self._ready = asyncio.Event()
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
@@ -308,6 +311,20 @@ class EngineClient:
     async def call(self, method: CallMethod | str, args: dict[str, Any] | None = None,
                    timeout: float = 5.0) -> Any:
         """Generic request/reply to the engine (`CallMethod`: status, list_models, unload, ...)."""
+        return await self._call(method, args, timeout, None, streaming=False)
+
+    async def call_streaming(self, method: CallMethod | str, args: dict[str, Any] | None = None,
+                             timeout: float = 600.0, on_partial: Callable[[Any], None] | None = None) -> Any:
+        """A long CALL (transcription, speech): `on_partial` gets each partial RESULT's value as it arrives.
+
+        The engine answers with any number of RESULTs marked `partial` (a transcript segment, a
+        piece of audio) before the final one, which this returns. Unlike a plain CALL, it fails
+        at once with EngineUnavailable when the engine is lost, not at its timeout.
+        """
+        return await self._call(method, args, timeout, on_partial, streaming=True)
+
+    async def _call(self, method: CallMethod | str, args: dict[str, Any] | None, timeout: float,
+                    on_partial: Callable[[Any], None] | None, streaming: bool) -> Any:
         method = method.value if isinstance(method, CallMethod) else method  # the plain name, in errors too
         if not await self.wait_ready(min(timeout, 2.0)):
             raise EngineUnavailable("The engine is not reachable")
@@ -315,6 +332,8 @@ class EngineClient:
         frame = packed_frame(MsgType.CALL, {"cid": cid, "method": method, "args": args or {}})
         future = asyncio.get_running_loop().create_future()
         self._calls[cid] = future
+        if streaming:
+            self._partials[cid] = on_partial
         try:
             if not self._send_frame(frame):
                 raise EngineUnavailable("The engine is not reachable")
@@ -323,6 +342,7 @@ class EngineClient:
             raise EngineUnavailable(f"The engine did not answer '{method}' within {timeout:.0f} s") from None
         finally:
             self._calls.pop(cid, None)
+            self._partials.pop(cid, None)
 
     # -- receiving -------------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -356,6 +376,11 @@ class EngineClient:
         elif msg_type == MsgType.ERROR:
             self._on_error(body)
         elif msg_type == MsgType.RESULT:
+            if body.get("partial"):  # a piece of a long CALL's answer
+                callback = self._partials.get(body["cid"])
+                if callback is not None:
+                    callback(body.get("result"))
+                return
             future = self._calls.get(body["cid"])
             if future is not None and not future.done():
                 future.set_result(body.get("result"))
@@ -396,6 +421,10 @@ class EngineClient:
                 "host": socket.gethostname()}
 
     def _fail_all(self, status: int, code: str, message: str) -> None:
+        for cid in list(self._partials):
+            future = self._calls.get(cid)
+            if future is not None and not future.done():
+                future.set_exception(EngineUnavailable(message))
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream.on_error({"rid": stream.rid, "status": status, "code": code, "message": message,

@@ -170,6 +170,17 @@ class EnginePool:
             raise EngineUnavailable(f"No engine '{engine}' behind this front-end")
         return await link.call(method, args, timeout=timeout)
 
+    async def call_streaming(self, method: CallMethod | str, args: dict[str, Any] | None = None,
+                             timeout: float = 600.0, on_partial: Any = None, engine: str | None = None) -> Any:
+        """A long CALL with partial RESULTs (`EngineClient.call_streaming`) to `engine` (default: `primary`)."""
+        link = self.links.get(engine or self.primary())
+        if link is None:
+            raise EngineUnavailable(f"No engine '{engine}' behind this front-end")
+        streaming = getattr(link, "call_streaming", None)
+        if streaming is None:  # a stand-in engine of the tests: no partials
+            return await link.call(method, args, timeout=timeout)
+        return await streaming(method, args, timeout=timeout, on_partial=on_partial)
+
     async def call_each(self, method: CallMethod | str, args: dict[str, Any] | None = None,
                         timeout: float = 5.0) -> dict[str, Any]:
         """The CALL on every engine at once: result or exception, by engine id (in the pool's order)."""

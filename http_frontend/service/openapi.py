@@ -11,6 +11,7 @@ from typing import Any
 
 import falcon.asgi
 
+from http_frontend.service.openapi_audio import AUDIO_PATHS, AUDIO_SCHEMAS
 from http_frontend.service.openapi_auxiliary import AUXILIARY_SCHEMAS, auxiliary_paths
 
 Schema = dict[str, Any]
@@ -271,7 +272,7 @@ SCHEMAS: dict[str, Schema] = {
     "ResponsesRequest": RESPONSES_REQUEST, "Response": RESPONSE_OBJECT, "ResponseDeleted": RESPONSE_DELETED,
     "MessagesRequest": ANTHROPIC_REQUEST, "Message": ANTHROPIC_MESSAGE,
     "CountTokensRequest": ANTHROPIC_COUNT_REQUEST,
-    "Model": MODEL, "Health": HEALTH, **AUXILIARY_SCHEMAS,
+    "Model": MODEL, "Health": HEALTH, **AUXILIARY_SCHEMAS, **AUDIO_SCHEMAS,
     "Adapter": ADAPTER, "AdapterRegistration": ADAPTER_REGISTRATION, "AdapterDeleted": ADAPTER_DELETED,
     "TokenizeRequest": TOKENIZE_REQUEST, "TokenizeResult": TOKENIZE_RESULT,
     "DetokenizeRequest": DETOKENIZE_REQUEST, "DetokenizeResult": DETOKENIZE_RESULT,
@@ -425,8 +426,7 @@ def openapi_document() -> dict[str, Any]:
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
             "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": STRING}}}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {
-            "200": {"description": "OpenAPI 3 document", "content": _json(ANY_OBJECT)}}}},
-    }
+            "200": {"description": "OpenAPI 3 document", "content": _json(ANY_OBJECT)}}}}, **AUDIO_PATHS}
     return {
         "openapi": "3.0.3",
         "info": {"title": "mlx-engined", "version": "1",

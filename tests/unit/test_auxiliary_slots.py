@@ -15,7 +15,15 @@ import pytest
 import zmq
 
 from engine_daemon.auxiliary import model as aux_model
-from engine_daemon.auxiliary.jobs import AuxiliaryJob, AuxiliaryQueue, AuxiliaryRequest
+from engine_daemon.auxiliary.jobs import (
+    FIRST_BUDGET,
+    GAP_SHARE,
+    IDLE_BUDGET,
+    MIN_BUDGET,
+    AuxiliaryJob,
+    AuxiliaryQueue,
+    AuxiliaryRequest,
+)
 from engine_daemon.auxiliary.slots import AuxiliarySlots
 from engine_daemon.calls import mlx_thread
 from engine_daemon.config import SchedulerConfig
@@ -150,7 +158,7 @@ def test_idle_unload_and_unload(tmp_path: Path, loaded: list[FakeModel]) -> None
 
 
 def test_queue_runs_one_slice_per_tick_and_answers_finished_jobs() -> None:
-    queue = AuxiliaryQueue(budget=7)
+    queue = AuxiliaryQueue(fixed=7)
     long, short = FakeJob(3, []), FakeJob(1, [])
     queue.add(b"p", "c1", long)
     queue.add(b"p", "c2", short)
@@ -159,6 +167,16 @@ def test_queue_runs_one_slice_per_tick_and_answers_finished_jobs() -> None:
     assert long.budgets == [7, 7, 7] and short.budgets == []  # the head job only
     assert queue.tick() == [(b"p", MsgType.RESULT, {"cid": "c2", "result": {"slices": 1}})]
     assert not queue.has_work()
+
+
+def test_slices_are_sized_from_measured_costs_unless_fixed() -> None:
+    queue = AuxiliaryQueue()
+    assert queue.slice_budget(None) == IDLE_BUDGET  # nothing decodes: nobody to slow down
+    assert queue.slice_budget(0.1) == FIRST_BUDGET  # no measure yet
+    queue._observe(0.064, 64)  # 1 ms per token
+    assert queue.slice_budget(0.1) == int(GAP_SHARE * 100)  # 0.8 of a 100 ms decode step
+    assert queue.slice_budget(0.001) == MIN_BUDGET and queue.slice_budget(100.0) == IDLE_BUDGET
+    assert AuxiliaryQueue(fixed=300).slice_budget(0.1) == 300
 
 
 def test_queue_fails_a_raising_job_alone() -> None:
