@@ -259,6 +259,7 @@ def test_a_lost_rank_fails_the_group_and_every_stream(group: Group) -> None:
             time.sleep(0.1)
         assert health.status_code == 503 and health.json()["status"] == "group_failed"
         assert failure["failed_rank"] == 1
+        print(f"\n{group.mode} group failure as /health reports it: {failure}")
         # Engine-measured: from the last step every rank finished to the error events.
         limit = 3.0 if group.mode == "tp" else STEP_TIMEOUT + 1.0
         assert failure["streams_failed_after_s"] <= limit, failure
