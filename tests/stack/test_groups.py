@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -116,7 +117,9 @@ def group(request: pytest.FixtureRequest, group_model: Path, ipc_dir: Path,
     mode = request.param
     logs = tmp_path_factory.mktemp(f"group-{mode}")
     endpoint = f"ipc://{ipc_dir}/grp-{mode}.sock"
-    launcher = Path(sys.executable).parent / "mlx.launch"
+    launcher = Path(sys.executable).parent / "mlx.launch"  # the venv's, next to this interpreter
+    if not launcher.exists():
+        launcher = Path(shutil.which("mlx.launch") or launcher)
     argv = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
             "--starting-port", str(_group_port()), "--", sys.executable, "-m", "engine_daemon",
             "--endpoint", endpoint, "--model", str(group_model), "--group", mode,
