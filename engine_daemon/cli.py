@@ -401,8 +401,9 @@ def main(argv: list[str] | None = None) -> int:
         if not group[0].leader:  # a follower: no front-end socket, it replays rank 0's plans
             from engine_daemon.scheduling.follower import FollowerLoop
 
-            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-            return FollowerLoop(group[0], group[1], config).run()
+            follower = FollowerLoop(group[0], group[1], config)
+            signal.signal(signal.SIGTERM, lambda *_: follower.request_stop())
+            return follower.run()
     server = EngineServer(args.endpoint, config, preload=args.model, peer_timeout=args.peer_timeout,
                           stall_timeout=args.stall_timeout, security=security,
                           responses=ResponseStore(args.responses_ttl, args.responses_max_bytes), group=group)

@@ -39,7 +39,7 @@ class ControlServer(threading.Thread):
         self.reports: dict[int, dict[str, int]] = {}  # rank -> its weights and active memory (heartbeats)
         self._identities: dict[int, bytes] = {}
         self._registered = threading.Event()
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.on_lost = None  # callable(rank | None): set by the owner; None: a connection closed, rank unknown
         self.stopping = False  # a clean shutdown: followers leaving is expected
         self._lost: set[int] = set()
@@ -61,7 +61,11 @@ class ControlServer(threading.Thread):
         return [rank for rank in range(1, self.size) if now - self.last_seen.get(rank, 0.0) > older_than]
 
     def stop(self) -> None:
-        self._stop.set()
+        """Ends the thread and closes every socket (the engine's context.term() waits for them)."""
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout=2.0)
+        self._waker.close(linger=0)
 
     def run(self) -> None:
         router = self.context.socket(zmq.ROUTER)
@@ -76,7 +80,7 @@ class ControlServer(threading.Thread):
         poller.register(self._wake_in, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 ready = dict(poller.poll(100))
                 if self._wake_in in ready:
                     while self._wake_in.poll(0):
@@ -96,9 +100,13 @@ class ControlServer(threading.Thread):
                             self.on_lost(None)
                 self._check_lost()
         finally:
-            router.disable_monitor()
-            monitor.close()
-            router.close()
+            try:
+                router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            monitor.close(linger=0)
+            router.close(linger=0)
+            self._wake_in.close(linger=0)
 
     def _send(self, router: zmq.Socket, identity: bytes, message: bytes) -> None:
         try:
@@ -143,11 +151,11 @@ class ControlClient(threading.Thread):
         self.woken = threading.Event()
         self.memory = memory  # (weights bytes, active bytes) reported with every heartbeat
         self.lost_after = lost_after
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.last_ack = 0.0
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def wait_wake(self, stopping: threading.Event) -> bool:
         """Blocks (no spinning) until rank 0 wakes this rank; False when stopping."""
@@ -164,7 +172,7 @@ class ControlClient(threading.Thread):
         started = time.monotonic()
         next_beat = 0.0
         try:
-            while not self._stop.is_set():
+            while not self._halt.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
                     dealer.send(b"HB %d %d %d %d" % (self.rank, *self.memory(), os.getpid()))

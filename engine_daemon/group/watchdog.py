@@ -21,14 +21,14 @@ class StepWatchdog(threading.Thread):
     def __init__(self, lockstep: Any, timeout: float, on_hang: Callable[[float], None], period: float = 0.1):
         super().__init__(name="group-watchdog", daemon=True)
         self.lockstep, self.timeout, self.on_hang, self.period = lockstep, timeout, on_hang, period
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self.fired = False
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
-        while not self._stop.wait(self.period):
+        while not self._halt.wait(self.period):
             since = self.lockstep.in_step_since
             if since and time.monotonic() - since > self.timeout:
                 self.fired = True

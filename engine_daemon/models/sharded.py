@@ -27,6 +27,15 @@ def can_shard(model: Any, mode: str) -> bool:
     return hasattr(model, "model") and hasattr(model.model, "pipeline")
 
 
+def check_heads(config: dict[str, Any], ranks: int) -> None:
+    """shard() divides the heads by the group size without checking: an uneven split would compute garbage."""
+    text = config.get("text_config", config)
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = text.get(key)
+        if isinstance(heads, int) and heads % ranks:
+            raise ValueError(f"tensor parallelism over {ranks} ranks needs {key} ({heads}) divisible by {ranks}")
+
+
 def load_shard(path: Path, mode: str, group: Any, trust_remote_code: bool = False,
                tokenizer_config: dict[str, Any] | None = None) -> tuple[Any, Any, dict[str, Any]]:
     """(model holding this rank's shard, tokenizer, config); ValueError when the architecture cannot shard so."""
@@ -35,6 +44,7 @@ def load_shard(path: Path, mode: str, group: Any, trust_remote_code: bool = Fals
         kind = "tensor parallelism (shard())" if mode == "tp" else "pipeline parallelism (PipelineMixin)"
         raise ValueError(f"{config.get('model_type')} models do not support {kind} in mlx-lm")
     if mode == "tp":
+        check_heads(config, group.size())
         model.shard(group)
     else:
         model.model.pipeline(group)

@@ -10,6 +10,7 @@ plan asks. Runs on the process's main thread, which owns this rank's MLX stream.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -30,6 +31,8 @@ from engine_daemon.sampling.samplers import make_request_processors, make_reques
 
 log = logging.getLogger(__name__)
 
+STOP_GRACE = 2.0
+
 
 class FollowerLoop:
     def __init__(self, settings: GroupSettings, group: Any, config: SchedulerConfig):
@@ -44,6 +47,13 @@ class FollowerLoop:
         self._leader: dict[int, int] = {}  # and back
         self.generator: GroupedGenerator | None = None
         self.ticks = 0
+
+    def request_stop(self) -> None:
+        """SIGTERM: keep following until rank 0's stop plan (the whole group is stopping: exit 0 cleanly), or
+        exit after STOP_GRACE s (only this rank is stopping: rank 0 then sees it gone and fails the group)."""
+        log.info("rank %d: stop requested; waiting up to %.0f s for rank 0's stop plan", self.settings.rank,
+                 STOP_GRACE)
+        threading.Timer(STOP_GRACE, lambda: os._exit(0)).start()
 
     def _memory(self) -> tuple[int, int]:
         current = self.models.current

@@ -41,6 +41,7 @@ from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 log = logging.getLogger(__name__)
 
 OUTBOX_ADDRESS = "inproc://mlx-outbox"
+GROUP_STOP_GRACE = 0.5  # seconds between SIGTERM and a group's clean stop (`EngineServer.stop`)
 SEND_HWM = 100_000
 MAX_REFUSED_PEERS = 4096
 
@@ -109,12 +110,20 @@ class EngineServer:
         self.draining = False  # `calls.drain`: PONGs say "draining" so front-ends route no new work here
 
     def stop(self) -> None:
-        if self.worker.group is not None and self.worker.group.failed:
+        if self.worker.group is not None:
+            # A launcher stops rank 0 right after a follower died (mlx.launch does): a moment's grace lets the
+            # closed connection register as the group failure it is (streams end with engine_group_failed and
+            # /health names the rank) instead of a clean stop. Signal handlers must return at once: a timer.
+            threading.Timer(GROUP_STOP_GRACE, self._stop_group).start()
+            return
+        self._stop.set()
+
+    def _stop_group(self) -> None:
+        if self.worker.group.failed:
             # A failed group's rank 0 keeps answering /health (which rank failed) until its own exit.
             log.info("stop requested while the group failed: exiting after --group-exit-delay")
             return
-        if self.worker.group is not None:
-            self.worker.group.stopping()  # followers leaving from now on is the shutdown, not a fault
+        self.worker.group.stopping()  # followers leaving from now on is the shutdown, not a fault
         self._stop.set()
 
     def serve(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Frontend, Proc, engine_env, running_stack
+from tests.helpers import Engine, Frontend, Proc, engine_env, running_stack
 
 STEP_TIMEOUT = 3.0  # --group-step-timeout of the test groups (the SIGSTOP test waits for it)
 PROMPTS = ["Hi", "Tell me about the sea and the ships on it.", "Count with me: one two three four five six.",
@@ -116,7 +117,9 @@ def group(request: pytest.FixtureRequest, group_model: Path, ipc_dir: Path,
     mode = request.param
     logs = tmp_path_factory.mktemp(f"group-{mode}")
     endpoint = f"ipc://{ipc_dir}/grp-{mode}.sock"
-    launcher = Path(sys.executable).parent / "mlx.launch"
+    launcher = Path(sys.executable).parent / "mlx.launch"  # the venv's, next to this interpreter
+    if not launcher.exists():
+        launcher = Path(shutil.which("mlx.launch") or launcher)
     argv = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
             "--starting-port", str(_group_port()), "--", sys.executable, "-m", "engine_daemon",
             "--endpoint", endpoint, "--model", str(group_model), "--group", mode,
@@ -210,6 +213,10 @@ def test_group_reports_shards_and_idles_without_spinning(group: Group, reference
     for rank in info["ranks"]:
         # Each rank holds its shard plus what it must replicate (embeddings, norms): less than the model.
         assert 0.3 * full < rank["weights_bytes"] < 0.85 * full, (rank, full)
+    # What followers cannot replay is refused with a clear 400, never half-served.
+    r = httpx.post(f"{group.frontend.base_url}/v1/chat/completions", timeout=30,
+                   json={**chat("default", "hi", stream=False), "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_in_group", r.text
     pids = group.pids()
     time.sleep(1.0)  # the last request's idle plan has gone out
     before = [_cpu_seconds(pid) for pid in pids]
@@ -255,6 +262,7 @@ def test_a_lost_rank_fails_the_group_and_every_stream(group: Group) -> None:
             time.sleep(0.1)
         assert health.status_code == 503 and health.json()["status"] == "group_failed"
         assert failure["failed_rank"] == 1
+        print(f"\n{group.mode} group failure as /health reports it: {failure}")
         # Engine-measured: from the last step every rank finished to the error events.
         limit = 3.0 if group.mode == "tp" else STEP_TIMEOUT + 1.0
         assert failure["streams_failed_after_s"] <= limit, failure
@@ -267,3 +275,24 @@ def test_a_lost_rank_fails_the_group_and_every_stream(group: Group) -> None:
             time.sleep(0.2)
     finally:
         _kill_quietly(rank1, signal.SIGKILL)
+
+
+def test_ranks_started_by_service_units_stop_cleanly_with_rank_0(group_model: Path, ipc_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """No mlx.launch: MLX_RANK + MLX_HOSTFILE set by hand, as deploy/groups.md's units do. SIGTERM to rank 0
+    sends the followers a stop plan: every rank exits 0 (a supervisor sees a clean stop, not a failure)."""
+    port = _group_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    endpoint = f"ipc://{ipc_dir}/grp-units.sock"
+    ranks = [Engine(endpoint, tmp_path / f"rank{rank}.log", model=str(group_model), args=["--group", "pp"],
+                    env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}) for rank in (0, 1)]
+    try:
+        pong = ranks[0].wait_ready()
+        assert pong["state"] == "ready"
+        ranks[0].signal(signal.SIGTERM)
+        assert [rank.popen.wait(30) for rank in ranks] == [0, 0], [rank.log()[-2000:] for rank in ranks]
+        assert "rank 0 stopped the group" in ranks[1].log()
+    finally:
+        for rank in ranks:
+            rank.stop()

@@ -80,3 +80,11 @@ def test_adapters_draft_models_and_idle_unload_are_refused_in_a_group() -> None:
     assert "--model" in group_refusal(argparse.Namespace(**vars(args), **{**base, "model": None}))
     refusal = group_refusal(argparse.Namespace(**vars(args), **{**base, "adapter_path": "a", "draft_model": "d"}))
     assert "--adapter-path" in refusal and "--draft-model" in refusal
+
+
+def test_tensor_parallelism_needs_heads_divisible_by_the_ranks() -> None:
+    from engine_daemon.models.sharded import check_heads
+
+    check_heads({"num_attention_heads": 4, "num_key_value_heads": 2}, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_heads({"num_attention_heads": 2, "num_key_value_heads": 1}, 2)
