@@ -296,3 +296,106 @@ def test_ranks_started_by_service_units_stop_cleanly_with_rank_0(group_model: Pa
     finally:
         for rank in ranks:
             rank.stop()
+
+
+class _Unit(threading.Thread):
+    """One rank's service unit as deploy/groups.md's systemd unit runs it (`Restart=always`, `RestartSec=1`;
+    launchd's `KeepAlive`): a rank that exits for any reason (75 after a group failure, killed by a
+    signal, 0 after rank 0 stopped the group) is started again with the same command until the test
+    stops the unit."""
+
+    def __init__(self, rank: int, endpoint: str, model: Path, hostfile: Path, logs: Path):
+        super().__init__(name=f"unit-rank{rank}", daemon=True)
+        self.rank, self.endpoint, self.model, self.hostfile, self.logs = rank, endpoint, model, hostfile, logs
+        self.starts: list[Engine] = []
+        self.exit_codes: list[int] = []
+        self.halt = threading.Event()
+        self._start()
+
+    def _start(self) -> None:
+        self.starts.append(Engine(self.endpoint, self.logs / f"rank{self.rank}-{len(self.starts)}.log",
+                                  model=str(self.model),
+                                  args=["--group", "tp", "--group-step-timeout", str(STEP_TIMEOUT),
+                                        "--group-exit-delay", "1"],
+                                  env={"MLX_RANK": str(self.rank), "MLX_HOSTFILE": str(self.hostfile)}))
+
+    @property
+    def current(self) -> Engine:
+        return self.starts[-1]
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            code = self.current.popen.poll()
+            if code is None:
+                time.sleep(0.05)
+                continue
+            self.exit_codes.append(code)
+            if self.halt.is_set():
+                return
+            time.sleep(1.0)  # RestartSec
+            if not self.halt.is_set():
+                self._start()
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(5)
+        for engine in self.starts:
+            if engine.popen.poll() is None:
+                _kill_quietly(engine.pid, signal.SIGKILL)
+            engine.stop()
+
+
+def test_units_restart_a_failed_group_and_the_same_frontend_reconnects(group_model: Path, ipc_dir: Path,
+                                                                       tmp_path: Path, reference: dict) -> None:
+    """kill -9 of rank 1 under `Restart=always` units: rank 0 fails the group and exits 75, both units
+    restart their rank, the ranks meet again, and the front-end that was never restarted serves the new
+    engine (a new epoch) through the official SDK with the same greedy text as one process."""
+    from openai import OpenAI
+
+    port = _group_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    endpoint = f"ipc://{ipc_dir}/grp-restart.sock"
+    units = [_Unit(rank, endpoint, group_model, hostfile, tmp_path) for rank in (0, 1)]
+    for unit in units:
+        unit.start()
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    client = OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def healthy(timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                health = httpx.get(f"{frontend.base_url}/health", timeout=5)
+                if health.status_code == 200:
+                    return health.json()
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, [unit.current.log()[-3000:] for unit in units]
+            time.sleep(0.2)
+
+    def complete() -> str:
+        reply = client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                               max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        return reply.choices[0].message.content
+
+    try:
+        first = healthy(90)
+        assert complete() == reference["greedy"][1]
+        os.kill(units[1].current.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # the same front-end, never restarted, sees the restarted group's new epoch
+            health = healthy(max(1.0, deadline - time.monotonic()))
+            if health["engine"]["epoch"] != first["engine"]["epoch"]:
+                break
+            time.sleep(0.2)
+        assert units[0].exit_codes[:1] == [75], units[0].current.log()[-3000:]  # EX_TEMPFAIL: restart me
+        assert units[1].exit_codes[:1] == [-signal.SIGKILL]
+        assert len(units[0].starts) >= 2 and len(units[1].starts) >= 2
+        assert health["group"]["size"] == 2 and not health["group"]["failed"]
+        assert complete() == reference["greedy"][1]
+    finally:
+        frontend.stop()
+        for unit in units:
+            unit.stop()
