@@ -29,6 +29,8 @@ STEP_TIMEOUT = 3.0  # --group-step-timeout of the test groups (the SIGSTOP test 
 PROMPTS = ["Hi", "Tell me about the sea and the ships on it.", "Count with me: one two three four five six.",
            "Write a long story about a fox, a dog, a river, a bridge and the town beyond the hills " * 3]
 MAX_TOKENS = 40
+SHARED = "Here is a long shared context about rivers, ships and harbours. " * 12  # a prefix two requests share
+CACHED_PROMPTS = [SHARED + "First question: what floats?", SHARED + "Second question: what sinks?"]
 EXIT_DELAY = 5.0  # --group-exit-delay: a failed rank 0 answers /health this long, then exits 75
 
 
@@ -93,8 +95,16 @@ def reference(group_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPat
         base = frontend.base_url
         greedy = [stream_text(base, chat("default", prompt))[0] for prompt in PROMPTS]
         seeded = [stream_text(base, chat("default", prompt, temperature=1.0, seed=1234))[0] for prompt in PROMPTS[:2]]
+        cached = [_completion(base, prompt) for prompt in CACHED_PROMPTS]
         weights = sum(p.stat().st_size for p in group_model.glob("*.safetensors"))
-    return {"greedy": greedy, "seeded": seeded, "weights_file_bytes": weights}
+    return {"greedy": greedy, "seeded": seeded, "weights_file_bytes": weights,
+            "cached": [reply["choices"][0]["message"]["content"] for reply in cached]}
+
+
+def _completion(base_url: str, prompt: str) -> dict:
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=chat("default", prompt, stream=False), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 @dataclass
@@ -230,6 +240,18 @@ def test_group_reports_shards_and_idles_without_spinning(group: Group, reference
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_prompt_cache_reuses_a_shared_prefix_on_every_rank(group: Group, reference: dict) -> None:
+    """Rank 0 decides the reuse (which entry, how many tokens) and every rank takes its own shard's copy: the
+    second request reports cached tokens and still generates exactly what one process generates."""
+    first, second = (_completion(group.frontend.base_url, prompt) for prompt in CACHED_PROMPTS)
+    assert [first["choices"][0]["message"]["content"],
+            second["choices"][0]["message"]["content"]] == reference["cached"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 100, second["usage"]  # the shared context (well over 100 tokens), computed on no rank again
+    info = group.health().json()["group"]
+    assert info["checksums"] > 0 and not info["failed"]
 
 
 def test_a_lost_rank_fails_the_group_and_every_stream(group: Group) -> None:
