@@ -55,9 +55,9 @@ class Lockstep:
 
     # -- what the scheduler did ---------------------------------------------------------------
     def added(self, uid: int, prompt: list[int], max_tokens: int, sampling: dict[str, Any], eos: list[int],
-              cached: int = 0, entry: int = -1, entry_len: int = 0) -> None:
+              cached: int = 0, entry: int = -1, entry_len: int = 0, processors: dict[str, Any] | None = None) -> None:
         self._ops.append(("add", AddOp(uid, [int(t) for t in prompt], int(max_tokens), dict(sampling),
-                                       [int(t) for t in eos], int(cached), int(entry), int(entry_len))))
+                                       [int(t) for t in eos], int(cached), int(entry), int(entry_len), processors)))
 
     def stored(self, uid: int, entry: int) -> None:
         """Rank 0 kept uid's KV as prompt-cache entry `entry` (`PlannedPrefixCache`): so does every rank."""

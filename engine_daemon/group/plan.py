@@ -14,14 +14,15 @@ from typing import Any
 
 import msgpack
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 
 
 @dataclass
 class AddOp:
     """One `insert` into the generator: rank 0's uid, the prompt's uncached rest, limit, sampling (seed
     included), eos ids; and the prompt-cache entry rank 0 reused (`entry` -1: none) for the first `cached`
-    tokens, cut back from the entry's `entry_len` tokens."""
+    tokens, cut back from the entry's `entry_len` tokens; `processors`: the spec rank 0 built the request's
+    own logits processors from (`build_processors`), None when it has none."""
 
     uid: int
     prompt: list[int]
@@ -31,6 +32,7 @@ class AddOp:
     cached: int = 0
     entry: int = -1
     entry_len: int = 0
+    processors: dict[str, Any] | None = None
 
 
 @dataclass
@@ -48,7 +50,8 @@ class StepPlan:
     stop: bool = False  # the group shuts down cleanly
 
     def encode(self) -> bytes:
-        ops = [["add", [op.uid, op.prompt, op.max_tokens, op.sampling, op.eos, op.cached, op.entry, op.entry_len]]
+        ops = [["add", [op.uid, op.prompt, op.max_tokens, op.sampling, op.eos, op.cached, op.entry, op.entry_len,
+                        op.processors]]
                if kind == "add" else [kind, op]
                for kind, op in self.ops]
         return msgpack.packb([PLAN_VERSION, self.tick, ops, self.prefill_step_size, self.step, self.checksum,

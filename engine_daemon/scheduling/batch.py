@@ -110,9 +110,9 @@ class BatchScheduler(BaseScheduler):
         if request.body.get("adapter"):
             raise RequestError(400, "unsupported_in_group", "LoRA adapters are not served by an engine group",
                                param="model")
-        if request.processors:
-            raise RequestError(400, "unsupported_in_group", "Structured output, grammars and thinking budgets are "
-                               "not served by an engine group yet", param="response_format")
+        if request.processors and request.processor_spec is None:  # processors followers could not rebuild
+            raise RequestError(400, "unsupported_in_group", "This request's logits processors cannot be replayed "
+                               "by an engine group", param="response_format")
 
     def resolve_model(self, name: str | None) -> ModelRef:
         """An engine group serves the one model it was started with: no switch (every rank would reload)."""
@@ -213,7 +213,7 @@ class BatchScheduler(BaseScheduler):
         self.stats.prompt_tokens += len(prompt)
         if self.lockstep is not None:
             self.lockstep.added(uid, rest, request.max_tokens, request.sampling, list(request.eos_token_ids),
-                                cached, entry, entry_len)
+                                cached, entry, entry_len, request.processor_spec if request.processors else None)
 
     def _ensure_generator(self) -> None:
         current = self.models.current

@@ -29,7 +29,9 @@ from engine_daemon.group.settings import GROUP_FAILED_EXIT, GroupSettings
 from engine_daemon.group.wire import PlanChannel
 from engine_daemon.lora.adapters import AdapterManager
 from engine_daemon.models.manager import ModelManager
+from engine_daemon.sampling.request_processors import build_processors
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
+from engine_daemon.sampling.thinking import prompt_in_thinking
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +145,14 @@ class FollowerLoop:
             cache, prefix = copy.deepcopy(held), tokens[:op.cached]
             if op.cached < len(tokens):
                 trim_prompt_cache(cache, len(tokens) - op.cached)
+        processors = make_request_processors(op.sampling)
+        if op.processors is not None:  # the same grammar / thinking budget rank 0 built, fed the same tokens
+            tokenizer = self.models.current.tokenizer
+            processors += build_processors(tokenizer, op.processors,
+                                           prompt_in_thinking(tokenizer, list(prefix) + op.prompt))
         (uid,) = self.generator.insert(
             [op.prompt], max_tokens=[op.max_tokens], caches=[cache], all_tokens=[prefix],
-            samplers=[make_request_sampler(op.sampling)], logits_processors=[make_request_processors(op.sampling)],
+            samplers=[make_request_sampler(op.sampling)], logits_processors=[processors],
             stop_sequences=[StopSequences([[token] for token in op.eos])], adapters=[None], speculative=[False])
         self._local[op.uid] = uid
         self._leader[uid] = op.uid

@@ -30,6 +30,9 @@ PROMPTS = ["Hi", "Tell me about the sea and the ships on it.", "Count with me: o
            "Write a long story about a fox, a dog, a river, a bridge and the town beyond the hills " * 3]
 MAX_TOKENS = 40
 SHARED = "Here is a long shared context about rivers, ships and harbours. " * 12  # a prefix two requests share
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "fact", "schema": {
+    "type": "object", "properties": {"name": {"enum": ["fox", "dog", "river"]}, "count": {"enum": [1, 2, 3]}},
+    "required": ["name", "count"], "additionalProperties": False}}}
 CACHED_PROMPTS = [SHARED + "First question: what floats?", SHARED + "Second question: what sinks?"]
 EXIT_DELAY = 5.0  # --group-exit-delay: a failed rank 0 answers /health this long, then exits 75
 
@@ -96,13 +99,19 @@ def reference(group_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPat
         greedy = [stream_text(base, chat("default", prompt))[0] for prompt in PROMPTS]
         seeded = [stream_text(base, chat("default", prompt, temperature=1.0, seed=1234))[0] for prompt in PROMPTS[:2]]
         cached = [_completion(base, prompt) for prompt in CACHED_PROMPTS]
+        structured = [_completion(base, prompt, response_format=fmt)
+                      for prompt, fmt in ((PROMPTS[1], SCHEMA), (PROMPTS[2], {"type": "json_object"}))]
         weights = sum(p.stat().st_size for p in group_model.glob("*.safetensors"))
     return {"greedy": greedy, "seeded": seeded, "weights_file_bytes": weights,
-            "cached": [reply["choices"][0]["message"]["content"] for reply in cached]}
+            "cached": [reply["choices"][0]["message"]["content"] for reply in cached],
+            "structured": [reply["choices"][0]["message"]["content"] for reply in structured]}
 
 
-def _completion(base_url: str, prompt: str) -> dict:
-    r = httpx.post(f"{base_url}/v1/chat/completions", json=chat("default", prompt, stream=False), timeout=60)
+def _completion(base_url: str, prompt: str, **extra: object) -> dict:
+    body = chat("default", prompt, stream=False, **extra)
+    if "response_format" in extra:
+        body["ignore_eos"] = False  # the grammar ends the JSON with EOS
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -223,10 +232,6 @@ def test_group_reports_shards_and_idles_without_spinning(group: Group, reference
     for rank in info["ranks"]:
         # Each rank holds its shard plus what it must replicate (embeddings, norms): less than the model.
         assert 0.3 * full < rank["weights_bytes"] < 0.85 * full, (rank, full)
-    # What followers cannot replay is refused with a clear 400, never half-served.
-    r = httpx.post(f"{group.frontend.base_url}/v1/chat/completions", timeout=30,
-                   json={**chat("default", "hi", stream=False), "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_in_group", r.text
     pids = group.pids()
     time.sleep(1.0)  # the last request's idle plan has gone out
     before = [_cpu_seconds(pid) for pid in pids]
@@ -252,6 +257,19 @@ def test_prompt_cache_reuses_a_shared_prefix_on_every_rank(group: Group, referen
     assert cached > 100, second["usage"]  # the shared context (well over 100 tokens), computed on no rank again
     info = group.health().json()["group"]
     assert info["checksums"] > 0 and not info["failed"]
+
+
+def test_structured_output_is_replayed_by_every_rank(group: Group, reference: dict) -> None:
+    """Rank 0 carries the response_format in the plan; each follower builds the same grammar, fed the same
+    tokens: constrained greedy text equals one process's (both at once: two grammars in one batch)."""
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda args: _completion(group.frontend.base_url, args[0], response_format=args[1]),
+                                ((PROMPTS[1], SCHEMA), (PROMPTS[2], {"type": "json_object"}))))
+    texts = [reply["choices"][0]["message"]["content"] for reply in replies]
+    assert texts == reference["structured"]
+    fact = json.loads(texts[0])  # the grammar held on every rank: the schema's JSON, not free text
+    assert fact["name"] in ("fox", "dog", "river") and fact["count"] in (1, 2, 3), texts[0]
+    assert not group.health().json()["group"]["failed"]
 
 
 def test_a_lost_rank_fails_the_group_and_every_stream(group: Group) -> None:

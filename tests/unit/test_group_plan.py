@@ -30,7 +30,7 @@ def test_a_plan_of_another_version_or_op_is_refused() -> None:
     with pytest.raises(ValueError, match="version"):
         StepPlan.decode(msgpack.packb([99, 0, [], 1, False, False, False, False]))
     with pytest.raises(ValueError, match="unknown"):
-        StepPlan.decode(msgpack.packb([2, 0, [["switch", 1]], 1, False, False, False, False]))
+        StepPlan.decode(msgpack.packb([3, 0, [["switch", 1]], 1, False, False, False, False]))
 
 
 def test_an_idle_plan_is_small_enough_for_one_round_trip() -> None:
