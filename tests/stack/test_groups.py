@@ -255,6 +255,7 @@ def test_prompt_cache_reuses_a_shared_prefix_on_every_rank(group: Group, referen
             second["choices"][0]["message"]["content"]] == reference["cached"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 100, second["usage"]  # the shared context (well over 100 tokens), computed on no rank again
+    print(f"\n{group.mode}: second request {second['usage']['prompt_tokens']} prompt tokens, {cached} cached")
     info = group.health().json()["group"]
     assert info["checksums"] > 0 and not info["failed"]
 
@@ -423,6 +424,7 @@ def test_units_restart_a_failed_group_and_the_same_frontend_reconnects(group_mod
     try:
         first = healthy(90)
         assert complete() == reference["greedy"][1]
+        killed = time.monotonic()
         os.kill(units[1].current.pid, signal.SIGKILL)
         deadline = time.monotonic() + 120
         while True:  # the same front-end, never restarted, sees the restarted group's new epoch
@@ -435,6 +437,8 @@ def test_units_restart_a_failed_group_and_the_same_frontend_reconnects(group_mod
         assert len(units[0].starts) >= 2 and len(units[1].starts) >= 2
         assert health["group"]["size"] == 2 and not health["group"]["failed"]
         assert complete() == reference["greedy"][1]
+        print(f"\nkill -9 of rank 1 to a completion through the same front-end: {time.monotonic() - killed:.1f} s "
+              f"(report only; rank 0 exited {units[0].exit_codes}, rank 1 {units[1].exit_codes})")
     finally:
         frontend.stop()
         for unit in units:
