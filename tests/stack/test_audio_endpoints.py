@@ -161,6 +161,10 @@ def test_every_response_format_matches_mlx_audio(client: openai.OpenAI, clips: d
     assert verbose.text == timed.text and verbose.language == LANGUAGES[timed.language]  # detected, by name
     assert [(s.start, s.end, s.text) for s in verbose.segments] == \
         [(pytest.approx(s["start"]), pytest.approx(s["end"]), s["text"]) for s in timed.segments]
+    worded = in_process(whisper, clips["wav"], temperature=0.0, word_timestamps=True)
+    with_words = create("verbose_json", timestamp_granularities=["word", "segment"])
+    assert [w.word for w in with_words.words] == [w["word"] for s in worded.segments for w in s["words"]]
+    assert with_words.words and all(w.end >= w.start for w in with_words.words)
     result = {"text": timed.text, "segments": timed.segments}
     assert create("srt") == to_srt(result)
     assert create("vtt") == to_vtt(result)
