@@ -131,7 +131,7 @@ def test_names_fall_back_to_the_configured_model_or_fail_clearly(tmp_path: Path,
     assert missing.value.status == 404 and missing.value.code == "model_not_found"
     with pytest.raises(RequestError) as wrong_kind:
         bare.get("embedding", "chat")
-    assert wrong_kind.value.status == 400 and "not a embedding model" in str(wrong_kind.value)
+    assert wrong_kind.value.status == 400 and "not a model of kind 'embedding'" in str(wrong_kind.value)
     with pytest.raises(RequestError) as unnamed:
         bare.get("embedding", None)
     assert unnamed.value.status == 400 and unnamed.value.code == "model_required"
