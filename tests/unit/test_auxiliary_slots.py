@@ -217,3 +217,16 @@ def test_worker_serves_auxiliary_calls_without_touching_the_generation_model(
         assert worker.aux.catalogue() == []
     finally:
         context.term()
+
+
+def test_a_full_auxiliary_queue_refuses_with_429(tmp_path: Path, loaded: list[FakeModel]) -> None:
+    model_dir(tmp_path, "bert-a", 10)
+    context = zmq.Context()
+    try:
+        worker = MlxWorker(context, "inproc://unused", SchedulerConfig(model_dirs=(tmp_path,), max_queued=1))
+        worker.aux_jobs.add(b"p", "waiting", FakeJob(5, []))
+        [(_, kind, body)] = worker._handle(AuxiliaryCommand(b"p", "c", AuxiliaryRequest("embedding", "bert-a", {})))
+        assert kind is MsgType.ERROR and body["status"] == 429 and body["code"] == "queue_full"
+        assert loaded == []  # refused before any load
+    finally:
+        context.term()
