@@ -295,6 +295,9 @@ class MlxWorker(threading.Thread):
         """Loads the job's model (its kind's slot; never the generation model) and prepares the job off-thread."""
         request = command.request
         try:
+            if len(self.aux_jobs.entries) >= self.scheduler.config.max_queued:  # --max-queued bounds these too
+                raise RequestError(429, "queue_full", f"The engine queue is full ({len(self.aux_jobs.entries)} "
+                                   "auxiliary requests waiting); retry later", error_type="rate_limit_error")
             job = self.aux.get(request.kind, request.model).job(request.args)
         except RequestError as exc:
             return [(command.peer, MsgType.ERROR, {**exc.to_body(None), "cid": command.cid})]

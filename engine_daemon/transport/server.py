@@ -234,7 +234,7 @@ class EngineServer:
         if model_store.downloading is not None:
             return "loading"  # a Hub download blocks the mlx thread: slow, but not wedged
         busy_since = status.busy_since
-        if (status.state != "loading" and busy_since
+        if (status.state != "loading" and busy_since and self.worker.aux.loading is None
                 and time.monotonic() - busy_since > self.stall_timeout):
             return "stalled"
         if self.draining and status.state != "loading":
