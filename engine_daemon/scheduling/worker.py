@@ -263,11 +263,13 @@ class MlxWorker(threading.Thread):
             return self.scheduler.submit(command.peer, command.body, command.prepared)
         if isinstance(command, AbortCommand):
             found = self.scheduler.abort(set(command.rids))
+            if command.peer is not None:  # a long auxiliary CALL (audio) whose client left
+                found += self.aux_jobs.cancel(command.peer, set(command.rids))
             if found:
                 log.info("aborted %d request(s) (%s): rid=%s", found, command.reason, ",".join(command.rids))
             return []
         if isinstance(command, PeerGoneCommand):
-            found = self.scheduler.abort_peer(command.peer)
+            found = self.scheduler.abort_peer(command.peer) + self.aux_jobs.cancel(command.peer, None)
             if found:
                 log.info("aborted %d request(s) of a vanished front-end", found)
             return []

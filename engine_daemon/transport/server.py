@@ -261,7 +261,7 @@ class EngineServer:
 
     def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         self.preprocessor.cancel(body["rids"])
-        self.worker.commands.put(AbortCommand(body["rids"], body.get("reason", "client")))
+        self.worker.commands.put(AbortCommand(body["rids"], body.get("reason", "client"), peer))
 
     def _on_bye(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         self._peer_gone(peer)

@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import threading
+import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,6 +209,25 @@ def test_long_audio_runs_one_window_per_slice(client: openai.OpenAI, stack: Fron
     assert max(s.start for s in reply.segments) >= 60.0
     first = in_process(whisper, clip, temperature=0.0, language="en")  # whole clip: mlx-audio seeks itself
     assert reply.text.startswith(first.segments[0]["text"])
+
+
+def test_a_client_that_leaves_cancels_its_transcription(stack: Frontend) -> None:
+    """4 minutes of audio (8 windows); the client gives up after 2 s: the engine drops the job between slices."""
+    t = np.arange(240 * RATE) / RATE
+    clip = mp3_of(wav_bytes(0.3 * np.sin(2 * np.pi * 330 * t)))
+    before = stats(stack)["auxiliary_jobs"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.base_url}/v1/audio/transcriptions", files={"file": ("long.mp3", clip, "audio/mpeg")},
+                   data={"model": "whisper-1", "temperature": "0"}, timeout=httpx.Timeout(60, read=2.0))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        jobs = stats(stack)["auxiliary_jobs"]
+        if jobs.get("transcription_cancelled", 0) > before.get("transcription_cancelled", 0):
+            break
+        time.sleep(0.5)
+    assert jobs.get("transcription_cancelled", 0) == before.get("transcription_cancelled", 0) + 1
+    assert jobs.get("transcription_done") == before.get("transcription_done")
+    assert jobs["slices"] - before.get("slices", 0) < 8
 
 
 # -- speech ------------------------------------------------------------------------------------------
