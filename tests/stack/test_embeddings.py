@@ -114,6 +114,24 @@ def test_unknown_names_reach_the_configured_model(client: openai.OpenAI, models:
     assert listed["qwen3-embed"].type == "embedding" and listed["tiny-bert"].type == "embedding"
 
 
+def test_a_chat_request_for_an_embedding_model_is_refused_without_a_load(stack, client: openai.OpenAI) -> None:
+    loads = stats(stack)["model_loads"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="qwen3-embed", messages=[{"role": "user", "content": "hi"}])
+    assert "embedding model" in refused.value.body["message"] and stats(stack)["model_loads"] == loads
+
+
+def test_without_an_embedding_model_unknown_names_are_404(frontend, model_id: str) -> None:
+    """The session's shared engine has no --embedding-model: nothing to fall back to."""
+    url = f"{frontend.base_url}/v1/embeddings"
+    missing = httpx.post(url, json={"model": "text-embedding-3-small", "input": "hi"}, timeout=30)
+    assert missing.status_code == 404 and error_of(missing)["code"] == "model_not_found"
+    chat = httpx.post(url, json={"model": model_id, "input": "hi"}, timeout=30)
+    assert chat.status_code == 400 and "not a model of kind 'embedding'" in error_of(chat)["message"]
+    unnamed = httpx.post(url, json={"input": "hi"}, timeout=30)
+    assert unnamed.status_code == 400 and error_of(unnamed)["code"] == "model_required"
+
+
 def test_langchain_openai_embeddings_unmodified(stack, client: openai.OpenAI) -> None:
     from langchain_openai import OpenAIEmbeddings
 
