@@ -102,8 +102,9 @@ def run_one(chat: Path, embedder: Path, step_tokens: int, args: argparse.Namespa
             count, gaps = wait_for_gaps(engine.endpoint, count, args.steady_tokens // args.rounds)
             steady += gaps
             first_event = len(stream.stamps)
-            bodies = [{"model": "any", "input": [chunk(rng, args.words) for _ in range(args.inputs)]}
-                      for _ in range(requests)]
+            # base64, as the openai SDK asks by default (float lists cost the front-end and client JSON work)
+            bodies = [{"model": "any", "input": [chunk(rng, args.words) for _ in range(args.inputs)],
+                       "encoding_format": args.encoding_format} for _ in range(requests)]
             started = time.monotonic()
             with ThreadPoolExecutor(args.concurrency) as pool:
                 answers += pool.map(lambda b: httpx.post(f"{base}/embeddings", json=b, timeout=600), bodies)
@@ -144,6 +145,7 @@ def main() -> int:
     parser.add_argument("--steady-tokens", type=int, default=120, help="steady decode steps, over all rounds")
     parser.add_argument("--rounds", type=int, default=3, help="steady window + burst pairs the requests split into")
     parser.add_argument("--max-tokens", type=int, default=4000)
+    parser.add_argument("--encoding-format", choices=("base64", "float"), default="base64")
     parser.add_argument("--out", type=Path, help="also write the results here (JSON)")
     args = parser.parse_args()
     chat = bench_model(args.chat_size)
