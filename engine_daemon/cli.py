@@ -111,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="unload the model after this many seconds without requests (frees its memory; the "
                              "next request loads it again). Default: never. [MLX_ENGINE_IDLE_UNLOAD]")
     parser.add_argument("--model-switch-delay", type=float, metavar="SECONDS",
-                        default=_env_float("MLX_ENGINE_MODEL_SWITCH_DELAY") if os.environ.get(
-                            "MLX_ENGINE_MODEL_SWITCH_DELAY") else 2.0,
+                        default=float(os.environ.get("MLX_ENGINE_MODEL_SWITCH_DELAY") or 2.0),
                         help="while a request for another model waits, requests for the loaded model keep joining "
                              "its batch for up to this long before the batch drains and the model switches: fewer "
                              "reloads when clients alternate models, at most this much extra wait for the other "

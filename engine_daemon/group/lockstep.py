@@ -54,9 +54,17 @@ class Lockstep:
         self.checksums = 0
 
     # -- what the scheduler did ---------------------------------------------------------------
-    def added(self, uid: int, prompt: list[int], max_tokens: int, sampling: dict[str, Any], eos: list[int]) -> None:
+    def added(self, uid: int, prompt: list[int], max_tokens: int, sampling: dict[str, Any], eos: list[int],
+              cached: int = 0, entry: int = -1, entry_len: int = 0, processors: dict[str, Any] | None = None) -> None:
         self._ops.append(("add", AddOp(uid, [int(t) for t in prompt], int(max_tokens), dict(sampling),
-                                       [int(t) for t in eos])))
+                                       [int(t) for t in eos], int(cached), int(entry), int(entry_len), processors)))
+
+    def stored(self, uid: int, entry: int) -> None:
+        """Rank 0 kept uid's KV as prompt-cache entry `entry` (`PlannedPrefixCache`): so does every rank."""
+        self._ops.append(("store", [int(uid), int(entry)]))
+
+    def evicted(self, entries: list[int]) -> None:
+        self._ops.append(("evict", [int(entry) for entry in entries]))
 
     def removed(self, uids: Iterable[int]) -> None:
         uids = [int(uid) for uid in uids]

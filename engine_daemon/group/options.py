@@ -20,7 +20,8 @@ def add_group_arguments(parser: argparse.ArgumentParser) -> None:
                              "setting MLX_RANK and MLX_HOSTFILE): tp = tensor parallel (the model's shard()), "
                              "pp = pipeline parallel (PipelineMixin). Rank 0 serves front-ends; other ranks "
                              "follow its step plans. Needs --model; refuses --adapter-path, --draft-model, "
-                             "--idle-unload and --kv-bits. See deploy/groups.md. [MLX_ENGINE_GROUP]")
+                             "--idle-unload, --kv-bits and --prompt-cache-dir. See deploy/groups.md. "
+                             "[MLX_ENGINE_GROUP]")
     parser.add_argument("--group-backend", default=env("MLX_ENGINE_GROUP_BACKEND", "any"),
                         help="mx.distributed backend: any, ring (TCP/Thunderbolt), jaccl (RDMA over Thunderbolt "
                              "5), mpi. [MLX_ENGINE_GROUP_BACKEND] (default: %(default)s)")
@@ -49,7 +50,8 @@ def group_refusal(args: argparse.Namespace) -> str | None:
     if not args.model:
         return "--group needs --model: every rank loads its shard of that model at start"
     refused = {"--adapter-path": args.adapter_path, "--draft-model": args.draft_model,
-               "--idle-unload": args.idle_unload, "--kv-bits": args.kv_bits}
+               "--idle-unload": args.idle_unload, "--kv-bits": args.kv_bits,
+               "--prompt-cache-dir": args.prompt_cache_dir}
     named = [flag for flag, value in refused.items() if value]
     if named:
         return f"--group cannot be combined with {', '.join(named)} (followers replay plans of the plain batch)"

@@ -14,18 +14,25 @@ from typing import Any
 
 import msgpack
 
-PLAN_VERSION = 1
+PLAN_VERSION = 3
 
 
 @dataclass
 class AddOp:
-    """One `insert` into the generator: rank 0's uid, prompt, limit, sampling (seed included), eos ids."""
+    """One `insert` into the generator: rank 0's uid, the prompt's uncached rest, limit, sampling (seed
+    included), eos ids; and the prompt-cache entry rank 0 reused (`entry` -1: none) for the first `cached`
+    tokens, cut back from the entry's `entry_len` tokens; `processors`: the spec rank 0 built the request's
+    own logits processors from (`build_processors`), None when it has none."""
 
     uid: int
     prompt: list[int]
     max_tokens: int
     sampling: dict[str, Any]
     eos: list[int]
+    cached: int = 0
+    entry: int = -1
+    entry_len: int = 0
+    processors: dict[str, Any] | None = None
 
 
 @dataclass
@@ -33,7 +40,9 @@ class StepPlan:
     """One tick. `ops` are applied in order before the step; then `step` runs generator.next()."""
 
     tick: int
-    ops: list[tuple[str, Any]] = field(default_factory=list)  # ("add", AddOp) | ("remove", [uids])
+    # ("add", AddOp) | ("remove", [uids]) | ("store", [uid, entry]): keep the KV of uid (finished in the last
+    # step) as prompt-cache entry `entry` | ("evict", [entries])
+    ops: list[tuple[str, Any]] = field(default_factory=list)
     prefill_step_size: int = 2048
     step: bool = False
     checksum: bool = False  # after the step, every rank agrees on the token checksum (`checksum`)
@@ -41,7 +50,9 @@ class StepPlan:
     stop: bool = False  # the group shuts down cleanly
 
     def encode(self) -> bytes:
-        ops = [["add", [op.uid, op.prompt, op.max_tokens, op.sampling, op.eos]] if kind == "add" else [kind, op]
+        ops = [["add", [op.uid, op.prompt, op.max_tokens, op.sampling, op.eos, op.cached, op.entry, op.entry_len,
+                        op.processors]]
+               if kind == "add" else [kind, op]
                for kind, op in self.ops]
         return msgpack.packb([PLAN_VERSION, self.tick, ops, self.prefill_step_size, self.step, self.checksum,
                               self.idle, self.stop], use_bin_type=True)
@@ -56,8 +67,8 @@ class StepPlan:
         for kind, op in ops:
             if kind == "add":
                 decoded.append(("add", AddOp(*op)))
-            elif kind == "remove":
-                decoded.append(("remove", list(op)))
+            elif kind in ("remove", "store", "evict"):
+                decoded.append((kind, list(op)))
             else:
                 raise ValueError(f"unknown step plan op {kind!r}")
         return cls(tick, decoded, prefill, step, checksum, idle, stop)

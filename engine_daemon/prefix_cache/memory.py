@@ -37,6 +37,7 @@ class Entry:
     tokens: np.ndarray
     cache: list[Any]
     nbytes: int
+    plan_id: int | None = None  # an engine group's name for the entry on every rank (`PlannedPrefixCache`)
 
 
 @dataclass

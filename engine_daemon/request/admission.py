@@ -21,8 +21,8 @@ from engine_daemon.request.context_overflow import fit_context
 from engine_daemon.request.preprocess import model_key
 from engine_daemon.request.prompt import build_prompt, template_tools
 from engine_daemon.request.state import EngineRequest
-from engine_daemon.sampling.structured import constraint_for
-from engine_daemon.sampling.thinking import make_thinking_budget, prompt_in_thinking
+from engine_daemon.sampling.request_processors import build_processors, processor_spec
+from engine_daemon.sampling.thinking import prompt_in_thinking
 
 log = logging.getLogger(__name__)
 
@@ -185,17 +185,10 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     # Reasoning and tool calls are split out of the text here, once, for every front-end.
     in_thinking = prompt_in_thinking(loaded.tokenizer, request.prompt_tokens)
     request.parser = OutputParser(loaded.tokenizer, in_thinking=in_thinking, tools=template_tools(request.body))
-    budget = make_thinking_budget(loaded.tokenizer, request.params.get("thinking_budget"), in_thinking)
-    if budget is not None:
-        request.processors.append(budget)
-
-    # Structured output / forced tool calls: a grammar constraint (constraint_for, llguidance)
-    body = request.body
-    constraint = constraint_for(loaded.tokenizer, body.get("response_format"), body.get("tools"),
-                                body.get("tool_choice"), body.get("parallel_tool_calls"),
-                                starts_in_thinking=in_thinking)
-    if constraint is not None:
-        request.processors.append(constraint)
+    # Thinking budget, structured output / forced tool calls (a grammar constraint: constraint_for, llguidance),
+    # from a spec an engine group's followers rebuild them from (`build_processors`).
+    request.processor_spec = processor_spec(request.params, request.body)
+    request.processors += build_processors(loaded.tokenizer, request.processor_spec, in_thinking)
     # ignore_eos (a vLLM extension): generate exactly max_tokens, as benchmarks need.
     if not request.params.get("ignore_eos"):
         request.eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)

@@ -46,6 +46,7 @@ class EngineRequest:
     accepted: bool = False
     # Request-specific logits processors (grammar constraint, thinking budget), after the sampling ones.
     processors: list[Any] = field(default_factory=list)
+    processor_spec: dict[str, Any] | None = None  # what they were built from (`build_processors`)
     arrived: float = field(default_factory=time.monotonic)  # when the engine got the ADD
     # {"mode": "truncated"|"summarized", "dropped_messages": n} when older turns made way (`fit_context`)
     context_overflow: dict[str, Any] | None = None

@@ -64,7 +64,7 @@ class BatchScheduler(BaseScheduler):
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)
         # Rank 0 of an engine group: every generator call is recorded and broadcast as a step plan (Lockstep).
-        # Followers hold no prompt cache, so a group prefills every prompt (no prefix reuse or sharing).
+        # Its prompt cache is then a `PlannedPrefixCache` (GroupLeader.attach); no prefill sharing in a group.
         self.lockstep: Lockstep | None = None
 
     # -- counts ---------------------------------------------------------------------
@@ -110,9 +110,9 @@ class BatchScheduler(BaseScheduler):
         if request.body.get("adapter"):
             raise RequestError(400, "unsupported_in_group", "LoRA adapters are not served by an engine group",
                                param="model")
-        if request.processors:
-            raise RequestError(400, "unsupported_in_group", "Structured output, grammars and thinking budgets are "
-                               "not served by an engine group yet", param="response_format")
+        if request.processors and request.processor_spec is None:  # processors followers could not rebuild
+            raise RequestError(400, "unsupported_in_group", "This request's logits processors cannot be replayed "
+                               "by an engine group", param="response_format")
 
     def resolve_model(self, name: str | None) -> ModelRef:
         """An engine group serves the one model it was started with: no switch (every rank would reload)."""
@@ -188,11 +188,12 @@ class BatchScheduler(BaseScheduler):
             return
         adapter = request.body.get("adapter")  # the adapter key admission settled (BaseScheduler.accept)
         # Memory, then disk; the prompt's last token is always computed (its logits give the first token).
-        cache, cached = None, 0
+        cache, cached, entry, entry_len = None, 0, -1, 0
         if self.lockstep is None:
             cache, cached = self.prompt_cache.fetch(self._cache_key(adapter), prompt)
-        else:
+        else:  # rank 0 decides the reuse for every rank (`PlannedPrefixCache`)
             request.sampling = agree_seed(request.sampling)  # every rank draws from the same key chain
+            cache, cached, entry, entry_len = self.prompt_cache.fetch_planned(self._cache_key(adapter), prompt)
         rest = prompt[cached:]
         request.cached_tokens = cached
         if cached:
@@ -211,7 +212,8 @@ class BatchScheduler(BaseScheduler):
         self.uid_of[request.rid] = uid
         self.stats.prompt_tokens += len(prompt)
         if self.lockstep is not None:
-            self.lockstep.added(uid, rest, request.max_tokens, request.sampling, list(request.eos_token_ids))
+            self.lockstep.added(uid, rest, request.max_tokens, request.sampling, list(request.eos_token_ids),
+                                cached, entry, entry_len, request.processor_spec if request.processors else None)
 
     def _ensure_generator(self) -> None:
         current = self.models.current
@@ -373,7 +375,7 @@ class BatchScheduler(BaseScheduler):
             del self.uid_of[request.rid]
             self.sharing.forget((response.uid,))
             if response.finish_reason is not None:
-                self._remember(response.all_tokens, response.prompt_cache, request.body.get("adapter"))
+                self._remember(response.all_tokens, response.prompt_cache, request.body.get("adapter"), response.uid)
             else:
                 stopped_early[response.uid] = request.body.get("adapter")  # a stop string: still in the generator
         if stopped_early and self.lockstep is not None:
@@ -397,8 +399,11 @@ class BatchScheduler(BaseScheduler):
                 self._prefill_progress[response.uid] = processed
         return done
 
-    def _remember(self, tokens: list[int], cache: list[Any], adapter: str | None = None) -> None:
+    def _remember(self, tokens: list[int], cache: list[Any], adapter: str | None = None, uid: int = -1) -> None:
         """Keeps a finished request's KV for the next turn of its conversation (with the same adapter)."""
-        if not tokens or not cache or self.lockstep is not None:
+        if not tokens or not cache:
+            return
+        if self.lockstep is not None:  # followers keep their shard's KV of generator uid under the same id
+            self.prompt_cache.insert_planned(self._cache_key(adapter), tokens, cache, uid)
             return
         self.prompt_cache.insert(self._cache_key(adapter), tokens, cache)

@@ -9,6 +9,7 @@ plan asks. Runs on the process's main thread, which owns this rank's MLX stream.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 import zmq
 from mlx_lm.generate import StopSequences
+from mlx_lm.models.cache import trim_prompt_cache
 
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.generation.grouped import GroupedGenerator
@@ -27,7 +29,9 @@ from engine_daemon.group.settings import GROUP_FAILED_EXIT, GroupSettings
 from engine_daemon.group.wire import PlanChannel
 from engine_daemon.lora.adapters import AdapterManager
 from engine_daemon.models.manager import ModelManager
+from engine_daemon.sampling.request_processors import build_processors
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
+from engine_daemon.sampling.thinking import prompt_in_thinking
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,9 @@ class FollowerLoop:
         self._local: dict[int, int] = {}  # rank 0's uid -> this generator's
         self._leader: dict[int, int] = {}  # and back
         self.generator: GroupedGenerator | None = None
+        # This rank's prompt cache: its shard's KV under rank 0's entry ids (`PlannedPrefixCache` decides all).
+        self.cache_entries: dict[int, tuple[list[int], list[Any]]] = {}
+        self._finished: dict[int, tuple[list[int], list[Any]]] = {}  # rank 0's uid -> KV, until the next plan
         self.ticks = 0
 
     def request_stop(self) -> None:
@@ -94,12 +101,21 @@ class FollowerLoop:
         for kind, op in plan.ops:
             if kind == "add":
                 self._insert(op)
+            elif kind == "store":
+                uid, entry = op
+                if uid not in self._finished:
+                    raise RuntimeError(f"tick {plan.tick}: rank 0 cached request {uid}, which did not finish here")
+                self.cache_entries[entry] = self._finished.pop(uid)
+            elif kind == "evict":
+                for entry in op:
+                    self.cache_entries.pop(entry, None)
             else:
                 local = [self._local.pop(uid) for uid in op if uid in self._local]
                 for uid in local:
                     self._leader.pop(uid, None)
                 if local:
                     generator.remove(local)
+        self._finished.clear()  # rank 0 decided in this plan which finished requests' KV to keep
         if not plan.step:
             return
         generator.prefill_step_size = plan.prefill_step_size
@@ -108,16 +124,35 @@ class FollowerLoop:
         self.checksum.observe((self._leader[r.uid], int(r.token)) for r in responses if r.uid in self._leader)
         for response in responses:
             if response.finish_reason is not None and response.uid in self._leader:
-                self._local.pop(self._leader.pop(response.uid), None)
+                leader = self._leader.pop(response.uid)
+                self._local.pop(leader, None)
+                if response.prompt_cache:
+                    self._finished[leader] = (list(response.all_tokens), response.prompt_cache)
         if plan.checksum:
             values = channel.agree(self.checksum.value)
             if mismatched_ranks(values):
                 raise RuntimeError(f"token checksum mismatch at tick {plan.tick}: {values}")
 
     def _insert(self, op: AddOp) -> None:
+        cache, prefix = None, []
+        if op.entry >= 0:  # the prefix rank 0 reused, from this rank's copy of the same entry
+            if op.entry not in self.cache_entries:
+                raise RuntimeError(f"rank 0 reused prompt-cache entry {op.entry}, which this rank does not hold")
+            tokens, held = self.cache_entries[op.entry]
+            if len(tokens) != op.entry_len:
+                raise RuntimeError(f"prompt-cache entry {op.entry}: {len(tokens)} tokens here, "
+                                   f"{op.entry_len} on rank 0")
+            cache, prefix = copy.deepcopy(held), tokens[:op.cached]
+            if op.cached < len(tokens):
+                trim_prompt_cache(cache, len(tokens) - op.cached)
+        processors = make_request_processors(op.sampling)
+        if op.processors is not None:  # the same grammar / thinking budget rank 0 built, fed the same tokens
+            tokenizer = self.models.current.tokenizer
+            processors += build_processors(tokenizer, op.processors,
+                                           prompt_in_thinking(tokenizer, list(prefix) + op.prompt))
         (uid,) = self.generator.insert(
-            [op.prompt], max_tokens=[op.max_tokens], caches=[None], all_tokens=[[]],
-            samplers=[make_request_sampler(op.sampling)], logits_processors=[make_request_processors(op.sampling)],
+            [op.prompt], max_tokens=[op.max_tokens], caches=[cache], all_tokens=[prefix],
+            samplers=[make_request_sampler(op.sampling)], logits_processors=[processors],
             stop_sequences=[StopSequences([[token] for token in op.eos])], adapters=[None], speculative=[False])
         self._local[op.uid] = uid
         self._leader[uid] = op.uid

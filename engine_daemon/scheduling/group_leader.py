@@ -20,6 +20,7 @@ from engine_daemon.group.lockstep import GroupFailed, Lockstep
 from engine_daemon.group.settings import GroupSettings
 from engine_daemon.group.watchdog import StepWatchdog
 from engine_daemon.group.wire import PlanChannel
+from engine_daemon.prefix_cache.planned import PlannedPrefixCache
 from engine_daemon.scheduling.base import BaseScheduler, Event
 from protocol import MsgType, encode
 
@@ -56,6 +57,9 @@ class GroupLeader:
                               f"{self.settings.control}")
         self.lockstep = Lockstep(PlanChannel(self.group, stream), self.control, self.settings.checksum_every)
         self.scheduler.lockstep = self.lockstep
+        config = self.scheduler.config  # rank 0 decides every rank's prompt-cache lookups, inserts and evictions
+        self.scheduler.prompt_cache = PlannedPrefixCache(config.prompt_cache_size, config.prompt_cache_bytes or 1 << 62,
+                                                         self.lockstep.stored, self.lockstep.evicted)
         self.watchdog = StepWatchdog(self.lockstep, self.settings.step_timeout, self._hung)
         self.watchdog.start()
         log.info("engine group ready: %d ranks, %s over %s", self.settings.size, self.settings.mode,

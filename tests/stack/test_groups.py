@@ -29,6 +29,11 @@ STEP_TIMEOUT = 3.0  # --group-step-timeout of the test groups (the SIGSTOP test 
 PROMPTS = ["Hi", "Tell me about the sea and the ships on it.", "Count with me: one two three four five six.",
            "Write a long story about a fox, a dog, a river, a bridge and the town beyond the hills " * 3]
 MAX_TOKENS = 40
+SHARED = "Here is a long shared context about rivers, ships and harbours. " * 12  # a prefix two requests share
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "fact", "schema": {
+    "type": "object", "properties": {"name": {"enum": ["fox", "dog", "river"]}, "count": {"enum": [1, 2, 3]}},
+    "required": ["name", "count"], "additionalProperties": False}}}
+CACHED_PROMPTS = [SHARED + "First question: what floats?", SHARED + "Second question: what sinks?"]
 EXIT_DELAY = 5.0  # --group-exit-delay: a failed rank 0 answers /health this long, then exits 75
 
 
@@ -93,8 +98,22 @@ def reference(group_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPat
         base = frontend.base_url
         greedy = [stream_text(base, chat("default", prompt))[0] for prompt in PROMPTS]
         seeded = [stream_text(base, chat("default", prompt, temperature=1.0, seed=1234))[0] for prompt in PROMPTS[:2]]
+        cached = [_completion(base, prompt) for prompt in CACHED_PROMPTS]
+        structured = [_completion(base, prompt, response_format=fmt)
+                      for prompt, fmt in ((PROMPTS[1], SCHEMA), (PROMPTS[2], {"type": "json_object"}))]
         weights = sum(p.stat().st_size for p in group_model.glob("*.safetensors"))
-    return {"greedy": greedy, "seeded": seeded, "weights_file_bytes": weights}
+    return {"greedy": greedy, "seeded": seeded, "weights_file_bytes": weights,
+            "cached": [reply["choices"][0]["message"]["content"] for reply in cached],
+            "structured": [reply["choices"][0]["message"]["content"] for reply in structured]}
+
+
+def _completion(base_url: str, prompt: str, **extra: object) -> dict:
+    body = chat("default", prompt, stream=False, **extra)
+    if "response_format" in extra:
+        body["ignore_eos"] = False  # the grammar ends the JSON with EOS
+    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 @dataclass
@@ -213,10 +232,6 @@ def test_group_reports_shards_and_idles_without_spinning(group: Group, reference
     for rank in info["ranks"]:
         # Each rank holds its shard plus what it must replicate (embeddings, norms): less than the model.
         assert 0.3 * full < rank["weights_bytes"] < 0.85 * full, (rank, full)
-    # What followers cannot replay is refused with a clear 400, never half-served.
-    r = httpx.post(f"{group.frontend.base_url}/v1/chat/completions", timeout=30,
-                   json={**chat("default", "hi", stream=False), "response_format": {"type": "json_object"}})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_in_group", r.text
     pids = group.pids()
     time.sleep(1.0)  # the last request's idle plan has gone out
     before = [_cpu_seconds(pid) for pid in pids]
@@ -230,6 +245,31 @@ def test_group_reports_shards_and_idles_without_spinning(group: Group, reference
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_prompt_cache_reuses_a_shared_prefix_on_every_rank(group: Group, reference: dict) -> None:
+    """Rank 0 decides the reuse (which entry, how many tokens) and every rank takes its own shard's copy: the
+    second request reports cached tokens and still generates exactly what one process generates."""
+    first, second = (_completion(group.frontend.base_url, prompt) for prompt in CACHED_PROMPTS)
+    assert [first["choices"][0]["message"]["content"],
+            second["choices"][0]["message"]["content"]] == reference["cached"]
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 100, second["usage"]  # the shared context (well over 100 tokens), computed on no rank again
+    info = group.health().json()["group"]
+    assert info["checksums"] > 0 and not info["failed"]
+
+
+def test_structured_output_is_replayed_by_every_rank(group: Group, reference: dict) -> None:
+    """Rank 0 carries the response_format in the plan; each follower builds the same grammar, fed the same
+    tokens: constrained greedy text equals one process's (both at once: two grammars in one batch)."""
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda args: _completion(group.frontend.base_url, args[0], response_format=args[1]),
+                                ((PROMPTS[1], SCHEMA), (PROMPTS[2], {"type": "json_object"}))))
+    texts = [reply["choices"][0]["message"]["content"] for reply in replies]
+    assert texts == reference["structured"]
+    fact = json.loads(texts[0])  # the grammar held on every rank: the schema's JSON, not free text
+    assert fact["name"] in ("fox", "dog", "river") and fact["count"] in (1, 2, 3), texts[0]
+    assert not group.health().json()["group"]["failed"]
 
 
 def test_a_lost_rank_fails_the_group_and_every_stream(group: Group) -> None:
@@ -296,3 +336,106 @@ def test_ranks_started_by_service_units_stop_cleanly_with_rank_0(group_model: Pa
     finally:
         for rank in ranks:
             rank.stop()
+
+
+class _Unit(threading.Thread):
+    """One rank's service unit as deploy/groups.md's systemd unit runs it (`Restart=always`, `RestartSec=1`;
+    launchd's `KeepAlive`): a rank that exits for any reason (75 after a group failure, killed by a
+    signal, 0 after rank 0 stopped the group) is started again with the same command until the test
+    stops the unit."""
+
+    def __init__(self, rank: int, endpoint: str, model: Path, hostfile: Path, logs: Path):
+        super().__init__(name=f"unit-rank{rank}", daemon=True)
+        self.rank, self.endpoint, self.model, self.hostfile, self.logs = rank, endpoint, model, hostfile, logs
+        self.starts: list[Engine] = []
+        self.exit_codes: list[int] = []
+        self.halt = threading.Event()
+        self._start()
+
+    def _start(self) -> None:
+        self.starts.append(Engine(self.endpoint, self.logs / f"rank{self.rank}-{len(self.starts)}.log",
+                                  model=str(self.model),
+                                  args=["--group", "tp", "--group-step-timeout", str(STEP_TIMEOUT),
+                                        "--group-exit-delay", "1"],
+                                  env={"MLX_RANK": str(self.rank), "MLX_HOSTFILE": str(self.hostfile)}))
+
+    @property
+    def current(self) -> Engine:
+        return self.starts[-1]
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            code = self.current.popen.poll()
+            if code is None:
+                time.sleep(0.05)
+                continue
+            self.exit_codes.append(code)
+            if self.halt.is_set():
+                return
+            time.sleep(1.0)  # RestartSec
+            if not self.halt.is_set():
+                self._start()
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(5)
+        for engine in self.starts:
+            if engine.popen.poll() is None:
+                _kill_quietly(engine.pid, signal.SIGKILL)
+            engine.stop()
+
+
+def test_units_restart_a_failed_group_and_the_same_frontend_reconnects(group_model: Path, ipc_dir: Path,
+                                                                       tmp_path: Path, reference: dict) -> None:
+    """kill -9 of rank 1 under `Restart=always` units: rank 0 fails the group and exits 75, both units
+    restart their rank, the ranks meet again, and the front-end that was never restarted serves the new
+    engine (a new epoch) through the official SDK with the same greedy text as one process."""
+    from openai import OpenAI
+
+    port = _group_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    endpoint = f"ipc://{ipc_dir}/grp-restart.sock"
+    units = [_Unit(rank, endpoint, group_model, hostfile, tmp_path) for rank in (0, 1)]
+    for unit in units:
+        unit.start()
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    client = OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def healthy(timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                health = httpx.get(f"{frontend.base_url}/health", timeout=5)
+                if health.status_code == 200:
+                    return health.json()
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, [unit.current.log()[-3000:] for unit in units]
+            time.sleep(0.2)
+
+    def complete() -> str:
+        reply = client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                               max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        return reply.choices[0].message.content
+
+    try:
+        first = healthy(90)
+        assert complete() == reference["greedy"][1]
+        os.kill(units[1].current.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:  # the same front-end, never restarted, sees the restarted group's new epoch
+            health = healthy(max(1.0, deadline - time.monotonic()))
+            if health["engine"]["epoch"] != first["engine"]["epoch"]:
+                break
+            time.sleep(0.2)
+        assert units[0].exit_codes[:1] == [75], units[0].current.log()[-3000:]  # EX_TEMPFAIL: restart me
+        assert units[1].exit_codes[:1] == [-signal.SIGKILL]
+        assert len(units[0].starts) >= 2 and len(units[1].starts) >= 2
+        assert health["group"]["size"] == 2 and not health["group"]["failed"]
+        assert complete() == reference["greedy"][1]
+    finally:
+        frontend.stop()
+        for unit in units:
+            unit.stop()

@@ -16,11 +16,12 @@ from engine_daemon.group.settings import default_control, from_environment
 
 def test_a_plan_round_trips_with_its_ops_in_order() -> None:
     plan = StepPlan(7, [("add", AddOp(3, [1, 2, 3], 16, {"temperature": 1.0, "seed": 2**62}, [0, 5])),
-                        ("remove", [1, 2]), ("add", AddOp(4, [9], 1, {}, []))],
+                        ("remove", [1, 2]), ("store", [3, 0]), ("evict", [0, 5]),
+                        ("add", AddOp(4, [9], 1, {}, [], cached=40, entry=5, entry_len=60))],
                     prefill_step_size=64, step=True, checksum=True)
     again = StepPlan.decode(plan.encode())
     assert again == plan
-    assert [kind for kind, _ in again.ops] == ["add", "remove", "add"]
+    assert [kind for kind, _ in again.ops] == ["add", "remove", "store", "evict", "add"]
 
 
 def test_a_plan_of_another_version_or_op_is_refused() -> None:
@@ -29,7 +30,7 @@ def test_a_plan_of_another_version_or_op_is_refused() -> None:
     with pytest.raises(ValueError, match="version"):
         StepPlan.decode(msgpack.packb([99, 0, [], 1, False, False, False, False]))
     with pytest.raises(ValueError, match="unknown"):
-        StepPlan.decode(msgpack.packb([1, 0, [["evict", 1]], 1, False, False, False, False]))
+        StepPlan.decode(msgpack.packb([3, 0, [["switch", 1]], 1, False, False, False, False]))
 
 
 def test_an_idle_plan_is_small_enough_for_one_round_trip() -> None:
@@ -75,11 +76,41 @@ def test_adapters_draft_models_and_idle_unload_are_refused_in_a_group() -> None:
     parser = argparse.ArgumentParser()
     add_group_arguments(parser)
     args = parser.parse_args(["--group", "tp"])
-    base = {"model": "m", "adapter_path": None, "draft_model": None, "idle_unload": None, "kv_bits": None}
+    base = {"model": "m", "adapter_path": None, "draft_model": None, "idle_unload": None, "kv_bits": None,
+            "prompt_cache_dir": None}
     assert group_refusal(argparse.Namespace(**vars(args), **base)) is None
     assert "--model" in group_refusal(argparse.Namespace(**vars(args), **{**base, "model": None}))
     refusal = group_refusal(argparse.Namespace(**vars(args), **{**base, "adapter_path": "a", "draft_model": "d"}))
     assert "--adapter-path" in refusal and "--draft-model" in refusal
+    assert "--prompt-cache-dir" in group_refusal(argparse.Namespace(**vars(args), **{**base, "prompt_cache_dir": "d"}))
+
+
+def _kv(tokens: int) -> list:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    cache = KVCache()
+    cache.update_and_fetch(mx.zeros((1, 2, tokens, 4)), mx.zeros((1, 2, tokens, 4)))
+    return [cache]
+
+
+def test_rank_0s_prompt_cache_names_every_store_reuse_and_eviction() -> None:
+    """What followers replay: a store per kept entry, the entry id and lengths a reuse took, every eviction."""
+    from engine_daemon.prefix_cache.planned import PlannedPrefixCache
+
+    ops: list = []
+    cache = PlannedPrefixCache(2, 1 << 40, lambda uid, entry: ops.append(("store", uid, entry)),
+                               lambda entries: ops.append(("evict", entries)))
+    key = ("model", None)
+    cache.insert_planned(key, [1, 2, 3, 4, 5, 6], _kv(6), uid=10)
+    kv, cached, entry, entry_len = cache.fetch_planned(key, [1, 2, 3, 9, 9])
+    assert (cached, entry, entry_len) == (3, 0, 6) and kv[0].offset == 3  # cut back to the shared prefix
+    assert cache.fetch_planned(key, [7, 7])[:3] == (None, 0, -1)
+    cache.insert_planned(key, [7, 8, 9], _kv(3), uid=11)
+    cache.insert_planned(key, [5, 5, 5], _kv(3), uid=12)  # over 2 entries: the least recently used leaves
+    assert ops == [("store", 10, 0), ("store", 11, 1), ("store", 12, 2), ("evict", [0])]
+    cache.spill_all()  # no disk tier in a group: everything is evicted on every rank
+    assert ops[-1] == ("evict", [1, 2])
 
 
 def test_tensor_parallelism_needs_heads_divisible_by_the_ranks() -> None:
