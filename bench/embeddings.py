@@ -2,7 +2,8 @@
 
 One engine holds the chat model and an embedding model (its own slot). A greedy stream runs;
 once it is steady, 50 /v1/embeddings requests (each several RAG-sized chunks) are sent by a few
-concurrent clients. The stream's inter-token latency is read from the engine's own per-step
+concurrent clients, in `--rounds` bursts each right after a steady window (so load from other
+processes drifts over both alike). The stream's inter-token latency is read from the engine's own per-step
 timing (CALL `step_gaps`: the gap between consecutive decode steps while a request runs, so
 client and HTTP jitter do not count): p50 while steady, p99 while the embeddings are served,
 and their ratio (target <= 2). Repeated for several `--aux-step-tokens` values.
@@ -82,6 +83,7 @@ def chunk(rng: random.Random, words: int) -> str:
 
 
 def run_one(chat: Path, embedder: Path, step_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Rounds of (a steady window, then a burst of embedding requests), so load drift hits both alike."""
     engine_args = ["--embedding-model", str(embedder), "--aux-step-tokens", str(step_tokens)]
     with our_stack(chat, engine_args) as (base, engine):
         rng = random.Random(0)
@@ -90,30 +92,43 @@ def run_one(chat: Path, embedder: Path, step_tokens: int, args: argparse.Namespa
         stream = Stream(base, str(chat), args.max_tokens)
         stream.start()
         count, _ = wait_for_gaps(engine.endpoint, start, 20)  # past the prefill and first steps
-        count, steady = wait_for_gaps(engine.endpoint, count, args.steady_tokens)
-        steady_client = len(stream.stamps)
-        bodies = [{"model": "any", "input": [chunk(rng, args.words) for _ in range(args.inputs)]}
-                  for _ in range(args.requests)]
-        started = time.monotonic()
-        with ThreadPoolExecutor(args.concurrency) as pool:
-            answers = list(pool.map(lambda b: httpx.post(f"{base}/embeddings", json=b, timeout=600), bodies))
-        served = time.monotonic() - started
-        count, during = gaps_since(engine.endpoint, count)
-        during_client = stream.stamps[steady_client:]
+        steady: list[float] = []
+        during: list[float] = []
+        client: list[float] = []
+        answers: list[httpx.Response] = []
+        served = 0.0
+        per_round = [args.requests // args.rounds + (r < args.requests % args.rounds) for r in range(args.rounds)]
+        for requests in per_round:
+            count, gaps = wait_for_gaps(engine.endpoint, count, args.steady_tokens // args.rounds)
+            steady += gaps
+            first_event = len(stream.stamps)
+            # base64, as the openai SDK asks by default (float lists cost the front-end and client JSON work)
+            bodies = [{"model": "any", "input": [chunk(rng, args.words) for _ in range(args.inputs)],
+                       "encoding_format": args.encoding_format} for _ in range(requests)]
+            started = time.monotonic()
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                answers += pool.map(lambda b: httpx.post(f"{base}/embeddings", json=b, timeout=600), bodies)
+            served += time.monotonic() - started
+            count, gaps = gaps_since(engine.endpoint, count)
+            during += gaps
+            stamps = stream.stamps[first_event:]
+            client += [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
         stream.stop.set()
         stats = httpx.get(f"{base.removesuffix('/v1')}/stats", timeout=30).json()
     ok = sum(a.status_code == 200 for a in answers)
     tokens = sum(a.json()["usage"]["prompt_tokens"] for a in answers if a.status_code == 200)
     p50, p99 = percentile(steady, 50), percentile(during, 99)
-    client = [1000 * (b - a) for a, b in zip(during_client, during_client[1:])]
     return {"aux_step_tokens": step_tokens, "requests_ok": ok, "embedding_tokens": tokens,
             "embeddings_seconds": round(served, 2), "embedding_tokens_per_s": round(tokens / served),
             "steady_steps": len(steady), "steps_during": len(during),
             "steady_itl_p50_ms": round(p50, 1), "steady_itl_p99_ms": round(percentile(steady, 99), 1),
             "during_itl_p50_ms": round(percentile(during, 50), 1), "during_itl_p99_ms": round(p99, 1),
             "ratio_p99_during_over_p50_steady": round(p99 / p50, 2),
+            "ratio_p50_during_over_p50_steady": round(percentile(during, 50) / p50, 2),
+            "ratio_p99_during_over_p99_steady": round(p99 / percentile(steady, 99), 2),
             "client_sse_gap_p99_ms_during": round(percentile(client, 99) or 0, 1),
             "model_loads": stats["model_loads"], "auxiliary_slices": stats["auxiliary_jobs"].get("slices"),
+            "aux_ms_per_token": stats.get("aux_ms_per_token"),
             "shared_batches": stats["auxiliary_work"]["embedding"]["shared_batches"],
             "stream_error": stream.error}
 
@@ -127,8 +142,10 @@ def main() -> int:
     parser.add_argument("--inputs", type=int, default=8, help="chunks per embedding request")
     parser.add_argument("--words", type=int, default=60, help="words per chunk")
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--steady-tokens", type=int, default=100)
+    parser.add_argument("--steady-tokens", type=int, default=120, help="steady decode steps, over all rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="steady window + burst pairs the requests split into")
     parser.add_argument("--max-tokens", type=int, default=4000)
+    parser.add_argument("--encoding-format", choices=("base64", "float"), default="base64")
     parser.add_argument("--out", type=Path, help="also write the results here (JSON)")
     args = parser.parse_args()
     chat = bench_model(args.chat_size)

@@ -15,6 +15,7 @@ Weights are seeded noise (the same seed gives the same bytes). Never a trained m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import sys
@@ -62,12 +63,27 @@ BERT_SIZES = {
 }
 
 
-def bert_config(seed: int, size: str = "tiny") -> dict:
-    return {"architectures": ["BertModel"], "model_type": "bert", **BERT_SIZES[size], "type_vocab_size": 2,
-            "layer_norm_eps": 1e-12, "hidden_act": "gelu", "pad_token_id": 0, "torch_dtype": "float32",
-            **_build_info(f"bert-{size}" if size != "tiny" else "bert", seed)}
+# The encoder architectures mlx-embeddings ships that the builder makes (same tokenizer, the family's config).
+ENCODER_ARCHS = {
+    "bert": {"architectures": ["BertModel"], "model_type": "bert", "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+             "hidden_act": "gelu"},
+    "xlm-roberta": {"architectures": ["XLMRobertaModel"], "model_type": "xlm-roberta", "type_vocab_size": 1,
+                    "layer_norm_eps": 1e-5},
+    # local_attention 8: the tiny model's inputs reach past ModernBERT's sliding window
+    "modernbert": {"architectures": ["ModernBertModel"], "model_type": "modernbert", "local_attention": 8,
+                   "global_attn_every_n_layers": 2, "classifier_pooling": "mean"},
+}
 
 
+def bert_config(seed: int, size: str = "tiny", arch: str = "bert") -> dict:
+    positions = BERT_SIZES[size]["max_position_embeddings"]
+    extra = {"max_position_embeddings": positions + 2} if arch == "xlm-roberta" else {}  # RoBERTa's 2 offset
+    kind = arch if size == "tiny" else f"{arch}-{size}"
+    return {**ENCODER_ARCHS[arch], **BERT_SIZES[size], **extra, "pad_token_id": 0, "torch_dtype": "float32",
+            **_build_info(kind, seed)}
+
+
+@functools.lru_cache(maxsize=4)
 def bert_tokenizer_json(vocab_size: int) -> str:
     """A lower-casing WordPiece tokenizer with BERT's pipeline and `[CLS] $A [SEP]` post-processing."""
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors, trainers
@@ -87,12 +103,14 @@ def bert_tokenizer_json(vocab_size: int) -> str:
 
 
 def _bert_weights(config: dict, seed: int) -> dict:
-    """Seeded weights under the parameter names of mlx-embeddings' own BERT class (what its loader checks)."""
+    """Seeded weights under the parameter names of mlx-embeddings' own class (what its loader checks)."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_embeddings.models import bert
 
-    model = bert.Model(bert.ModelArgs.from_dict(config))
+    family = importlib.import_module(f"mlx_embeddings.models.{config['model_type'].replace('-', '_')}")
+    model = family.Model(family.ModelArgs.from_dict(config))
     shapes = dict(tree_flatten(model.parameters()))
     names = sorted(shapes)
     keys = mx.random.split(mx.random.key(seed), len(names))
@@ -101,7 +119,7 @@ def _bert_weights(config: dict, seed: int) -> dict:
         shape = shapes[name].shape
         if name.endswith(".bias"):
             weights[name] = mx.zeros(shape, dtype=mx.float32)
-        elif "LayerNorm" in name:
+        elif len(shape) == 1 and "norm" in name.lower():
             weights[name] = mx.ones(shape, dtype=mx.float32)
         else:
             weights[name] = mx.random.normal(shape, dtype=mx.float32, key=keys[i]) * shape[-1] ** -0.5
@@ -109,10 +127,10 @@ def _bert_weights(config: dict, seed: int) -> dict:
     return weights
 
 
-def build_bert_embedding(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> Path:
-    """A BERT embedding model of `size` (`BERT_SIZES`) in `out_dir` (idempotent: a complete build is reused)."""
+def build_bert_embedding(out_dir: str | Path, seed: int = 0, size: str = "tiny", arch: str = "bert") -> Path:
+    """An encoder embedding model (`ENCODER_ARCHS`, `BERT_SIZES`) in `out_dir` (idempotent)."""
     out_dir = Path(out_dir).expanduser().resolve()
-    config = bert_config(seed, size)
+    config = bert_config(seed, size, arch)
 
     def write_payload(out: Path) -> None:
         tokenizer_json = bert_tokenizer_json(config["vocab_size"])
@@ -128,7 +146,7 @@ def build_bert_embedding(out_dir: str | Path, seed: int = 0, size: str = "tiny")
         atomic_write_json(out / "special_tokens_map.json", {
             "cls_token": "[CLS]", "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
             "mask_token": "[MASK]"})
-        atomic_write_bytes(out / "README.md", README.format(what="tiny BERT embedding model").encode())
+        atomic_write_bytes(out / "README.md", README.format(what=f"{arch} embedding model").encode())
 
     write_build(out_dir, config, BERT_PAYLOAD, write_payload)
     return out_dir
@@ -192,14 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point (`engined-build-embedding`); prints the model directory."""
     parser = argparse.ArgumentParser(prog="engined-build-embedding", description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--kind", choices=("bert", "decoder"), default="bert",
-                        help="bert: mlx-embeddings' BERT; decoder: a Qwen3-Embedding-style model for mlx-lm")
+    parser.add_argument("--kind", choices=(*ENCODER_ARCHS, "decoder"), default="bert",
+                        help="an encoder for mlx-embeddings (bert, xlm-roberta, modernbert), or decoder: a "
+                             "Qwen3-Embedding-style model for mlx-lm")
     parser.add_argument("--size", choices=sorted(BERT_SIZES), default="tiny", help="BERT size (default: tiny)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    if args.kind == "bert":
-        print(build_bert_embedding(args.out_dir, seed=args.seed, size=args.size))
+    if args.kind != "decoder":
+        print(build_bert_embedding(args.out_dir, seed=args.seed, size=args.size, arch=args.kind))
     else:
         print(build_decoder_embedding(args.out_dir, seed=args.seed))
     return 0

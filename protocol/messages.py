@@ -71,6 +71,7 @@ class CallMethod(str, enum.Enum):
 
 # The auxiliary CALLs' args and results. Arrays travel as raw little-endian float32 `bytes`
 # (a msgpack list of floats is several times slower to pack and unpack).
+# An ABORT whose `rids` holds a CALL's `cid` drops that auxiliary job (its client left).
 AUXILIARY_CALLS = {
     CallMethod.EMBEDDINGS: {
         # input: a list of strings or a list of token-id lists (never mixed); dimensions: Matryoshka size or None

@@ -4,7 +4,10 @@ Two well-kept paths, each the package's own:
 
 * Encoders (BERT, XLM-RoBERTa, ModernBERT… every `model_type` mlx-embeddings ships):
   `mlx_embeddings.load`, and the model's own `text_embeds` (mean pooling over the attention
-  mask, then L2 normalization, as the package computes it).
+  mask, then L2 normalization, as the package computes it). Two exceptions: a model whose
+  sentence-transformers config pools the [CLS] token (BGE) gets its [CLS] state, as
+  sentence-transformers computes it, and a checkpoint the package leaves unpooled (ModernBERT
+  saved as a masked LM) is mean-pooled over the mask here.
 * Decoder embedding models (Qwen3-Embedding style): `mlx_lm.load` (every architecture
   mlx-lm has), the final-norm hidden state of the last token, L2-normalized. A decoder
   directory counts as an embedding model when its sentence-transformers pooling config says
@@ -92,6 +95,7 @@ class EmbeddingModel:
     dimensions: int
     matryoshka: bool  # `dimensions` (truncate + renormalize) is allowed
     vocab_size: int
+    cls_pooling: bool = False  # encoders: 1_Pooling says pooling_mode_cls_token (else the package's mean pooling)
     weight_bytes: int = 0
     kind: str = "embedding"
     profile: Any = None  # the --models-config profile of its name (`AuxiliarySlots` sets it)
@@ -160,8 +164,14 @@ class EmbeddingModel:
             ids[row, :len(sequence.tokens)] = sequence.tokens
             mask[row, :len(sequence.tokens)] = 1
         if self.pooling == "encoder":
-            out = self.model(mx.array(ids), attention_mask=mx.array(mask))
+            attention = mx.array(mask)
+            out = self.model(mx.array(ids), attention_mask=attention)
             pooled = out.text_embeds
+            if self.cls_pooling:  # the model's sentence-transformers config pools the [CLS] token (BGE…)
+                pooled = out.last_hidden_state[:, 0]
+            elif pooled.ndim == 3:  # a checkpoint the package does not pool (ModernBERT's masked-LM head)
+                weights = attention[..., None]
+                pooled = (out.last_hidden_state * weights).sum(axis=1) / mx.maximum(weights.sum(axis=1), 1e-9)
         else:
             hidden = self.model.model(mx.array(ids))
             last = mx.array([len(sequence.tokens) - 1 for sequence in batch])
@@ -227,6 +237,8 @@ def load_embedding_model(name: str, path: str) -> EmbeddingModel:
     loaded = EmbeddingModel(
         name=name, path=path, model=model, tokenizer=tokenizer, pooling=pooling,
         max_tokens=_max_tokens(config, tokenizer), dimensions=hidden, matryoshka=matryoshka,
+        cls_pooling=pooling == "encoder" and bool(_read_json(directory / "1_Pooling" / "config.json")
+                                                   .get("pooling_mode_cls_token")),
         vocab_size=int(config.get("vocab_size") or text_config.get("vocab_size") or len(tokenizer.get_vocab())),
         weight_bytes=sum(p.nbytes for _, p in tree_flatten(model.parameters())))
     log.info("embedding model %s: %s pooling, %d dimensions, inputs up to %d tokens%s", name,

@@ -165,6 +165,14 @@ class AuxiliaryQueue:
         self.counts[f"{entry.job.kind}_failed"] += 1
         return (entry.peer, MsgType.ERROR, {**error.to_body(None), "cid": entry.cid})
 
+    def cancel(self, peer: bytes, cids: set[str] | None) -> int:
+        """Drops `peer`'s jobs with these CALL ids (None: all of them), unanswered: their client left."""
+        gone = [e for e in self.entries if e.peer == peer and (cids is None or e.cid in cids)]
+        for entry in gone:
+            self.entries.remove(entry)
+            self.counts[f"{entry.job.kind}_cancelled"] += 1
+        return len(gone)
+
     def fail(self, kind: str | None, error: RequestError) -> list[Event]:
         """Ends the jobs of `kind` (None: all) with `error`: their model was unloaded."""
         return [self._error(entry, error) for entry in list(self.entries) if kind is None or entry.job.kind == kind]

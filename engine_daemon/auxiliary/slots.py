@@ -56,6 +56,8 @@ class AuxiliarySlots:
         self.accepts = accepts or _kind_accepts
         self.slots: dict[str, _Slot] = {}
         self.loads = 0
+        # (name, monotonic start) while a load runs: a long load is not a stalled engine (`EngineServer.state`)
+        self.loading: tuple[str, float] | None = None
         # What /health, /stats and /v1/models show: replaced (never mutated) on every change, so the
         # io thread reads it without a lock.
         self.snapshot: list[dict[str, Any]] = []
@@ -89,7 +91,7 @@ class AuxiliarySlots:
             if self.accepts(kind, ref.path):
                 return ref.id, ref.path
             problem: RequestError = RequestError(400, "invalid_model",
-                                                 f"The model '{name}' is not a {kind} model", param="model")
+                                                 f"The model '{name}' is not a model of kind '{kind}'", param="model")
         except InvalidModelName as exc:
             raise RequestError(400, "invalid_model_name", str(exc), param="model") from None
         except ModelNotFound as exc:
@@ -107,7 +109,11 @@ class AuxiliarySlots:
         self.unload(kind)
         log.info("loading %s model %s from %s", kind, name, path)
         started = time.perf_counter()
-        model = loader(name, str(path))
+        self.loading = (name, time.monotonic())
+        try:
+            model = loader(name, str(path))
+        finally:
+            self.loading = None
         if hasattr(model, "profile"):  # its name's --models-config settings (e.g. `embedding_dimensions`)
             model.profile = self.names.profile_for(ModelRef(name, path))
         self.loads += 1

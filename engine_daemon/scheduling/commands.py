@@ -28,6 +28,7 @@ class AddCommand:
 class AbortCommand:
     rids: list[str]
     reason: str = "client"
+    peer: bytes | None = None  # who sent it: an ABORT also names that front-end's auxiliary CALLs (cids)
 
 
 @dataclass(frozen=True)

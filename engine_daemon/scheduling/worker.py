@@ -304,11 +304,13 @@ class MlxWorker(threading.Thread):
             return self.scheduler.submit(command.peer, command.body, command.prepared)
         if isinstance(command, AbortCommand):
             found = self.scheduler.abort(set(command.rids))
+            if command.peer is not None:  # a long auxiliary CALL (audio) whose client left
+                found += self.aux_jobs.cancel(command.peer, set(command.rids))
             if found:
                 log.info("aborted %d request(s) (%s): rid=%s", found, command.reason, ",".join(command.rids))
             return []
         if isinstance(command, PeerGoneCommand):
-            found = self.scheduler.abort_peer(command.peer)
+            found = self.scheduler.abort_peer(command.peer) + self.aux_jobs.cancel(command.peer, None)
             if found:
                 log.info("aborted %d request(s) of a vanished front-end", found)
             return []
@@ -336,6 +338,9 @@ class MlxWorker(threading.Thread):
         """Loads the job's model (its kind's slot; never the generation model) and prepares the job off-thread."""
         request = command.request
         try:
+            if len(self.aux_jobs.entries) >= self.scheduler.config.max_queued:  # --max-queued bounds these too
+                raise RequestError(429, "queue_full", f"The engine queue is full ({len(self.aux_jobs.entries)} "
+                                   "auxiliary requests waiting); retry later", error_type="rate_limit_error")
             job = self.aux.get(request.kind, request.model).job(request.args)
         except RequestError as exc:
             return [(command.peer, MsgType.ERROR, {**exc.to_body(None), "cid": command.cid})]

@@ -254,7 +254,7 @@ class EngineServer:
         if model_store.downloading is not None:
             return "loading"  # a Hub download blocks the mlx thread: slow, but not wedged
         busy_since = status.busy_since
-        if (status.state != "loading" and busy_since
+        if (status.state != "loading" and busy_since and self.worker.aux.loading is None
                 and time.monotonic() - busy_since > self.stall_timeout):
             return "stalled"
         if self.draining and status.state != "loading":
@@ -281,7 +281,7 @@ class EngineServer:
 
     def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         self.preprocessor.cancel(body["rids"])
-        self.worker.commands.put(AbortCommand(body["rids"], body.get("reason", "client")))
+        self.worker.commands.put(AbortCommand(body["rids"], body.get("reason", "client"), peer))
 
     def _on_bye(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         self._peer_gone(peer)

@@ -340,6 +340,10 @@ class EngineClient:
             return await asyncio.wait_for(future, timeout)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"The engine did not answer '{method}' within {timeout:.0f} s") from None
+        except asyncio.CancelledError:  # the client left: a long CALL's job is dropped (ABORT names its cid)
+            if streaming:
+                self._send(MsgType.ABORT, {"rids": [cid], "reason": "client"})
+            raise
         finally:
             self._calls.pop(cid, None)
             self._partials.pop(cid, None)

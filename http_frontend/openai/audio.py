@@ -37,6 +37,7 @@ from http_frontend.parsing.audio_decode import decode_upload
 from http_frontend.parsing.audio_encode import FORMATS, MAX_SPEED, MIN_SPEED, StreamingEncoder, media_type
 from http_frontend.parsing.body import check_model_name, get_field, read_json_object
 from http_frontend.parsing.multipart_form import UploadForm, read_upload_form
+from http_frontend.relay.generation import until_disconnect
 from http_frontend.settings import FrontendSettings
 from protocol import CallMethod
 
@@ -106,9 +107,24 @@ class _PartialCall:
             raise _engine_error(exc)
         return self.task.result()
 
+    async def finish(self) -> Any:
+        """The final result, the partials skipped."""
+        while await self.next() is not _DONE:
+            pass
+        return self.result()
+
     def cancel(self) -> None:
         if not self.task.done():
             self.task.cancel()
+
+
+async def _first(req: falcon.asgi.Request, call: _PartialCall) -> Any:
+    """The first partial (or `_DONE`); a client that leaves meanwhile cancels the call."""
+    try:
+        return await until_disconnect(req, call.next())
+    except APIError:
+        call.cancel()
+        raise
 
 
 class Transcriptions:
@@ -131,7 +147,7 @@ class Transcriptions:
         args["stream"] = stream
         call = _PartialCall(self.client, CallMethod.TRANSCRIBE, args, self.request_timeout)
         if stream:
-            first = await call.next()
+            first = await _first(req, call)
             if first is _DONE:  # finished (or refused) before any segment: a refusal is a plain HTTP error
                 result = call.result()
                 resp.content_type = falcon.MEDIA_JSON
@@ -140,11 +156,9 @@ class Transcriptions:
             resp.sse = self._events(call, [first], None)
             return
         try:
-            while await call.next() is not _DONE:
-                pass
-            result = call.result()
+            result = await until_disconnect(req, call.finish())
         finally:
-            call.cancel()
+            call.cancel()  # a client that left: its job is dropped on the engine (ABORT)
         body, content_type = render(result, response_format, self.task, words)
         resp.content_type = content_type
         if isinstance(body, str):
@@ -254,7 +268,7 @@ class Speech:
         instructions = get_field(body, "instructions", (str,))
         args = {"model": model, "input": text, "voice": voice, "instructions": instructions or None}
         call = _PartialCall(self.client, CallMethod.SPEECH, args, self.request_timeout)
-        first = await call.next()
+        first = await _first(req, call)
         if first is _DONE:
             call.result()  # a refusal before any audio: an ordinary JSON error
             raise bad_request("The speech model produced no audio for this input", param="input")

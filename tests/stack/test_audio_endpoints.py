@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import threading
+import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +162,10 @@ def test_every_response_format_matches_mlx_audio(client: openai.OpenAI, clips: d
     assert verbose.text == timed.text and verbose.language == LANGUAGES[timed.language]  # detected, by name
     assert [(s.start, s.end, s.text) for s in verbose.segments] == \
         [(pytest.approx(s["start"]), pytest.approx(s["end"]), s["text"]) for s in timed.segments]
+    worded = in_process(whisper, clips["wav"], temperature=0.0, word_timestamps=True)
+    with_words = create("verbose_json", timestamp_granularities=["word", "segment"])
+    assert [w.word for w in with_words.words] == [w["word"] for s in worded.segments for w in s["words"]]
+    assert with_words.words and all(w.end >= w.start for w in with_words.words)
     result = {"text": timed.text, "segments": timed.segments}
     assert create("srt") == to_srt(result)
     assert create("vtt") == to_vtt(result)
@@ -204,6 +209,25 @@ def test_long_audio_runs_one_window_per_slice(client: openai.OpenAI, stack: Fron
     assert max(s.start for s in reply.segments) >= 60.0
     first = in_process(whisper, clip, temperature=0.0, language="en")  # whole clip: mlx-audio seeks itself
     assert reply.text.startswith(first.segments[0]["text"])
+
+
+def test_a_client_that_leaves_cancels_its_transcription(stack: Frontend) -> None:
+    """4 minutes of audio (8 windows); the client gives up after 2 s: the engine drops the job between slices."""
+    t = np.arange(240 * RATE) / RATE
+    clip = mp3_of(wav_bytes(0.3 * np.sin(2 * np.pi * 330 * t)))
+    before = stats(stack)["auxiliary_jobs"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.base_url}/v1/audio/transcriptions", files={"file": ("long.mp3", clip, "audio/mpeg")},
+                   data={"model": "whisper-1", "temperature": "0"}, timeout=httpx.Timeout(60, read=2.0))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        jobs = stats(stack)["auxiliary_jobs"]
+        if jobs.get("transcription_cancelled", 0) > before.get("transcription_cancelled", 0):
+            break
+        time.sleep(0.5)
+    assert jobs.get("transcription_cancelled", 0) == before.get("transcription_cancelled", 0) + 1
+    assert jobs.get("transcription_done") == before.get("transcription_done")
+    assert jobs["slices"] - before.get("slices", 0) < 8
 
 
 # -- speech ------------------------------------------------------------------------------------------

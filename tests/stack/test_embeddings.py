@@ -114,6 +114,24 @@ def test_unknown_names_reach_the_configured_model(client: openai.OpenAI, models:
     assert listed["qwen3-embed"].type == "embedding" and listed["tiny-bert"].type == "embedding"
 
 
+def test_a_chat_request_for_an_embedding_model_is_refused_without_a_load(stack, client: openai.OpenAI) -> None:
+    loads = stats(stack)["model_loads"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="qwen3-embed", messages=[{"role": "user", "content": "hi"}])
+    assert "embedding model" in refused.value.body["message"] and stats(stack)["model_loads"] == loads
+
+
+def test_without_an_embedding_model_unknown_names_are_404(frontend, model_id: str) -> None:
+    """The session's shared engine has no --embedding-model: nothing to fall back to."""
+    url = f"{frontend.base_url}/v1/embeddings"
+    missing = httpx.post(url, json={"model": "text-embedding-3-small", "input": "hi"}, timeout=30)
+    assert missing.status_code == 404 and error_of(missing)["code"] == "model_not_found"
+    chat = httpx.post(url, json={"model": model_id, "input": "hi"}, timeout=30)
+    assert chat.status_code == 400 and "not a model of kind 'embedding'" in error_of(chat)["message"]
+    unnamed = httpx.post(url, json={"input": "hi"}, timeout=30)
+    assert unnamed.status_code == 400 and error_of(unnamed)["code"] == "model_required"
+
+
 def test_langchain_openai_embeddings_unmodified(stack, client: openai.OpenAI) -> None:
     from langchain_openai import OpenAIEmbeddings
 
@@ -161,21 +179,27 @@ def test_bad_input_gets_clear_400s_and_the_engine_serves_on(stack, client: opena
 
 
 def test_batches_are_shared_across_requests(stack, client: openai.OpenAI, models: dict[str, Path]) -> None:
-    """Requests queued together share padded batches: the second's inputs join the first's last slice.
+    """Requests queued together share padded batches: the second's inputs fill the first's last slice.
 
-    Both are long (~40 slices of 128 tokens each), so whichever is queued first is still running
-    when the other joins; the mlx thread is held busy while both arrive.
+    Token arrays of 20 tokens: a 128-token slice holds 6, so the first request's 199 inputs end in a
+    slice with room for 5 of the other's (about 33 slices in: whichever is queued first is still
+    running when the other joins; the mlx thread is held busy while both arrive).
     """
-    docs = [[f"{TEXTS[2]} number {i} of {part}" for i in range(200)] for part in ("a", "b")]
-    expected, _ = reference(models["bert"], [docs[0][0], docs[1][-1]])
+    import mlx.core as mx
+    from mlx_embeddings import load
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(5, 1000, size=(count, 20)).tolist() for count in (199, 199)]
+    model, _ = load(str(models["bert"]))
+    expected = [np.array(model(mx.array([doc[-1]])).text_embeds[0]) for doc in docs]
     before = stats(stack)["auxiliary_work"]["embedding"]["shared_batches"]
     hold = threading.Thread(target=call_engine, args=(stack[0].endpoint, "debug_sleep", {"seconds": 1.0}))
     hold.start()
     with ThreadPoolExecutor(2) as pool:
-        answers = list(pool.map(lambda texts: client.embeddings.create(model="tiny-bert", input=texts), docs))
+        answers = list(pool.map(lambda inputs: client.embeddings.create(model="tiny-bert", input=inputs), docs))
     hold.join()
-    assert np.abs(vectors(answers[0])[0] - expected[0]).max() < 1e-5
-    assert np.abs(vectors(answers[1])[-1] - expected[1]).max() < 1e-5
+    for answer, vector in zip(answers, expected):
+        assert len(answer.data) == 199 and np.abs(vectors(answer)[-1] - vector).max() < 1e-5
     assert stats(stack)["auxiliary_work"]["embedding"]["shared_batches"] > before
 
 

@@ -60,9 +60,8 @@ def test_models_lists_mlx_models_of_the_hf_cache(tiny_model: Path, ipc_dir: Path
         listed = httpx.get(f"{frontend.base_url}/v1/models").json()["data"]
         assert {m["id"]: m["loaded"] for m in listed} == {str(tiny_model): True,
                                                           "mlx-community/tiny-random-qwen2": False}
-        assert httpx.post(f"{frontend.base_url}/unload").json() == {"status": "success", "auxiliary_unloaded": []}
-        assert httpx.post(f"{frontend.base_url}/unload").json() == {"status": "no_model_loaded",
-                                                                    "auxiliary_unloaded": []}
+        assert httpx.post(f"{frontend.base_url}/unload").json() == {"status": "success"}
+        assert httpx.post(f"{frontend.base_url}/unload").json() == {"status": "no_model_loaded"}
         assert httpx.get(f"{frontend.base_url}/health").json()["loaded_model"] is None
     finally:
         frontend.stop()

@@ -78,6 +78,29 @@ def test_encoded_speech_decodes_to_its_length(fmt: str) -> None:
     assert decoded.size / 16_000 == pytest.approx(2.0, abs=0.1)
 
 
+@pytest.mark.parametrize("muxer,codec,rate", [("ipod", "aac", 44_100), ("webm", "libopus", 48_000),
+                                              ("ogg", "libopus", 48_000)])
+def test_m4a_webm_and_ogg_uploads_decode(muxer: str, codec: str, rate: int) -> None:
+    """Containers the SDK may send that the speech encoder does not write: m4a (AAC in MP4), WebM, Ogg."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format=muxer) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.layout = "mono"
+        resampler = av.AudioResampler(format=stream.codec_context.codec.audio_formats[0].name, layout="mono",
+                                      rate=rate)
+        frame = av.AudioFrame.from_ndarray((0.2 * np.sin(np.arange(rate) / 10)).astype(np.float32)[None],
+                                           format="flt", layout="mono")
+        frame.sample_rate = rate
+        for resampled in resampler.resample(frame):
+            for packet in stream.encode(resampled):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    assert decode_to_pcm(buffer.getvalue(), 60).size / 16_000 == pytest.approx(1.0, abs=0.06)
+
+
 def test_speed_changes_the_length_not_the_rate() -> None:
     rate = 16_000
     pcm = (0.2 * np.sin(2 * np.pi * 300 * np.arange(rate * 2) / rate)).astype(np.float32)

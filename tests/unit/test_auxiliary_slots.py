@@ -131,7 +131,7 @@ def test_names_fall_back_to_the_configured_model_or_fail_clearly(tmp_path: Path,
     assert missing.value.status == 404 and missing.value.code == "model_not_found"
     with pytest.raises(RequestError) as wrong_kind:
         bare.get("embedding", "chat")
-    assert wrong_kind.value.status == 400 and "not a embedding model" in str(wrong_kind.value)
+    assert wrong_kind.value.status == 400 and "not a model of kind 'embedding'" in str(wrong_kind.value)
     with pytest.raises(RequestError) as unnamed:
         bare.get("embedding", None)
     assert unnamed.value.status == 400 and unnamed.value.code == "model_required"
@@ -215,5 +215,18 @@ def test_worker_serves_auxiliary_calls_without_touching_the_generation_model(
         assert result == {"status": "success", "auxiliary_unloaded": ["bert-a"]}
         assert events[0][2]["cid"] == "c3" and events[0][2]["status"] == 503
         assert worker.aux.catalogue() == []
+    finally:
+        context.term()
+
+
+def test_a_full_auxiliary_queue_refuses_with_429(tmp_path: Path, loaded: list[FakeModel]) -> None:
+    model_dir(tmp_path, "bert-a", 10)
+    context = zmq.Context()
+    try:
+        worker = MlxWorker(context, "inproc://unused", SchedulerConfig(model_dirs=(tmp_path,), max_queued=1))
+        worker.aux_jobs.add(b"p", "waiting", FakeJob(5, []))
+        [(_, kind, body)] = worker._handle(AuxiliaryCommand(b"p", "c", AuxiliaryRequest("embedding", "bert-a", {})))
+        assert kind is MsgType.ERROR and body["status"] == 429 and body["code"] == "queue_full"
+        assert loaded == []  # refused before any load
     finally:
         context.term()
