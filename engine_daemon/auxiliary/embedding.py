@@ -25,8 +25,9 @@ the budget holds (one layer of an n-token batch counts as n / layers tokens of w
 per-token measure prices a layer), then pooling and normalization; the hidden state and the
 attention mask wait between slices, evaluated (`mx.eval`) at each slice's end so the work happens
 in that slice. Each step calls the package's own modules with the arguments its `Model.__call__`
-gives them, so the vectors equal the package's. ModernBERT (global and sliding-window layers with
-rotary caches built inside its `Model`) keeps a whole forward pass per slice.
+gives them, so the vectors equal the package's. ModernBERT (its layers take a global and a
+sliding-window mask its model builds, and its checkpoints carry different heads: not layer-sliced
+yet) keeps a whole forward pass per slice; a decoder keeps its KV-cache chunks.
 """
 
 from __future__ import annotations
