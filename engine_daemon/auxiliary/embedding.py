@@ -20,9 +20,9 @@ KV cache, so no slice is longer than `--aux-step-tokens` tokens. Work is shared 
 every queued job's inputs wait in one `pending` queue per model and each slice takes from its head.
 
 BERT and XLM-RoBERTa encoders (the package's `bert` and `xlm_roberta` models) run a batch in layer
-slices (`LayerSliced`): the embeddings layer in one slice, then as many encoder layers per slice as
-the budget holds (one layer of an n-token batch counts as n / layers tokens of work, so the queue's
-per-token measure prices a layer), then pooling and normalization; the hidden state and the
+slices (`LayerSliced`): as many encoder layers per slice as the budget holds (one layer of an
+n-token batch counts as n / layers tokens of work, so the queue's per-token measure prices a
+layer), the embeddings layer in the first slice and pooling and normalization in the last; the hidden state and the
 attention mask wait between slices, evaluated (`mx.eval`) at each slice's end so the work happens
 in that slice. Each step calls the package's own modules with the arguments its `Model.__call__`
 gives them, so the vectors equal the package's. ModernBERT (its layers take a global and a
@@ -98,7 +98,7 @@ class _Chunked:
 class LayerSliced:
     """An encoder batch between slices: its hidden state, its masks and the next layer to run.
 
-    `layer` is -1 before the embeddings layer has run and `len(layers)` once every encoder layer has.
+    `layer` is -1 before the embeddings layer has run, else the next encoder layer to run.
     """
 
     batch: list[Sequence]
@@ -202,44 +202,42 @@ class EmbeddingModel:
         self.counts["tokens"] += longest * len(batch)
 
     def _run_layers(self, budget: int) -> int:
-        """One slice of the batch in flight: its embeddings layer, or k encoder layers, or its pooling.
+        """One slice of the batch in flight: k encoder layers (the first slice also runs the embeddings
+        layer, the last one the pooling: both cost a fraction of a layer, and a slice of their own
+        would cost a whole tick of every embedding request's latency, halving the throughput).
 
         Returns the slice's work in tokens of a whole forward pass (k layers of an n-token batch:
-        n * k / layers), 0 for the embeddings and pooling slices (too cheap to price the layers by).
+        n * k / layers), the unit the queue's per-token measure prices slices in.
         """
         state = self.layered
         model = self.model
         layers = model.encoder.layer
         family = layered_family(model)
+        hidden = state.hidden
         if state.layer < 0:  # as the package's Model.__call__ does before its encoder
             if family == "bert":
-                state.hidden = model.embeddings(state.ids, None)
+                hidden = model.embeddings(state.ids, None)
                 state.extended = model.get_extended_attention_mask(state.attention)
             else:
                 token_types = mx.zeros(state.ids.shape, dtype=mx.int64)
-                state.hidden = model.embeddings(state.ids, token_types, None)
+                hidden = model.embeddings(state.ids, token_types, None)
                 state.extended = model.get_extended_attention_mask(state.attention, state.ids.shape)
-            mx.eval(state.hidden, state.extended)
             state.layer = 0
-            self.counts["layer_slices"] += 1
-            return 0
         tokens = state.longest * len(state.batch)
-        if state.layer < len(layers):
-            count = max(1, min(len(layers) - state.layer, budget * len(layers) // max(tokens, 1)))
-            hidden = state.hidden
-            for layer in layers[state.layer:state.layer + count]:
-                hidden = layer(hidden, state.extended)
-                if family == "xlm_roberta":  # its layers return (hidden,) + attentions
-                    hidden = hidden[0]
-            mx.eval(hidden)
-            state.hidden = hidden
-            state.layer += count
-            self.counts["layer_slices"] += 1
-            return max(1, tokens * count // len(layers))
-        self.layered = None
-        self._deliver(state.batch, state.longest, self._pooled(state.hidden, state.attention, None))
+        count = max(1, min(len(layers) - state.layer, budget * len(layers) // max(tokens, 1)))
+        for layer in layers[state.layer:state.layer + count]:
+            hidden = layer(hidden, state.extended)
+            if family == "xlm_roberta":  # its layers return (hidden,) + attentions
+                hidden = hidden[0]
+        state.layer += count
         self.counts["layer_slices"] += 1
-        return 0
+        if state.layer < len(layers):
+            mx.eval(hidden, state.extended)  # the slice's work happens now, not in a later slice
+            state.hidden = hidden
+        else:
+            self.layered = None
+            self._deliver(state.batch, state.longest, self._pooled(hidden, state.attention, None))
+        return max(1, tokens * count // len(layers))
 
     def _pooled(self, hidden: mx.array, attention: mx.array, text_embeds: mx.array | None) -> np.ndarray:
         """The encoder's vectors from its last hidden state: the package's mean pooling, or [CLS]."""

@@ -94,8 +94,8 @@ def test_layer_slices_equal_one_forward_pass(root: Path, arch: str) -> None:
             steps += 1
         vectors[name] = np.stack(job.vectors)
         if name == "sliced":
-            # each input alone (budget 1 batches one input): embeddings, every layer, pooling
-            assert steps == len(TEXTS) * (layers + 2)
+            # each input alone (budget 1 batches one input), one layer per slice
+            assert steps == len(TEXTS) * layers
             assert model.counts["layer_slices"] == steps and model.counts["batches"] == len(TEXTS)
         else:
             assert steps == len(TEXTS) and model.counts["layer_slices"] == 0
@@ -109,10 +109,8 @@ def test_a_layer_slice_holds_as_many_layers_as_the_budget_prices(root: Path) -> 
     job.prepare()
     job.queued()
     tokens = len(job.tokens[0])
-    assert job.step(tokens * layers) is False and model.layered.layer == 0  # the embeddings slice
     # a layer of an n-token batch costs n / layers tokens of a whole pass: that budget buys one layer
     assert job.step(tokens // layers) is False and model.layered.layer == 1
     assert job.last_slice_tokens == tokens // layers
-    assert job.step(tokens * layers) is False and model.layered.layer == layers  # the rest in one slice
+    assert job.step(tokens * layers) is True and model.layered is None  # the other layers and the pooling
     assert job.last_slice_tokens == tokens * (layers - 1) // layers
-    assert job.step(tokens * layers) is True and model.layered is None  # pooling
