@@ -130,6 +130,7 @@ def run_one(chat: Path, embedder: Path, step_tokens: int, args: argparse.Namespa
             "model_loads": stats["model_loads"], "auxiliary_slices": stats["auxiliary_jobs"].get("slices"),
             "aux_ms_per_token": stats.get("aux_ms_per_token"),
             "shared_batches": stats["auxiliary_work"]["embedding"]["shared_batches"],
+            "layer_slices": stats["auxiliary_work"]["embedding"].get("layer_slices"),
             "stream_error": stream.error}
 
 

@@ -18,6 +18,16 @@ and a causal decoder never looks at later positions, so a padded batch gives eac
 vectors it gets alone. A decoder input longer than a slice's budget is run in chunks through a
 KV cache, so no slice is longer than `--aux-step-tokens` tokens. Work is shared across requests:
 every queued job's inputs wait in one `pending` queue per model and each slice takes from its head.
+
+BERT and XLM-RoBERTa encoders (the package's `bert` and `xlm_roberta` models) run a batch in layer
+slices (`LayerSliced`): as many encoder layers per slice as the budget holds (one layer of an
+n-token batch counts as n / layers tokens of work, so the queue's per-token measure prices a
+layer), the embeddings layer in the first slice and pooling and normalization in the last; the hidden state and the
+attention mask wait between slices, evaluated (`mx.eval`) at each slice's end so the work happens
+in that slice. Each step calls the package's own modules with the arguments its `Model.__call__`
+gives them, so the vectors equal the package's. ModernBERT (its layers take a global and a
+sliding-window mask its model builds, and its checkpoints carry different heads: not layer-sliced
+yet) keeps a whole forward pass per slice; a decoder keeps its KV-cache chunks.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ log = logging.getLogger(__name__)
 
 # model_types whose position table is offset by the padding index (RoBERTa's layout): 2 positions fewer
 _OFFSET_POSITIONS = {"xlm-roberta", "xlm_roberta", "roberta"}
+# mlx-embeddings modules whose forward pass `LayerSliced` runs layer by layer
+_LAYERED_MODULES = {"mlx_embeddings.models.bert": "bert", "mlx_embeddings.models.xlm_roberta": "xlm_roberta"}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -83,6 +95,27 @@ class _Chunked:
 
 
 @dataclass
+class LayerSliced:
+    """An encoder batch between slices: its hidden state, its masks and the next layer to run.
+
+    `layer` is -1 before the embeddings layer has run, else the next encoder layer to run.
+    """
+
+    batch: list[Sequence]
+    longest: int
+    ids: mx.array
+    attention: mx.array  # (batch, longest) 1/0: pooling's mask
+    hidden: mx.array | None = None
+    extended: mx.array | None = None  # the additive attention mask the layers take
+    layer: int = -1
+
+
+def layered_family(model: Any) -> str | None:
+    """"bert" / "xlm_roberta" when `model` is one of the package's encoders `LayerSliced` can run, else None."""
+    return _LAYERED_MODULES.get(type(model).__module__)
+
+
+@dataclass
 class EmbeddingModel:
     """The loaded embedding model: its MLX model, tokenizer, pooling and the inputs waiting for it."""
 
@@ -101,15 +134,18 @@ class EmbeddingModel:
     profile: Any = None  # the --models-config profile of its name (`AuxiliarySlots` sets it)
     pending: deque[Sequence] = field(default_factory=deque)
     chunked: _Chunked | None = None
+    layered: LayerSliced | None = None
+    layer_slicing: bool = True  # BERT / XLM-R encoders: batches in layer slices (False: a forward pass per slice)
     closed: bool = False
     counts: dict[str, int] = field(default_factory=lambda: {"batches": 0, "inputs": 0, "tokens": 0,
-                                                             "shared_batches": 0})
+                                                             "shared_batches": 0, "layer_slices": 0})
     _longest_token: int = 0
 
     def close(self) -> None:
         self.closed = True
         self.pending.clear()
         self.chunked = None
+        self.layered = None
         self.model = None
         gc.collect()
 
@@ -136,6 +172,8 @@ class EmbeddingModel:
         """One slice: a padded batch of at most `budget` tokens from the head of `pending` (or one chunk)."""
         if self.chunked is not None:
             return self._run_chunk(budget)
+        if self.layered is not None:
+            return self._run_layers(budget)
         if not self.pending:
             return 0
         first = self.pending[0]
@@ -148,35 +186,80 @@ class EmbeddingModel:
         while self.pending and max(longest, len(self.pending[0].tokens)) * (len(batch) + 1) <= budget:
             longest = max(longest, len(self.pending[0].tokens))
             batch.append(self.pending.popleft())
-        vectors = self._forward(batch, longest)
+        ids, mask = _padded(batch, longest)
+        if self.pooling == "encoder" and self.layer_slicing and layered_family(self.model):
+            self.layered = LayerSliced(batch, longest, mx.array(ids), mx.array(mask))
+            return self._run_layers(budget)
+        self._deliver(batch, longest, self._forward(batch, ids, mask))
+        return longest * len(batch)
+
+    def _deliver(self, batch: list[Sequence], longest: int, vectors: np.ndarray) -> None:
         for sequence, vector in zip(batch, vectors):
             sequence.job.deliver(sequence.index, vector, len(sequence.tokens))
         self.counts["batches"] += 1
         self.counts["shared_batches"] += len({id(sequence.job) for sequence in batch}) > 1  # across requests
         self.counts["inputs"] += len(batch)
         self.counts["tokens"] += longest * len(batch)
-        return longest * len(batch)
 
-    def _forward(self, batch: list[Sequence], longest: int) -> np.ndarray:
-        ids = np.zeros((len(batch), longest), dtype=np.int32)
-        mask = np.zeros((len(batch), longest), dtype=np.float32)
-        for row, sequence in enumerate(batch):
-            ids[row, :len(sequence.tokens)] = sequence.tokens
-            mask[row, :len(sequence.tokens)] = 1
+    def _run_layers(self, budget: int) -> int:
+        """One slice of the batch in flight: k encoder layers (the first slice also runs the embeddings
+        layer, the last one the pooling: both cost a fraction of a layer, and a slice of their own
+        would cost a whole tick of every embedding request's latency, halving the throughput).
+
+        Returns the slice's work in tokens of a whole forward pass (k layers of an n-token batch:
+        n * k / layers), the unit the queue's per-token measure prices slices in.
+        """
+        state = self.layered
+        model = self.model
+        layers = model.encoder.layer
+        family = layered_family(model)
+        hidden = state.hidden
+        if state.layer < 0:  # as the package's Model.__call__ does before its encoder
+            if family == "bert":
+                hidden = model.embeddings(state.ids, None)
+                state.extended = model.get_extended_attention_mask(state.attention)
+            else:
+                token_types = mx.zeros(state.ids.shape, dtype=mx.int64)
+                hidden = model.embeddings(state.ids, token_types, None)
+                state.extended = model.get_extended_attention_mask(state.attention, state.ids.shape)
+            state.layer = 0
+        tokens = state.longest * len(state.batch)
+        count = max(1, min(len(layers) - state.layer, budget * len(layers) // max(tokens, 1)))
+        for layer in layers[state.layer:state.layer + count]:
+            hidden = layer(hidden, state.extended)
+            if family == "xlm_roberta":  # its layers return (hidden,) + attentions
+                hidden = hidden[0]
+        state.layer += count
+        self.counts["layer_slices"] += 1
+        if state.layer < len(layers):
+            mx.eval(hidden, state.extended)  # the slice's work happens now, not in a later slice
+            state.hidden = hidden
+        else:
+            self.layered = None
+            self._deliver(state.batch, state.longest, self._pooled(hidden, state.attention, None))
+        return max(1, tokens * count // len(layers))
+
+    def _pooled(self, hidden: mx.array, attention: mx.array, text_embeds: mx.array | None) -> np.ndarray:
+        """The encoder's vectors from its last hidden state: the package's mean pooling, or [CLS]."""
+        if self.cls_pooling:  # the model's sentence-transformers config pools the [CLS] token (BGE…)
+            return _normalized(hidden[:, 0])
+        if text_embeds is None:  # layer slices: the package's own pooling (its Model.__call__'s last lines)
+            from mlx_embeddings.models.base import mean_pooling, normalize_embeddings
+
+            text_embeds = normalize_embeddings(mean_pooling(hidden, attention))
+        if text_embeds.ndim == 3:  # a checkpoint the package does not pool (ModernBERT's masked-LM head)
+            weights = attention[..., None]
+            text_embeds = (hidden * weights).sum(axis=1) / mx.maximum(weights.sum(axis=1), 1e-9)
+        return _normalized(text_embeds)
+
+    def _forward(self, batch: list[Sequence], ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         if self.pooling == "encoder":
             attention = mx.array(mask)
             out = self.model(mx.array(ids), attention_mask=attention)
-            pooled = out.text_embeds
-            if self.cls_pooling:  # the model's sentence-transformers config pools the [CLS] token (BGE…)
-                pooled = out.last_hidden_state[:, 0]
-            elif pooled.ndim == 3:  # a checkpoint the package does not pool (ModernBERT's masked-LM head)
-                weights = attention[..., None]
-                pooled = (out.last_hidden_state * weights).sum(axis=1) / mx.maximum(weights.sum(axis=1), 1e-9)
-        else:
-            hidden = self.model.model(mx.array(ids))
-            last = mx.array([len(sequence.tokens) - 1 for sequence in batch])
-            pooled = hidden[mx.arange(len(batch)), last]
-        return _normalized(pooled)
+            return self._pooled(out.last_hidden_state, attention, out.text_embeds)
+        hidden = self.model.model(mx.array(ids))
+        last = mx.array([len(sequence.tokens) - 1 for sequence in batch])
+        return _normalized(hidden[mx.arange(len(batch)), last])
 
     def _run_chunk(self, budget: int) -> int:
         chunked = self.chunked
@@ -194,6 +277,16 @@ class EmbeddingModel:
         self.counts["inputs"] += 1
         self.counts["tokens"] += len(tokens)
         return len(piece)
+
+
+def _padded(batch: list[Sequence], longest: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded token ids (0) and the 1/0 attention mask of a batch."""
+    ids = np.zeros((len(batch), longest), dtype=np.int32)
+    mask = np.zeros((len(batch), longest), dtype=np.float32)
+    for row, sequence in enumerate(batch):
+        ids[row, :len(sequence.tokens)] = sequence.tokens
+        mask[row, :len(sequence.tokens)] = 1
+    return ids, mask
 
 
 def _normalized(pooled: mx.array) -> np.ndarray:

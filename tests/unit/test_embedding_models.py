@@ -74,3 +74,43 @@ def test_inputs_over_the_limit_are_refused_before_or_after_tokenizing(root: Path
     with pytest.raises(RequestError) as by_tokens:
         EmbeddingJob(model, ["sea " * 200], None).prepare()
     assert "has 202 tokens" in str(by_tokens.value)
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta"])
+def test_layer_slices_equal_one_forward_pass(root: Path, arch: str) -> None:
+    """A batch carried across ticks layer by layer gives the vectors of the unsliced forward pass."""
+    path = build_bert_embedding(root / arch, arch=arch)
+    sliced, whole = load_embedding_model(arch, str(path)), load_embedding_model(arch, str(path))
+    whole.layer_slicing = False
+    layers = len(sliced.model.encoder.layer)
+    assert layers >= 2
+    vectors = {}
+    for name, model in (("sliced", sliced), ("whole", whole)):
+        job = EmbeddingJob(model, TEXTS, None)
+        job.prepare()
+        job.queued()
+        steps = 1
+        while not job.step(1):  # a 1-token budget: one encoder layer per slice
+            steps += 1
+        vectors[name] = np.stack(job.vectors)
+        if name == "sliced":
+            # each input alone (budget 1 batches one input), one layer per slice
+            assert steps == len(TEXTS) * layers
+            assert model.counts["layer_slices"] == steps and model.counts["batches"] == len(TEXTS)
+        else:
+            assert steps == len(TEXTS) and model.counts["layer_slices"] == 0
+    assert np.abs(vectors["sliced"] - vectors["whole"]).max() < 1e-5
+
+
+def test_a_layer_slice_holds_as_many_layers_as_the_budget_prices(root: Path) -> None:
+    model = load_embedding_model("bert", str(build_bert_embedding(root / "bert")))
+    layers = len(model.model.encoder.layer)
+    job = EmbeddingJob(model, TEXTS[1:], None)
+    job.prepare()
+    job.queued()
+    tokens = len(job.tokens[0])
+    # a layer of an n-token batch costs n / layers tokens of a whole pass: that budget buys one layer
+    assert job.step(tokens // layers) is False and model.layered.layer == 1
+    assert job.last_slice_tokens == tokens // layers
+    assert job.step(tokens * layers) is True and model.layered is None  # the other layers and the pooling
+    assert job.last_slice_tokens == tokens * (layers - 1) // layers
