@@ -9,7 +9,8 @@ fallback, word timings, hallucination rules) and drift from what `generate` retu
 How: `generate` runs unchanged inside a greenlet, which lives on the same OS thread (the mlx
 thread, so MLX's one-thread rule holds) and can hand control back midway. For the window's
 duration the model's `decode` is a `DecodingTask` subclass that pauses (switches back to the
-job's `step`) before each decode run, after the encoder pass, and after every `budget` decoder
+job's `step`) before each decode run, after the encoder pass (and, while chat streams decode,
+between the log-mel, the convolutions and each encoder block), and after every `budget` decoder
 tokens. The values are those of mlx-audio's own `DecodingTask` (same filters, ranker, fallback
 thresholds); only when MLX evaluates changes. Sampling (temperature > 0) draws from this
 window's own key sequence, split exactly as MLX's global one after `mx.random.seed(seed)`, so
@@ -22,8 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from greenlet import greenlet
 from mlx_audio.stt.models.whisper.decoding import DecodingOptions, DecodingTask, GreedyDecoder, Inference
+
+from engine_daemon.auxiliary.jobs import IDLE_BUDGET
 
 
 class SliceClock:
@@ -35,6 +39,17 @@ class SliceClock:
         self.tokens = 0  # decoder tokens run in the current slice
         self.busy = False  # any MLX work done in the current slice
         self.pause: Callable[[], None] = lambda: None
+
+    @property
+    def split_encoder(self) -> bool:
+        """The encoder in pieces only when slices are small (streams decode); idle, one piece is cheaper."""
+        return self.budget < IDLE_BUDGET
+
+    def evaluated(self, value: mx.array) -> None:
+        """`value` computed in this slice, then a pause: an encoder piece is a slice of its own."""
+        mx.eval(value)
+        self.busy = True
+        self.maybe_pause()
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -95,11 +110,28 @@ class SlicedDecodingTask(DecodingTask):
         self.clock = clock
 
     def _get_audio_features(self, mel: mx.array) -> mx.array:
-        self.clock.maybe_pause()  # the encoder starts a slice of its own
-        features = super()._get_audio_features(mel)
+        clock = self.clock
+        clock.maybe_pause()  # the encoder starts a slice of its own
+        if clock.split_encoder and mel.shape[-2:] != (self.model.dims.n_audio_ctx, self.model.dims.n_audio_state):
+            # While chat streams decode: the log-mel, the convolutions, each block, each its own slice.
+            # The same ops as AudioEncoder.__call__ in the same order, evaluated in pieces.
+            encoder = self.model.encoder
+            mel = mel.astype(mx.float16) if self.options.fp16 else mel
+            clock.evaluated(mel)
+            x = nn.gelu(encoder.conv2(nn.gelu(encoder.conv1(mel))))
+            assert x.shape[1:] == encoder._positional_embedding.shape, "incorrect audio shape"
+            x = x + encoder._positional_embedding
+            for block in encoder.blocks:
+                clock.evaluated(x)
+                x, _, _ = block(x)
+            features = encoder.ln_post(x)
+            if features.dtype != (mx.float16 if self.options.fp16 else mx.float32):
+                raise TypeError(f"audio_features has an incorrect dtype: {features.dtype}")
+        else:
+            features = super()._get_audio_features(mel)
         mx.eval(features)
-        self.clock.busy = True
-        self.clock.maybe_pause()
+        clock.busy = True
+        clock.maybe_pause()
         return features
 
 

@@ -74,8 +74,19 @@ def test_sliced_window_equals_generate(whisper: Any, kwargs: dict[str, Any]) -> 
     for budget in (2,):
         got, slices, tokens = _sliced(whisper, audio, kwargs, budget)
         _same(got, expected)
-        assert slices > 2  # the encoder slice plus decoder slices
+        assert slices > 3  # log-mel, encoder pieces, then decoder slices
         assert max(tokens) <= budget and sum(tokens) > budget  # no slice ran more than its budget
+
+
+def test_idle_budget_keeps_the_encoder_whole(whisper: Any) -> None:
+    """Nothing decodes (the idle budget): one encoder slice, one decoder slice, the same transcript."""
+    from engine_daemon.auxiliary.jobs import IDLE_BUDGET
+
+    audio = _audio(12.0)
+    kwargs = {"temperature": 0.0, "language": "en", "return_timestamps": False}
+    got, slices, tokens = _sliced(whisper, audio, kwargs, IDLE_BUDGET)
+    _same(got, _reference(whisper, audio, kwargs))
+    assert slices == 2 and tokens[0] == 0 and tokens[1] > 0
 
 
 def test_fallback_path_samples(whisper: Any) -> None:
