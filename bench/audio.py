@@ -4,8 +4,9 @@ One engine holds the chat model, a Whisper and a TTS model (random weights, mode
 greedy stream runs; once it is steady, transcription requests (clips of `--clip-seconds`, so
 several 30-s windows each) and speech requests are sent by a few concurrent clients. The
 stream's inter-token latency comes from the engine's own per-step timing (CALL `step_gaps`):
-p50 while steady, p99 while audio is served, and their ratio. An audio slice is one Whisper
-window or one TTS segment (not divisible by a token budget), so the ratio says how long one
+p50 while steady, p99 while audio is served, and their ratio. A Whisper slice is one encoder
+pass or about a budget of decoder tokens (sized from the measured decode step); a TTS slice is
+32 language-model tokens or one sentence's Vocos decode, so the ratio says how long the largest
 such slice holds the mlx thread compared with a decode step.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python bench/audio.py

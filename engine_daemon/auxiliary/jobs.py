@@ -1,7 +1,7 @@
 """Auxiliary work in bounded slices, run by the mlx thread between two scheduler steps.
 
-An embedding batch or a Whisper window is one MLX call that cannot yield midway; run whole,
-a 50-input request would freeze every chat stream for its duration. So each piece of
+An embedding batch or a Whisper decode cannot yield midway by itself; run whole, a 50-input
+request or a 30-second window would freeze every chat stream for its duration. So each piece of
 auxiliary work is an `AuxiliaryJob` whose `step(budget)` does a bounded slice (about
 `budget` tokens of work) and says whether it is finished, and the worker runs one slice
 per loop turn (`AuxiliaryQueue.tick`), after the scheduler's step. Client-controlled CPU
@@ -52,6 +52,9 @@ class AuxiliaryJob:
     def finished(self) -> bool:
         return False
 
+    def close(self) -> None:
+        """The job leaves the queue unfinished (cancelled, failed, unloaded); the default has nothing to end."""
+
     def partials(self) -> list[Any]:
         """RESULT values to send before the final one (long CALLs: a transcript window, a piece of
         speech), taken after each slice; the default has none."""
@@ -100,7 +103,8 @@ class AuxiliaryQueue:
     fixed: int = 0  # --aux-step-tokens; 0: sized from measurements
     entries: deque[_Entry] = field(default_factory=deque)
     counts: Counter = field(default_factory=Counter)
-    seconds_per_token: float | None = None
+    seconds_per_token: float | None = None  # the last measured kind's (reported in /stats)
+    rates: dict[str, float] = field(default_factory=dict)  # seconds per token, per job kind
     budget: int = FIRST_BUDGET  # the last slice's budget (reported in /stats)
 
     def add(self, peer: bytes, cid: str, job: AuxiliaryJob) -> None:
@@ -111,22 +115,26 @@ class AuxiliaryQueue:
     def has_work(self) -> bool:
         return bool(self.entries)
 
-    def slice_budget(self, decode_seconds: float | None) -> int:
-        """Tokens for the next slice; `decode_seconds`: a decode step's cost, None when nothing decodes."""
+    def slice_budget(self, decode_seconds: float | None, kind: str = "") -> int:
+        """Tokens for the next slice of a `kind` job; `decode_seconds`: a decode step's cost, None when
+        nothing decodes. A token's cost is measured per kind: an embedding token and a Whisper decoder
+        token differ by orders of magnitude."""
         if self.fixed:
             return self.fixed
         if decode_seconds is None:
             return IDLE_BUDGET
-        if self.seconds_per_token is None:
-            return FIRST_BUDGET
-        return int(min(IDLE_BUDGET, max(MIN_BUDGET, GAP_SHARE * decode_seconds / self.seconds_per_token)))
+        rate = self.rates.get(kind)
+        if rate is None:
+            return FIRST_BUDGET if kind != "transcription" else MIN_BUDGET
+        return int(min(IDLE_BUDGET, max(MIN_BUDGET if kind != "transcription" else 1,
+                                        GAP_SHARE * decode_seconds / rate)))
 
-    def _observe(self, seconds: float, tokens: int) -> None:
+    def _observe(self, seconds: float, tokens: int, kind: str = "") -> None:
         if tokens <= 0:
             return
         sample = seconds / tokens
-        previous = self.seconds_per_token
-        self.seconds_per_token = sample if previous is None else 0.7 * previous + 0.3 * sample
+        previous = self.rates.get(kind)
+        self.rates[kind] = self.seconds_per_token = sample if previous is None else 0.7 * previous + 0.3 * sample
 
     def tick(self, decode_seconds: float | None = None) -> list[Event]:
         """One slice of the head job, then an answer for every job that is finished by now."""
@@ -134,13 +142,13 @@ class AuxiliaryQueue:
             return []
         head = self.entries[0]
         events: list[Event] = []
-        self.budget = self.slice_budget(decode_seconds)
+        self.budget = self.slice_budget(decode_seconds, head.job.kind)
         try:
             head.job.last_slice_tokens = None
             started = time.perf_counter()
             head.job.step(self.budget)
             used = head.job.last_slice_tokens
-            self._observe(time.perf_counter() - started, self.budget if used is None else used)
+            self._observe(time.perf_counter() - started, self.budget if used is None else used, head.job.kind)
             self.counts["slices"] += 1
             events += [(head.peer, MsgType.RESULT, {"cid": head.cid, "result": value, "partial": True})
                        for value in head.job.partials()]
@@ -162,6 +170,7 @@ class AuxiliaryQueue:
 
     def _error(self, entry: _Entry, error: RequestError) -> Event:
         self.entries.remove(entry)
+        entry.job.close()
         self.counts[f"{entry.job.kind}_failed"] += 1
         return (entry.peer, MsgType.ERROR, {**error.to_body(None), "cid": entry.cid})
 
@@ -170,6 +179,7 @@ class AuxiliaryQueue:
         gone = [e for e in self.entries if e.peer == peer and (cids is None or e.cid in cids)]
         for entry in gone:
             self.entries.remove(entry)
+            entry.job.close()
             self.counts[f"{entry.job.kind}_cancelled"] += 1
         return len(gone)
 

@@ -8,12 +8,14 @@ heads. mlx-whisper has the same decoder but is not installed and brings nothing 
 
 Why windows: Whisper reads audio in 30-second windows; a long file decoded in one call would
 hold the mlx thread for its whole length while chat streams wait. The job cuts the 16 kHz
-samples into 30-second windows and decodes one per `step` (one MLX call of at most
-`n_text_ctx / 2` tokens), so the worker runs chat steps between windows. Each window after the
+samples into 30-second windows, and each window is decoded a slice per `step`: its encoder
+pass in one, then about `budget` decoder tokens in each (`whisper_steps.SlicedWindow`: mlx-audio's
+own `generate`, paused midway, so the result is exactly the unsliced call's), so the worker runs
+chat steps between slices. Each window after the
 first is prompted with the previous window's text (Whisper's `condition_on_previous_text`) and
 the language found in the first window, so the windows read as one transcript; segment times
-are shifted by the window's offset. A clip up to 30 s is one call, exactly `model.generate`.
-Sampling (the temperature fallback) is seeded per window, so a transcript is reproducible.
+are shifted by the window's offset. A clip up to 30 s is exactly `model.generate`.
+Sampling (the temperature fallback) uses a key sequence seeded per window, so a transcript is reproducible.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine_daemon.auxiliary.jobs import AuxiliaryJob
 from engine_daemon.auxiliary.model import register_loader
 from engine_daemon.errors import RequestError
+
+if TYPE_CHECKING:
+    from engine_daemon.auxiliary.whisper_steps import SlicedWindow
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,7 @@ class TranscriptionJob(AuxiliaryJob):
         self.segments: list[dict[str, Any]] = []
         self._partials: list[dict[str, Any]] = []
         self._done = False
+        self._window: SlicedWindow | None = None
 
     def prepare(self) -> None:
         """Off the mlx thread: the samples from the wire, the language code checked."""
@@ -99,25 +105,18 @@ class TranscriptionJob(AuxiliaryJob):
             self.language = code
 
     def step(self, budget: int) -> bool:
-        import mlx.core as mx
-
         if self._done:
             return True
         model = self.owner.model
         if model is None:
             raise RequestError(503, "model_unloaded", "The transcription model was unloaded")
-        # A window / segment cannot be cut to a token budget: kept out of the queue's per-token cost estimate.
-        self.last_slice_tokens = 0
-        window = self.audio[self.offset:self.offset + WINDOW_SAMPLES]
+        if self._window is None:
+            self._window = self._start_window(model)
+        self.last_slice_tokens = self._window.step(budget)  # decoder tokens; an encoder-only slice counts 0
+        if not self._window.done:
+            return False
+        output, self._window = self._window.output, None
         start = self.offset / SAMPLE_RATE
-        temperature = self.args.get("temperature")
-        prompt = self.args.get("prompt") if not self.texts else "".join(self.texts)[-_PROMPT_CHARS:]
-        mx.random.seed(SEED)
-        output = model.generate(
-            mx.array(window), language=self.language, task=self.args.get("task") or "transcribe",
-            temperature=FALLBACK_TEMPERATURES if temperature is None else float(temperature),
-            initial_prompt=prompt or None, return_timestamps=bool(self.args.get("timestamps")),
-            word_timestamps=bool(self.args.get("word_timestamps")), verbose=None)
         self.language = self.language or output.language
         segments = [self._shift(segment, start) for segment in output.segments or ()]
         self.segments += segments
@@ -130,6 +129,26 @@ class TranscriptionJob(AuxiliaryJob):
         if self._done:
             self.owner.counts["audio_seconds"] += int(round(self.audio.size / SAMPLE_RATE))
         return self._done
+
+    def _start_window(self, model: Any) -> SlicedWindow:
+        import mlx.core as mx
+
+        from engine_daemon.auxiliary.whisper_steps import SlicedWindow
+
+        window = self.audio[self.offset:self.offset + WINDOW_SAMPLES]
+        temperature = self.args.get("temperature")
+        prompt = self.args.get("prompt") if not self.texts else "".join(self.texts)[-_PROMPT_CHARS:]
+        kwargs = dict(language=self.language, task=self.args.get("task") or "transcribe",
+                      temperature=FALLBACK_TEMPERATURES if temperature is None else float(temperature),
+                      initial_prompt=prompt or None, return_timestamps=bool(self.args.get("timestamps")),
+                      word_timestamps=bool(self.args.get("word_timestamps")), verbose=None)
+        return SlicedWindow(model, mx.array(window), kwargs, SEED)
+
+    def close(self) -> None:
+        """The job left the queue unfinished: its suspended window run is ended."""
+        if self._window is not None:
+            self._window.close()
+            self._window = None
 
     def _shift(self, segment: dict[str, Any], start: float) -> dict[str, Any]:
         out = {key: _plain(value) for key, value in segment.items() if key != "words"}

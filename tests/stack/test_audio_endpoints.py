@@ -197,14 +197,16 @@ def test_streaming_events(client: openai.OpenAI, clips: dict[str, bytes], whispe
     assert "".join(e.delta for e in events[:-1]) == events[-1].text == expected.text
 
 
-def test_long_audio_runs_one_window_per_slice(client: openai.OpenAI, stack: Frontend, whisper: Any) -> None:
-    """65 s: three 30-s windows, three slices on the mlx thread, segment times past 30 s in the later ones."""
+def test_long_audio_runs_in_window_slices(client: openai.OpenAI, stack: Frontend, whisper: Any) -> None:
+    """65 s: three 30-s windows; each decode run of a window is an encoder slice then decoder slices (one
+    here: nothing decodes, so the budget is the idle one); segment times past 30 s in the later windows."""
     t = np.arange(65 * RATE) / RATE
     clip = mp3_of(wav_bytes(0.3 * np.sin(2 * np.pi * (300 + 2 * t) * t)))
     before = stats(stack)["auxiliary_jobs"].get("slices", 0)
     reply = client.audio.transcriptions.create(model="whisper-1", file=("long.mp3", clip, "audio/mpeg"),
                                                temperature=0.0, language="en", response_format="verbose_json")
-    assert stats(stack)["auxiliary_jobs"]["slices"] - before == 3
+    slices = stats(stack)["auxiliary_jobs"]["slices"] - before
+    assert slices >= 6 and slices % 2 == 0  # two per decode run, at least one run per window
     assert reply.duration == pytest.approx(65, abs=0.2)
     assert max(s.start for s in reply.segments) >= 60.0
     first = in_process(whisper, clip, temperature=0.0, language="en")  # whole clip: mlx-audio seeks itself

@@ -22,6 +22,8 @@ LAZY_IMPORTS_ALLOWED = {
     "engine_daemon.cli": {"engine_daemon.cpu.blas_check", "engine_daemon.cpu.parallel_ops",
                           "engine_daemon.transport.server",
                           "engine_daemon.generation.speculative", "engine_daemon.scheduling.follower"},
+    # mlx-audio's Whisper decoding loads with it (subclassed at import); only a loaded Whisper needs it.
+    "engine_daemon.auxiliary.transcription": {"engine_daemon.auxiliary.whisper_steps"},
 }
 
 
