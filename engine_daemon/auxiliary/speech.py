@@ -6,8 +6,8 @@ line, or a sentence group, as the model splits it). The job keeps that generator
 it once per `step`, so the mlx thread returns to chat steps between segments, and hands each
 segment's samples to the front-end at once as a partial RESULT (raw little-endian float32):
 the HTTP response starts streaming with the first segment, not after the last. Soprano-style
-models go finer (`speech_tokens`): a slice is at most 32 of their tokens, a sentence's audio is
-sent when it ends.
+models go finer (`speech_tokens`): a slice is at most 32 of their tokens, then a sentence's Vocos
+decode runs in slices of at most 32 tokens (plus the decoder's context) and each is sent at once.
 
 The front-end does everything else: encoding (mp3, opus, aac, flac, wav, pcm) and `speed`
 (FFmpeg's atempo), so every model supports every format and speed alike. `voice` is passed to
