@@ -118,6 +118,9 @@ class SpeechJob(AuxiliaryJob):
         if self._steps is not None:
             if not self._steps.done():
                 pcm = self._steps.advance(min(budget, TOKENS_PER_SLICE))
+                # A decode slice's tokens (context included in their cost) size the next ones; the
+                # language-model slices stay out of the estimate (their tokens are cheaper).
+                self.last_slice_tokens = self._steps.decoded
                 if pcm is not None:
                     self._send(pcm)
             if self._steps.done():

@@ -12,7 +12,9 @@ decoder's config: its linear upsampling, convolutions and ISTFT overlap reach th
 only its own tokens' samples (`token_size` each; the decode of L tokens is (L-1)*token_size samples,
 token i starting at sample i*token_size). The context makes every kept sample the one-call decode's
 (measured bit-identical on CPU; `test_sliced_decode_equals_one_call`). Seeded the same, the samples are
-`generate`'s, sentence by sentence, sent a decode slice at a time.
+`generate`'s, sentence by sentence, sent a decode slice at a time. A decode slice reports its
+tokens (`decoded`) so the aux queue learns a decode token's cost and sizes the next slices to about
+a share of a chat decode step (the language-model slices report none: their tokens are cheaper).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class TokenSteps:
         self._tokens: Any = None
         self._hidden: list[Any] = []
         self._decode: ChunkedDecode | None = None
+        self.decoded = 0  # the sentence tokens the last `advance` decoded (0: it generated tokens)
 
     def done(self) -> bool:
         return self._tokens is None and self._decode is None and not self.sentences
@@ -51,8 +54,11 @@ class TokenSteps:
     def advance(self, budget: int) -> np.ndarray | None:
         """Up to `budget` more tokens, or a decode slice of about `budget` tokens of the ended
         sentence; that slice's samples, else None."""
+        self.decoded = 0
         if self._decode is not None:
+            start = self._decode.position
             pcm = self._decode.next(budget)
+            self.decoded = self._decode.position - start
             if self._decode.done():
                 self._decode = None
             return pcm
