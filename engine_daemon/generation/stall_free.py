@@ -21,8 +21,10 @@ import types
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, PromptProcessingBatch
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
+from engine_daemon.generation.cache_join import join_caches, joinable
+from engine_daemon.generation.deferred_join import deferred_generation, start_generating
 from engine_daemon.generation.fused_step import fusable, fused_forward
 
 log = logging.getLogger(__name__)
@@ -74,14 +76,62 @@ def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessing
     return moved
 
 
+def _extend(batch: GenerationBatch, joining: GenerationBatch) -> None:
+    """`GenerationBatch.extend` with the KV joined by `join_caches` (one copy, two streams) when it can.
+
+    mlx-lm's extend takes an empty cache list as "adopt the other's"; handing it the joined
+    caches that way leaves every other field to mlx-lm.
+    """
+    if joinable(batch.prompt_cache, joining.prompt_cache):
+        joining.prompt_cache = join_caches(batch.prompt_cache, joining.prompt_cache)
+        batch.prompt_cache = []
+    GenerationBatch.extend(batch, joining)
+
+
 class StallFreeBatchGenerator(BatchGenerator):
     """A BatchGenerator that fuses a lone prompt's chunk into the decode step when it can."""
 
-    def __init__(self, model: Any, *args: Any, fuse: bool = True, **kwargs: Any):
+    def __init__(self, model: Any, *args: Any, fuse: bool = True, defer_join: bool = True, **kwargs: Any):
         super().__init__(model, *args, **kwargs)
-        self._prompt_batch.split = types.MethodType(_split, self._prompt_batch)
+        self._prompt_batch.split = types.MethodType(self._split_prompts, self._prompt_batch)
+        self._generation_batch.extend = types.MethodType(_extend, self._generation_batch)
         self.fuse = fuse and fusable(model)
         self.fused_steps = 0
+        self.defer_join = defer_join
+        self.deferred_joins = 0
+        self._pending: set[int] = set()  # rows whose next output is their own last prompt token (deferred_join)
+
+    def _split_prompts(self, batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
+        """`_split`; prompts joining a running decode batch take `deferred_generation` (no pass of their own)."""
+        moved = _split(batch, indices)
+        if self.defer_join and len(self._generation_batch) > 0:
+            moved.generate = types.MethodType(self._generate_deferred, moved)
+        return moved
+
+    def _generate_deferred(self, batch: PromptProcessingBatch, tokens: list[list[int]]) -> GenerationBatch:
+        generation = deferred_generation(batch, tokens)
+        self._pending.update(generation.uids)
+        self.deferred_joins += len(generation.uids)
+        return generation
+
+    def _drop_pending_outputs(self, result: Any) -> Any:
+        """Removes the outputs that were pending rows' own last prompt tokens (`deferred_generation`)."""
+        if not self._pending or not result:
+            return result
+        prompt_responses, generation_responses = result
+        kept = []
+        for response in generation_responses:
+            if response.uid in self._pending and response.finish_reason is None:
+                self._pending.discard(response.uid)
+                start_generating(self._generation_batch, response.uid)
+            else:
+                self._pending.discard(response.uid)
+                kept.append(response)
+        return prompt_responses, kept
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        self._pending.difference_update(uids)
+        return super().remove(uids, return_prompt_caches=return_prompt_caches)
 
     def _fusable_chunk(self) -> list[int] | None:
         """The chunk this step will prefill, when it can ride in the decode pass; else None."""
@@ -99,7 +149,7 @@ class StallFreeBatchGenerator(BatchGenerator):
     def _next(self) -> Any:
         chunk = self._fusable_chunk()
         if chunk is None:
-            return super()._next()
+            return self._drop_pending_outputs(super()._next())
         decode, prompt = self._generation_batch, self._prompt_batch
         fused = _FusedDecode(self.model, chunk, prompt.prompt_cache)
         decode.model, prompt.model = fused, _ChunkDone(self.model, len(chunk))
@@ -110,4 +160,4 @@ class StallFreeBatchGenerator(BatchGenerator):
         if not fused.used:  # cannot happen while _fusable_chunk matches mlx-lm's _next; fail loudly if it does
             raise RuntimeError("fused prefill chunk was not computed")
         self.fused_steps += 1
-        return result
+        return self._drop_pending_outputs(result)

@@ -91,11 +91,13 @@ class PrefillSharing:
             request = running[uid]
             prompt = request.prompt_tokens
             offset = getattr(cache[0], "offset", None) if cache else None
-            if offset != len(prompt):  # not exactly the prompt's KV (a rotating window, a vision cache)
+            # The whole prompt, or all but its last token when that token waits for the next decode step
+            # (`deferred_generation`); anything else is not the prompt's KV (a rotating window, a vision cache).
+            if offset not in (len(prompt), len(prompt) - 1):
                 log.debug("rid=%s: prefill KV holds %s tokens, prompt %d: not shared", request.rid, offset,
                           len(prompt))
                 continue
-            insert(list(prompt), cache, request.body.get("adapter"))
+            insert(list(prompt[:offset]), cache, request.body.get("adapter"))
             self.published += 1
 
     def stats(self) -> dict[str, int]:

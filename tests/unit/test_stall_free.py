@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_daemon.generation.fused_step import fusable, fused_forward
@@ -79,3 +79,48 @@ def test_fused_forward_matches_two_passes(model) -> None:
         for plain, fused in ((plain_layer.keys, fused_layer.keys), (plain_layer.values, fused_layer.values)):
             end = plain_layer.offset
             assert mx.allclose(plain[..., :end, :], fused[..., :end, :], atol=1e-5).item()
+
+
+def test_deferred_join_gives_the_same_greedy_tokens(model) -> None:
+    """A prompt joining running streams without its own pass: same tokens, same counts, one step later."""
+    prompts = [[(5 * i + j) % 2000 + 3 for j in range(4 + 2 * i)] for i in range(3)]
+    late = [(11 * j) % 2000 + 3 for j in range(70)]
+    plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 2, 30)
+    deferred_out, deferred = run(StallFreeBatchGenerator(model, prefill_step_size=16), prompts, late, 2, 30)
+    assert deferred.deferred_joins == 1  # the late prompt joined the running batch deferred
+    assert deferred_out == plain  # max_tokens (8 for the late one) and every token as mlx-lm's path
+    immediate, undeferred = run(StallFreeBatchGenerator(model, prefill_step_size=16, defer_join=False), prompts,
+                                late, 2, 30)
+    assert undeferred.deferred_joins == 0 and immediate == plain
+
+
+def test_deferred_join_honours_stop_sequences(model) -> None:
+    """The pending prompt token never completes a stop sequence; generated tokens still do."""
+    prompts = [[5, 6, 7, 8]]
+    late = [(3 * j) % 2000 + 3 for j in range(40)]
+    plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 2, 20)
+    late_tokens = plain[1]
+    generator = StallFreeBatchGenerator(model, prefill_step_size=16)
+    out: dict[int, list[int]] = {}
+    (first,) = generator.insert([prompts[0]], max_tokens=[20])
+    out[first] = []
+    for _ in range(2):
+        for response in generator.next()[1]:
+            out[response.uid].append(response.token)
+    # Stop on [last prompt token, first generated token]: must not fire; stop on the 2nd-3rd generated must.
+    stops = [[late[-1], late_tokens[0]], late_tokens[1:3]]
+    (late_uid,) = generator.insert([late], max_tokens=[8], stop_sequences=[StopSequences(stops)])
+    out[late_uid] = []
+    finished = None
+    while finished is None:
+        for response in generator.next()[1]:
+            out[response.uid].append(response.token)
+            if response.uid == late_uid and response.finish_reason is not None:
+                finished = response.finish_reason
+    assert generator.deferred_joins == 1
+    matcher, expected = StopSequences(stops).matcher(), []
+    for token in late_tokens:  # where the stop fires over the generated tokens alone
+        expected.append(token)
+        if matcher.advance(token):
+            break
+    assert finished == "stop" and out[late_uid] == expected
