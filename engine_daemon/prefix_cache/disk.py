@@ -86,7 +86,7 @@ class DiskTier:
         self.tokens_loaded = 0
         self._index: dict[str, DiskEntry] = {}
         self._listing_mtime = -1
-        self.refresh()
+        self._enforce_cap()  # a cap lowered since the files were written holds from the start, not the next write
 
     # -- the index ------------------------------------------------------------------------------
     def refresh(self) -> None:
