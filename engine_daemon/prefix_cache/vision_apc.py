@@ -112,7 +112,6 @@ class TieredAPCManager(APCManager):
         self.model_identity = model_identity
         self.adapter = adapter
         self.media_token_ids = media_token_ids
-        self.disk_hits = self.disk_tokens = self.spilled = 0
         # (media salt, block-aligned tokens) -> their block hashes, most recent last.
         self._prompts: OrderedDict[tuple[int, tuple[int, ...]], list[int]] = OrderedDict()
         self._spilling = False
@@ -122,22 +121,37 @@ class TieredAPCManager(APCManager):
     # -- writing ---------------------------------------------------------------------------------
     def store_kv_blocks(self, token_ids: Sequence[int], layer_keys: list[mx.array], layer_values: list[mx.array],
                         *, extra_hash: int = 0, skip_first_n_tokens: int = 0) -> list[Any]:
+        """Stores the prompt's blocks, and remembers the prompt for the disk tier.
+
+        mlx-vlm skips the blocks of the prefix the prompt reused; when that prefix came from disk
+        those blocks are not in memory, so all of them are stored: the prompt's chain must be
+        resident in full to be written back (and memory then serves it without reading disk).
+        """
+        hashes = self._chain(token_ids, extra_hash)
+        skip = skip_first_n_tokens
+        if self.tier is not None and skip:
+            with self.lock:
+                if any(h not in self.hash_table for h in hashes[:skip // self.block_size]):
+                    skip = 0
         blocks = super().store_kv_blocks(token_ids, layer_keys, layer_values, extra_hash=extra_hash,
-                                         skip_first_n_tokens=skip_first_n_tokens)
+                                         skip_first_n_tokens=skip)
         if self.tier is not None:
-            self._remember(token_ids, extra_hash)
+            self._remember(token_ids, extra_hash, hashes)
         return blocks
 
-    def _remember(self, token_ids: Sequence[int], salt: int) -> None:
+    def _chain(self, token_ids: Sequence[int], salt: int) -> list[int]:
+        """mlx-vlm's block hashes of the prompt's whole blocks."""
+        hashes, parent, size = [], SEED_PARENT_HASH, self.block_size
+        for start in range(0, len(token_ids) // size * size, size):
+            parent = _hash_tokens(parent, tuple(int(t) for t in token_ids[start:start + size]), salt)
+            hashes.append(parent)
+        return hashes
+
+    def _remember(self, token_ids: Sequence[int], salt: int, hashes: list[int]) -> None:
         """Notes a stored prompt; prompts it extends (same salt) are dropped: its entry serves them."""
-        size = self.block_size
-        tokens = tuple(int(t) for t in token_ids[:len(token_ids) // size * size])
+        tokens = tuple(int(t) for t in token_ids[:len(hashes) * self.block_size])
         if len(tokens) < self.tier.min_tokens:
             return
-        hashes, parent = [], SEED_PARENT_HASH
-        for start in range(0, len(tokens), size):
-            parent = _hash_tokens(parent, tokens[start:start + size], salt)
-            hashes.append(parent)
         with self.lock:
             for other in [k for k in self._prompts if k[0] == salt and len(k[1]) <= len(tokens)]:
                 if tokens[:len(other[1])] == other[1]:
@@ -191,7 +205,6 @@ class TieredAPCManager(APCManager):
                                      np.asarray(tokens[:length], dtype=np.int32), caches, trimmable=True)
         finally:
             self._spilling = False
-        self.spilled += int(stored)
         return stored
 
     # -- reading ---------------------------------------------------------------------------------
@@ -218,13 +231,11 @@ class TieredAPCManager(APCManager):
         values = [c.values[..., :shared, :] for c in caches]
         warm = make_warm_kv_cache_from_layers(keys, values, shared)
         self._prefill_reserve_bytes = self.memory_plan.observe_cache(warm, shared)  # as mlx-vlm's own restore
-        with self.lock:  # mlx-vlm's own counters stay memory-only: /stats reports the tiers apart
-            self.disk_hits += 1
-            self.disk_tokens += shared
-        return warm, shared
+        return warm, shared  # mlx-vlm's own counters stay memory-only: /stats reports the tiers apart
 
     def tier_stats(self) -> dict[str, int]:
+        """The vision tier's counters since the engine started (the tier outlives model switches)."""
         if self.tier is None:
             return {}
-        return {"vision_kv_disk_hits": self.disk_hits, "vision_kv_disk_tokens_loaded": self.disk_tokens,
-                "vision_kv_disk_writes": self.spilled, "vision_kv_disk_corrupt": self.tier.corrupt}
+        return {"vision_kv_disk_hits": self.tier.hits, "vision_kv_disk_tokens_loaded": self.tier.tokens_loaded,
+                "vision_kv_disk_writes": self.tier.writes, "vision_kv_disk_corrupt": self.tier.corrupt}

@@ -2,8 +2,9 @@
 
 A tiny random-weight Qwen2-VL answers an image conversation, stops (SIGTERM) and starts again
 on the same directory: the next turn takes its prefix, image included, from disk and its greedy
-answer is exactly a cold engine's. A damaged file is skipped with a log line, never served; the
-directory stays under its byte cap; two engines share one directory.
+answer is exactly a cold engine's; so does the turn after a switch to another model and back.
+A damaged file is skipped with a log line, never served; the directory stays under its byte cap;
+two engines share one directory.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def conversation(image: bytes, team: int = 0) -> tuple[list[dict], list[dict]]:
     first = [{"role": "system", "content": f"Team {team}. {SYSTEM}"},
              {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
                                           {"type": "text", "text": "What do you see?"}]}]
-    return first, first + [{"role": "assistant", "content": "Noise."}, {"role": "user", "content": "And then?"}]
+    return first, extend(first, "Noise.", "And then?")
+
+
+def extend(turn: list[dict], answer: str, question: str) -> list[dict]:
+    return turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": question}]
 
 
 def ask(frontend: Frontend, model: str, messages: list[dict]) -> Any:
@@ -45,9 +50,13 @@ def disk_bytes(directory: Path) -> int:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny VLM, with a tiny text model beside it to switch to (`--model-dir` is their folder)."""
+    from model_builders.text import build_model
     from model_builders.vlm import build_vlm
 
-    return str(build_vlm(tmp_path_factory.mktemp("vlm-disk") / "tiny-qwen2-vl", seed=1))
+    root = tmp_path_factory.mktemp("vlm-disk")
+    build_model(root / "tiny-qwen2", size="tiny", seed=0)
+    return str(build_vlm(root / "tiny-qwen2-vl", seed=1))
 
 
 @pytest.fixture(scope="module")
@@ -69,15 +78,23 @@ def test_image_prefixes_survive_a_restart_and_damaged_files_are_skipped(vlm: str
         assert opening.usage.prompt_tokens >= 300
     assert list(cache_dir.glob("*.safetensors"))  # the clean stop wrote the hot prefixes
 
-    with running_stack(f"ipc://{ipc_dir}/vdisk-b.sock", tmp_path / "b", model=vlm, engine_args=args) as (_, fe):
+    switching = [*args, "--model-dir", str(Path(vlm).parent), "--model-switch-delay", "0"]
+    third = extend(second, "More noise.", "Anything else?")
+    with running_stack(f"ipc://{ipc_dir}/vdisk-b.sock", tmp_path / "b", model=vlm,
+                       engine_args=switching) as (_, fe):
         restored = ask(fe, vlm, second)
         # The opening prompt's whole 16-token blocks came from disk: the image and the text around it.
         assert restored.usage.prompt_tokens_details.cached_tokens >= opening.usage.prompt_tokens - 16
+        assert stats(fe)["vision_kv_disk_hits"] == 1
+        ask(fe, "tiny-qwen2", first[:1])  # a switch away: the VLM's hot prefixes go to disk
+        switched_back = ask(fe, vlm, third)
+        assert switched_back.usage.prompt_tokens_details.cached_tokens >= restored.usage.prompt_tokens - 16
         found = stats(fe)
-        assert found["vision_kv_disk_hits"] == 1
-        assert found["vision_kv_disk_tokens_loaded"] == restored.usage.prompt_tokens_details.cached_tokens
+        assert found["model_loads"] == 3 and found["vision_kv_disk_hits"] == 2  # from disk, not from memory
+        assert found["vision_kv_disk_tokens_loaded"] >= (restored.usage.prompt_tokens_details.cached_tokens
+                                                         + switched_back.usage.prompt_tokens_details.cached_tokens)
         metrics = httpx.get(f"{fe.base_url}/metrics", timeout=10).text
-        assert 'mlx_engine_prefix_cache_hits_total{tier="vision_disk"} 1' in metrics
+        assert 'mlx_engine_prefix_cache_hits_total{tier="vision_disk"} 2' in metrics
 
     for path in cache_dir.glob("*.safetensors"):  # damage every file in the middle
         data = bytearray(path.read_bytes())
@@ -94,6 +111,7 @@ def test_image_prefixes_survive_a_restart_and_damaged_files_are_skipped(vlm: str
     assert reference.usage.prompt_tokens_details.cached_tokens == 0
     assert restored.choices[0].message.content == reference.choices[0].message.content
     assert recovered.choices[0].message.content == reference.choices[0].message.content
+    assert switched_back.choices[0].message.content == ask(cold, vlm, third).choices[0].message.content
 
 
 def test_two_engines_share_a_directory_under_its_byte_cap(vlm: str, cold: Frontend, ipc_dir: Path,
