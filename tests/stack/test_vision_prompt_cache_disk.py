@@ -138,11 +138,17 @@ def test_two_engines_share_a_directory_under_its_byte_cap(vlm: str, cold: Fronte
         assert got.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
         assert got.choices[0].message.content == ask(cold, vlm, follow_up).choices[0].message.content
 
+    # Memory for a few conversations (mlx-vlm admits a prompt by its whole padded cache): the
+    # oldest is evicted by the fourth at the latest, and goes to disk at once.
     cap = int(one_conversation * 1.5)
-    capped = ["--prompt-cache-dir", str(cache_dir), "--prompt-cache-disk-bytes", str(cap)]
+    capped = ["--prompt-cache-dir", str(cache_dir), "--prompt-cache-disk-bytes", str(cap),
+              "--prompt-cache-bytes", str(one_conversation * 3)]
     with running_stack(f"ipc://{ipc_dir}/vshare-c.sock", tmp_path / "capped", model=vlm,
                        engine_args=capped) as (_, fe):
-        for image in range(3):  # three new conversations, each worth a file
+        assert disk_bytes(cache_dir) <= cap  # the files of before, cut to the new cap as the tier opened
+        for image in range(4):  # four new conversations, each worth a file
             ask(fe, vlm, conversation(png(50 + image), 2 + image)[0])
             assert disk_bytes(cache_dir) <= cap
+        running = stats(fe)
+        assert running["vision_kv_evictions"] >= 1 and running["vision_kv_disk_writes"] >= 1
     assert 0 < disk_bytes(cache_dir) <= cap
