@@ -203,11 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="DIR",
                         help="a disk tier for the prefix cache: prefixes evicted from memory, and all of them on a "
                              "model switch or a clean stop, are written here (safetensors, checked by hash) and "
-                             "loaded again after a switch back or a restart when reading beats prefilling. Several "
-                             "engines may share it. Default: off. [MLX_ENGINE_PROMPT_CACHE_DIR]")
+                             "loaded again after a switch back or a restart when reading beats prefilling. Vision "
+                             "models' prefixes (images included) use it too. Several engines may share it. "
+                             "Default: off. [MLX_ENGINE_PROMPT_CACHE_DIR]")
     parser.add_argument("--prompt-cache-disk-bytes", type=_size,
                         default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_DISK_BYTES")) or 10 << 30,
-                        help="byte cap of --prompt-cache-dir, e.g. 20GB; least recently used files go first "
+                        help="byte cap of --prompt-cache-dir (text and vision entries together), e.g. 20GB; "
+                             "least recently used files go first "
                              "(default: 10 GiB). [MLX_ENGINE_PROMPT_CACHE_DISK_BYTES]")
     parser.add_argument("--max-kv-size", type=int, default=_int_or_none(os.environ.get("MAX_KV_SIZE")),
                         help="rotating KV cache of this many tokens per request (default: off). [MAX_KV_SIZE]")
