@@ -11,7 +11,9 @@ identity (path and weight files' sizes and mtimes), the adapter and the tokens; 
 hash is checked on every load, so a corrupt or truncated file is skipped (and deleted) with
 a log line, never served. Writes go to a temporary name and are renamed into place, so two
 engines sharing a directory see whole files or none; each keeps the directory under the
-byte cap by deleting the least recently used files (a load refreshes a file's mtime).
+byte cap by deleting the least recently used files (a load refreshes a file's mtime), on every
+write and when it opens the directory. Vision models' entries (`vision_apc`) share the
+directory, the format and the cap.
 """
 
 from __future__ import annotations
