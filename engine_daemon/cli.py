@@ -201,14 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "--memory-budget, else unbounded). [MLX_ENGINE_PROMPT_CACHE_BYTES]")
     parser.add_argument("--prompt-cache-dir", default=os.environ.get("MLX_ENGINE_PROMPT_CACHE_DIR") or None,
                         metavar="DIR",
-                        help="a disk tier for the prefix cache: prefixes evicted from memory, and all of them on a "
-                             "model switch or a clean stop, are written here (safetensors, checked by hash) and "
-                             "loaded again after a switch back or a restart when reading beats prefilling. Several "
-                             "engines may share it. Default: off. [MLX_ENGINE_PROMPT_CACHE_DIR]")
+                        help="a disk tier for the prefix cache (vision models' too, images included): prefixes "
+                             "evicted from memory, and all on a model switch or a clean stop, are written here "
+                             "(safetensors, checked by hash) and loaded after a switch back or a restart when reading "
+                             "beats prefilling. Engines may share it. Default: off. [MLX_ENGINE_PROMPT_CACHE_DIR]")
     parser.add_argument("--prompt-cache-disk-bytes", type=_size,
                         default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_DISK_BYTES")) or 10 << 30,
-                        help="byte cap of --prompt-cache-dir, e.g. 20GB; least recently used files go first "
-                             "(default: 10 GiB). [MLX_ENGINE_PROMPT_CACHE_DISK_BYTES]")
+                        help="byte cap of --prompt-cache-dir (text and vision entries together), e.g. 20GB; least "
+                             "recently used files go first (default: 10 GiB). [MLX_ENGINE_PROMPT_CACHE_DISK_BYTES]")
     parser.add_argument("--max-kv-size", type=int, default=_int_or_none(os.environ.get("MAX_KV_SIZE")),
                         help="rotating KV cache of this many tokens per request (default: off). [MAX_KV_SIZE]")
     parser.add_argument("--kv-bits", type=int, default=_int_or_none(os.environ.get("KV_BITS")),

@@ -14,14 +14,17 @@ it joins (vision tower + projector, through the per-image feature cache of
 
 Prompt KV is reused across requests by mlx-vlm's own automatic prefix cache (`mlx_vlm.apc`:
 hash-chained 16-token KV blocks, LRU under a byte cap), the vision counterpart of the text
-models' `PrefixCache`: a text conversation with a vision model, or a long system prompt before
-an image, prefills only what is new. mlx-vlm reuses a block prefix only while it holds no
-image token (Qwen2-VL-style M-RoPE positions after an image are not recoverable from the KV
-alone), so the image and what follows it are prefilled again; the image features themselves
-come from the feature cache. The hash chain is salted with the content hashes of the request's
-images and audio in prompt order (`VisionInputs.media_keys`), as mlx-vlm salts with the pixels:
-image placeholders are the same tokens for every image, so token ids alone could let one
-image's KV answer for another in any restore path that does cover images.
+models' `PrefixCache`: a text conversation with a vision model prefills only what is new.
+In memory, mlx-vlm reuses a block prefix only while the prompt holds no image token, so an
+image prompt is prefilled again (its features come from the feature cache). With
+`--prompt-cache-dir` the manager is `prefix_cache.vision_apc.TieredAPCManager`: prompts leave
+memory for the text models' disk tier (evicted, or all of them on a model switch or a clean
+shutdown) and come back after a switch back or a restart, image prompts included when the
+stored prefix covers every image (see that module for why that is sound with M-RoPE). The
+hash chain is salted with the content hashes of the request's images and audio in prompt
+order (`VisionInputs.media_keys`), as mlx-vlm salts with the pixels: image placeholders are
+the same tokens for every image, so token ids alone could let one image's KV answer for
+another; the salt is part of every disk entry's key too.
 
 Two things mlx-vlm's generator does generator-wide, the engine does per request:
 * sampling: the generator samples greedily; a request with its own sampling settings
@@ -46,6 +49,9 @@ from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.models.vision_support import VisionSupport
 from engine_daemon.multimodal import inputs as vision
 from engine_daemon.multimodal.features import image_features
+from engine_daemon.prefix_cache.disk import DiskTier
+from engine_daemon.prefix_cache.tiered import model_identity
+from engine_daemon.prefix_cache.vision_apc import TieredAPCManager, shared_disk_tier
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 
@@ -115,13 +121,14 @@ class PromptProgress:
     end_of_prompt: bool
 
 
-def _prefix_cache(memory_bytes: int) -> Any:
-    """mlx-vlm's prefix cache in memory only (its disk tier is its own; ours is `DiskTier`), or None."""
+def _prefix_cache(loaded: LoadedModel, memory_bytes: int, disk: DiskTier | None) -> Any:
+    """mlx-vlm's prefix cache with our disk tier behind it (`TieredAPCManager`), or None when off."""
     if memory_bytes <= 0:
         return None
-    from mlx_vlm.apc import APCManager
+    from mlx_vlm.apc import multimodal_token_ids_from_config
 
-    return APCManager(overrides={"memory_max_gb": memory_bytes / (1 << 30), "disk_enabled": False})
+    return TieredAPCManager(memory_bytes, disk, model_identity(loaded.ref.path),
+                            multimodal_token_ids_from_config(loaded.model.config))
 
 
 def _media_salt(media_keys: list[str]) -> int:
@@ -153,13 +160,13 @@ class VisionBatchGenerator:
 
     def __init__(self, loaded: LoadedModel, *, max_tokens: int, completion_batch_size: int,
                  prefill_batch_size: int, prefill_step_size: int, stream: Any = None,
-                 prefix_cache_bytes: int = 0):
+                 prefix_cache_bytes: int = 0, disk: DiskTier | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.support: VisionSupport = loaded.vision
         self.completion_batch_size = completion_batch_size
         self.prompt_concurrency = max(1, prefill_batch_size)
-        self.prefix_cache = _prefix_cache(prefix_cache_bytes)
+        self.prefix_cache = _prefix_cache(loaded, prefix_cache_bytes, disk)
         self._gen = _counting_generator_class()(
             self.model.language_model, _NEVER_STOP, max_tokens=max_tokens,
             completion_batch_size=completion_batch_size, prefill_batch_size=self.prompt_concurrency,
@@ -243,6 +250,12 @@ class VisionBatchGenerator:
         return {}
 
     def close(self) -> None:
+        """A model switch or a shutdown: the hot prefixes go to the disk tier first (--prompt-cache-dir)."""
+        if self.prefix_cache is not None:
+            try:
+                self.prefix_cache.spill_all()
+            except Exception:  # the cache is an optimisation: a failed write must never block a switch
+                log.exception("vision prompt cache: writing the prefixes to disk failed")
         self._gen.close()
         self._requests.clear()
         self._heads.clear()
@@ -262,7 +275,7 @@ class VisionBatchGenerator:
         stats = self.prefix_cache.stats
         return {"vision_kv_hits": stats.hits, "vision_kv_misses": stats.misses,
                 "vision_kv_cached_tokens": stats.matched_tokens, "vision_kv_stored_tokens": stats.stored_tokens,
-                "vision_kv_evictions": stats.evictions}
+                "vision_kv_evictions": stats.evictions, **self.prefix_cache.tier_stats()}
 
     def _forget(self, uid: int) -> None:
         self._requests.pop(uid, None)
@@ -298,7 +311,8 @@ def make_generator(loaded: LoadedModel, config: Any, stream: Any) -> VisionBatch
                                 completion_batch_size=config.decode_concurrency,
                                 prefill_batch_size=config.prompt_concurrency,
                                 prefill_step_size=config.prefill_step_size, stream=stream,
-                                prefix_cache_bytes=_prefix_cache_bytes(config))
+                                prefix_cache_bytes=_prefix_cache_bytes(config),
+                                disk=shared_disk_tier(config.prompt_cache_dir, config.prompt_cache_disk_bytes))
 
 
 def _prefix_cache_bytes(config: Any) -> int:

@@ -11,7 +11,9 @@ identity (path and weight files' sizes and mtimes), the adapter and the tokens; 
 hash is checked on every load, so a corrupt or truncated file is skipped (and deleted) with
 a log line, never served. Writes go to a temporary name and are renamed into place, so two
 engines sharing a directory see whole files or none; each keeps the directory under the
-byte cap by deleting the least recently used files (a load refreshes a file's mtime).
+byte cap by deleting the least recently used files (a load refreshes a file's mtime), on every
+write and when it opens the directory. Vision models' entries (`vision_apc`) share the
+directory, the format and the cap.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class DiskTier:
         self.tokens_loaded = 0
         self._index: dict[str, DiskEntry] = {}
         self._listing_mtime = -1
-        self.refresh()
+        self._enforce_cap()  # a cap lowered since the files were written holds from the start, not the next write
 
     # -- the index ------------------------------------------------------------------------------
     def refresh(self) -> None:

@@ -148,6 +148,9 @@ class MlxWorker(threading.Thread):
                 self.group.stop()
             try:
                 self.scheduler.on_shutdown()
+                # The model is freed with the process: what holds on to it lets go, and a vision
+                # generator writes its hot prefixes to --prompt-cache-dir as it closes (`TieredAPCManager`).
+                self.scheduler.on_unload()
             except Exception:
                 log.exception("saving the prompt cache at shutdown failed")
         except BaseException:

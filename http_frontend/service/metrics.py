@@ -245,12 +245,13 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
     one("mlx_engine_prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", "prompt_cache_bytes")
     tiers = [(("tier", tier), stats[key]) for tier, key in (
         ("memory", "prompt_cache_memory_hits"), ("disk", "prompt_cache_disk_loads"),
-        ("in_flight", "prefix_published_at_prefill"), ("vision_kv", "vision_kv_hits"))
+        ("in_flight", "prefix_published_at_prefill"), ("vision_kv", "vision_kv_hits"),
+        ("vision_disk", "vision_kv_disk_hits"))
         if isinstance(stats.get(key), int)]
     if tiers:
         lines += family("mlx_engine_prefix_cache_hits_total", "counter",
                         "Prefix reuse by tier: memory hits, disk loads, prompts shared at the end of their prefill, "
-                        "vision models' KV blocks (mlx-vlm's prefix cache).",
+                        "vision models' KV blocks (mlx-vlm's prefix cache) and their disk loads.",
                         [("", const + (label,), value) for label, value in tiers])
     one("mlx_engine_prefix_waits_total", "counter", "Requests that waited for another's prefill of a shared prefix.",
         "prefix_waits_for_shared_prefill")
@@ -259,6 +260,10 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
     one("mlx_engine_prompt_cache_disk_writes_total", "counter", "Prefixes written to disk.", "prompt_cache_disk_writes")
     one("mlx_engine_prompt_cache_disk_corrupt_total", "counter", "Damaged cache files skipped and deleted.",
         "prompt_cache_disk_corrupt")
+    one("mlx_engine_vision_prompt_cache_disk_writes_total", "counter", "Vision models' prefixes written to disk.",
+        "vision_kv_disk_writes")
+    one("mlx_engine_vision_prompt_cache_disk_corrupt_total", "counter",
+        "Damaged cache files a vision model skipped and deleted.", "vision_kv_disk_corrupt")
     one("mlx_engine_model_loads_total", "counter", "Model loads since the engine started.", "model_loads")
     outcomes = [(("outcome", outcome.removeprefix("requests_")), stats[outcome])
                 for outcome in ("requests_added", "requests_finished", "requests_aborted", "requests_rejected")
