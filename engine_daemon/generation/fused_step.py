@@ -11,11 +11,13 @@ first token much.
 
 How: the decoder layers of the llama family (llama, qwen2, qwen3, mistral) are
 `x + attn(norm(x))` then `h + mlp(norm(h))`. The attention needs each sequence's
-own KV cache and mask, so it runs once for the decode rows (their batch cache)
-and once for the chunk (its cache), exactly as the model's own forward would; the
-MLP, which holds most of the weights, runs once over the decode rows and the chunk
-stacked together. Every row sees the same operations as in two separate passes, so
-greedy output is the same up to the float rounding of a larger matrix product.
+own KV cache and mask, so its core (rope, cache update, softmax) runs once for the
+decode rows (their batch cache) and once for the chunk (its cache), through the
+model's own attention module; every projection (q, k, v, o) and the MLP, which hold
+all of the layer's weights, run once over the decode rows and the chunk stacked
+together (`_projected` hands the attention module the stacked projections' rows).
+Every row sees the same operations as in two separate passes, so greedy output is
+the same up to the float rounding of a larger matrix product.
 
 Only models whose layers have exactly that shape, with full attention in every
 layer and no pipeline split, are fused (`fusable`); anything else keeps the two passes.
@@ -31,6 +33,48 @@ from mlx_lm.models.base import create_attention_mask
 
 FUSABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class _Rows:
+    """Stands in for a projection inside the attention module: its output rows, computed beforehand."""
+
+    def __init__(self, value: mx.array):
+        self.value = value
+
+    def __call__(self, _x: mx.array) -> mx.array:
+        return self.value
+
+
+class _Identity:
+    """Stands in for the output projection: it runs once over every row after both attention cores."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x
+
+
+def _attention_core(attn: nn.Module, projected: dict[str, mx.array], shape: tuple[int, int, int], mask: Any,
+                    cache: Any) -> mx.array:
+    """The attention module's own forward with its projections replaced by precomputed rows.
+
+    Returns (B, L, heads * head_dim) before the output projection.
+    """
+    originals = {name: attn[name] for name in _PROJECTIONS}
+    try:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            attn[name] = _Rows(projected[name].reshape(*shape[:2], -1))
+        attn["o_proj"] = _Identity()
+        return attn(_Shape(shape), mask, cache)
+    finally:
+        for name, module in originals.items():
+            attn[name] = module
+
+
+class _Shape:
+    """What the attention module reads from its input besides the projections: only `x.shape`."""
+
+    def __init__(self, shape: tuple[int, int, int]):
+        self.shape = shape
 
 
 def network(model: Any) -> nn.Module:
@@ -52,6 +96,8 @@ def fusable(model: Any) -> bool:
         return False
     if any(getattr(layer, "use_sliding", False) for layer in layers):
         return False
+    if not all(name in layer.self_attn for layer in layers for name in _PROJECTIONS):
+        return False  # `_attention_core` swaps these child modules
     return all(hasattr(body, part) for part in ("embed_tokens", "norm"))
 
 
@@ -73,18 +119,24 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
     chunk_mask = create_attention_mask(chunk_h, chunk_cache[0])
     rows, width = decode_h.shape[0], decode_h.shape[-1]
     chunk_len = chunk_h.shape[1]
+    stacked = mx.concatenate([decode_h.reshape(rows, width), chunk_h.reshape(chunk_len, width)], axis=0)
     last = len(body.layers) - 1
     for index, (layer, decode_c, chunk_c) in enumerate(zip(body.layers, decode_cache, chunk_cache)):
-        decode_h = decode_h + layer.self_attn(layer.input_layernorm(decode_h), decode_mask, decode_c)
-        chunk_h = chunk_h + layer.self_attn(layer.input_layernorm(chunk_h), chunk_mask, chunk_c)
-        if index == last:  # the chunk's KV is complete: its last MLP would feed nothing
+        attn = layer.self_attn
+        normed = layer.input_layernorm(stacked)
+        projected = {name: getattr(attn, name)(normed) for name in ("q_proj", "k_proj", "v_proj")}
+        decode_part = {name: value[:rows] for name, value in projected.items()}
+        chunk_part = {name: value[rows:] for name, value in projected.items()}
+        decode_out = _attention_core(attn, decode_part, (rows, 1, width), decode_mask, decode_c)
+        chunk_out = _attention_core(attn, chunk_part, (1, chunk_len, width), chunk_mask, chunk_c)
+        if index == last:  # the chunk's KV is complete: its output would feed nothing
+            decode_h = stacked[:rows] + attn.o_proj(decode_out.reshape(rows, -1))
             decode_h = decode_h + layer.mlp(layer.post_attention_layernorm(decode_h))
             break
-        stacked = mx.concatenate([decode_h.reshape(rows, width), chunk_h.reshape(chunk_len, width)], axis=0)
+        mixed = mx.concatenate([decode_out.reshape(rows, -1), chunk_out.reshape(chunk_len, -1)], axis=0)
+        stacked = stacked + attn.o_proj(mixed)
         stacked = stacked + layer.mlp(layer.post_attention_layernorm(stacked))
-        decode_h = stacked[:rows].reshape(rows, 1, width)
-        chunk_h = stacked[rows:].reshape(1, chunk_len, width)
-    out = body.norm(decode_h)
+    out = body.norm(decode_h.reshape(rows, 1, width))
     if getattr(net, "args", None) is not None and getattr(net.args, "tie_word_embeddings", False):
         return body.embed_tokens.as_linear(out)
     if hasattr(net, "lm_head"):

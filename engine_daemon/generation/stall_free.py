@@ -45,18 +45,26 @@ class _FusedDecode:
         return getattr(self.model, name)
 
 
-class _ChunkDone:
-    """Stands in for the model in the prompt batch's call for a chunk the fused pass computed."""
+class _ChunkRecorded:
+    """Stands in for the prompt batch's `prompt` in a fused step: the chunk is already in the decode pass.
 
-    def __init__(self, model: Any, chunk_len: int):
-        self.model, self.chunk_len = model, chunk_len
+    mlx-lm's `prompt` would run the model on the chunk, then wait for the chunk's KV
+    (`mx.eval`) and empty MLX's buffer cache. The fused pass computes that KV inside the
+    decode step's graph, which mlx-lm evaluates asynchronously; waiting for it here would
+    serialise every fused step with the building of the next one (the pipelining decode
+    steps have), and emptying the buffer cache would make the next step allocate afresh.
+    So only the bookkeeping remains: the prompt's token list gains the chunk.
+    """
 
-    def __call__(self, inputs: mx.array, cache: list[Any]) -> None:
-        if inputs.shape != (1, self.chunk_len):  # never silently skip a chunk nobody computed
-            raise RuntimeError(f"fused prefill expected a (1, {self.chunk_len}) chunk, got {inputs.shape}")
+    def __init__(self, batch: PromptProcessingBatch, chunk: list[int]):
+        self.batch, self.chunk = batch, chunk
+        self.used = False
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
+    def __call__(self, tokens: list[list[int]]) -> None:
+        if len(tokens) != 1 or list(tokens[0]) != self.chunk:  # never silently skip a chunk nobody computed
+            raise RuntimeError(f"fused prefill expected its chunk of {len(self.chunk)} tokens, got {tokens!r:.80}")
+        self.batch.tokens[0] += tokens[0]
+        self.used = True
 
 
 def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
@@ -74,6 +82,20 @@ def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessing
     batch.uids, batch.prompt_cache, batch.tokens, batch.samplers = [], [], [], []
     batch.logits_processors, batch.max_tokens, batch.stop_sequences = [], [], []
     return moved
+
+
+def _materialized(extracted: dict[int, Any]) -> dict[int, Any]:
+    """Extracted (cache, tokens) pairs with their KV copied out now.
+
+    An extracted cache is a lazy slice of the batch's KV buffers. Held unevaluated (in the
+    prefix cache, say), it keeps those buffers referenced, so the next decode step cannot
+    write its new KV in place and copies every layer's whole batch buffer instead: a step
+    ~60 ms longer on a small model right after a long prompt's KV is published. Copying the
+    one sequence's KV out at once costs a few ms.
+    """
+    if extracted:
+        mx.eval([[c.state for c in cache] for cache, _tokens in extracted.values()])
+    return extracted
 
 
 def _extend(batch: GenerationBatch, joining: GenerationBatch) -> None:
@@ -100,11 +122,19 @@ class StallFreeBatchGenerator(BatchGenerator):
         self.defer_join = defer_join
         self.deferred_joins = 0
         self._pending: set[int] = set()  # rows whose next output is their own last prompt token (deferred_join)
+        self._steps_beside_streams: dict[int, int] = {}  # prompt uid -> steps it spent prefilling while others decoded
 
     def _split_prompts(self, batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
-        """`_split`; prompts joining a running decode batch take `deferred_generation` (no pass of their own)."""
+        """`_split`; a long prompt joining running streams takes `deferred_generation` (no pass of its own).
+
+        Only prompts that were prefilled over several steps beside running streams (paced
+        prompts) join deferred: those streams are what the deferral protects. A short prompt
+        (a chat's next turn, prefilled in one step) joins on mlx-lm's path and gets its first
+        token one step sooner.
+        """
+        paced = max((self._steps_beside_streams.pop(batch.uids[i], 0) for i in indices), default=0)
         moved = _split(batch, indices)
-        if self.defer_join and len(self._generation_batch) > 0:
+        if self.defer_join and len(self._generation_batch) > 0 and paced >= 2:
             moved.generate = types.MethodType(self._generate_deferred, moved)
         return moved
 
@@ -131,7 +161,12 @@ class StallFreeBatchGenerator(BatchGenerator):
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         self._pending.difference_update(uids)
-        return super().remove(uids, return_prompt_caches=return_prompt_caches)
+        for uid in uids:
+            self._steps_beside_streams.pop(uid, None)
+        return super().remove(uids, return_prompt_caches=return_prompt_caches)  # extracts via extract_cache
+
+    def extract_cache(self, uids: Any) -> Any:
+        return _materialized(super().extract_cache(uids))
 
     def _fusable_chunk(self) -> list[int] | None:
         """The chunk this step will prefill, when it can ride in the decode pass; else None."""
@@ -147,17 +182,22 @@ class StallFreeBatchGenerator(BatchGenerator):
         return chunk or None
 
     def _next(self) -> Any:
+        if len(self._generation_batch) > 0:
+            for uid in self._prompt_batch.uids:
+                self._steps_beside_streams[uid] = self._steps_beside_streams.get(uid, 0) + 1
         chunk = self._fusable_chunk()
         if chunk is None:
             return self._drop_pending_outputs(super()._next())
         decode, prompt = self._generation_batch, self._prompt_batch
         fused = _FusedDecode(self.model, chunk, prompt.prompt_cache)
-        decode.model, prompt.model = fused, _ChunkDone(self.model, len(chunk))
+        recorded = _ChunkRecorded(prompt, chunk)
+        decode.model, prompt.prompt = fused, recorded
         try:
             result = super()._next()
         finally:
-            decode.model = prompt.model = self.model
-        if not fused.used:  # cannot happen while _fusable_chunk matches mlx-lm's _next; fail loudly if it does
+            decode.model = self.model
+            del prompt.prompt
+        if not (fused.used and recorded.used):  # cannot happen while _fusable_chunk matches mlx-lm's _next
             raise RuntimeError("fused prefill chunk was not computed")
         self.fused_steps += 1
         return self._drop_pending_outputs(result)

@@ -87,11 +87,13 @@ def test_deferred_join_gives_the_same_greedy_tokens(model) -> None:
     late = [(11 * j) % 2000 + 3 for j in range(70)]
     plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 2, 30)
     deferred_out, deferred = run(StallFreeBatchGenerator(model, prefill_step_size=16), prompts, late, 2, 30)
-    assert deferred.deferred_joins == 1  # the late prompt joined the running batch deferred
+    assert deferred.deferred_joins == 1  # the late prompt (5 chunks beside the streams) joined deferred
     assert deferred_out == plain  # max_tokens (8 for the late one) and every token as mlx-lm's path
     immediate, undeferred = run(StallFreeBatchGenerator(model, prefill_step_size=16, defer_join=False), prompts,
                                 late, 2, 30)
     assert undeferred.deferred_joins == 0 and immediate == plain
+    short, one_chunk = run(StallFreeBatchGenerator(model, prefill_step_size=128), prompts, late, 2, 30)
+    assert one_chunk.deferred_joins == 0 and short == plain  # prefilled in one step: joins on mlx-lm's path
 
 
 def test_deferred_join_honours_stop_sequences(model) -> None:
