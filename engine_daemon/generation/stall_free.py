@@ -11,7 +11,15 @@ mlx-lm's, so the result is the same tokens at a lower cost. Every other step,
 and every model `fusable` rejects, runs mlx-lm's path unchanged.
 
 The chunk size is still `prefill_step_size`, set each step by the scheduler's
-token budget (`PrefillPacer`).
+token budget (`PrefillPacer`). A fused step keeps mlx-lm's pipelining: the chunk's
+KV is computed in the decode step's asynchronously evaluated graph, and the prompt
+batch only records the chunk (`_ChunkRecorded`).
+
+The step where a prefilled prompt joins the running streams is the other place a
+gap can open, so that step is made cheap too: the newcomer's KV is joined to the
+batch's in one copy per tensor on two CPU streams (`cache_join`), and a prompt that
+was paced over several steps joins without a forward pass of its own, its last
+prompt token computed in the next decode step with the others (`deferred_join`).
 """
 
 from __future__ import annotations
@@ -123,6 +131,8 @@ class StallFreeBatchGenerator(BatchGenerator):
         self.deferred_joins = 0
         self._pending: set[int] = set()  # rows whose next output is their own last prompt token (deferred_join)
         self._steps_beside_streams: dict[int, int] = {}  # prompt uid -> steps it spent prefilling while others decoded
+        self._first_tokens_due: set[int] = set()  # joined last step: their first token is returned this step
+        self.held_prefill_steps = 0
 
     def _split_prompts(self, batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
         """`_split`; a long prompt joining running streams takes `deferred_generation` (no pass of its own).
@@ -151,12 +161,13 @@ class StallFreeBatchGenerator(BatchGenerator):
         prompt_responses, generation_responses = result
         kept = []
         for response in generation_responses:
+            # A pending row cannot finish on its prompt token (no matcher, count from -1); should it
+            # anyway, its response is passed on so the request still ends.
             if response.uid in self._pending and response.finish_reason is None:
-                self._pending.discard(response.uid)
                 start_generating(self._generation_batch, response.uid)
             else:
-                self._pending.discard(response.uid)
                 kept.append(response)
+            self._pending.discard(response.uid)
         return prompt_responses, kept
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
@@ -181,13 +192,49 @@ class StallFreeBatchGenerator(BatchGenerator):
         chunk = list(segments[0][: self.prefill_step_size])
         return chunk or None
 
+    def _joining_this_step(self) -> list[int]:
+        """Prompts whose prefill is done: they move to the decode batch in this step."""
+        return [self._prompt_batch.uids[i] for i, seq in enumerate(self._currently_processing)
+                if len(seq[0]) == 1 and len(seq[0][0]) == 1]
+
+    def _hold_prefill(self, joining: list[int]) -> bool:
+        """Whether this step should prefill nothing, so a first token is not held up by others' prompts.
+
+        mlx-lm hands back a step's tokens only when the whole step is done, prefill included,
+        and a prompt that joins the decode batch in step S returns its first token at the
+        end of step S+1. When other prompts are still being prefilled (conversations' next
+        turns landing together), those two steps would each carry their prefill, and the
+        first prompt's first token would wait for all of it. Holding their prefill for those
+        two steps returns it one short decode step after its own prefill; the others lose two
+        decode steps.
+        """
+        others = [uid for uid in self._prompt_batch.uids if uid not in joining]
+        if not others and not self._unprocessed_sequences:
+            return False
+        return bool(joining or self._first_tokens_due)
+
     def _next(self) -> Any:
-        if len(self._generation_batch) > 0:
-            for uid in self._prompt_batch.uids:
-                self._steps_beside_streams[uid] = self._steps_beside_streams.get(uid, 0) + 1
+        joining = self._joining_this_step()
+        hold = self._hold_prefill(joining)
+        self._first_tokens_due = {uid for uid in joining if uid not in self._pending}
+        if hold:
+            chunk_size, self.prefill_step_size = self.prefill_step_size, 0
+            try:
+                result = super()._next()
+            finally:
+                self.prefill_step_size = chunk_size
+            self.held_prefill_steps += 1
+        else:
+            result = self._step_fused_when_possible()
+            if len(self._generation_batch) > 0:  # prompts that took a chunk beside running streams
+                for uid in self._prompt_batch.uids:
+                    self._steps_beside_streams[uid] = self._steps_beside_streams.get(uid, 0) + 1
+        return self._drop_pending_outputs(result)
+
+    def _step_fused_when_possible(self) -> Any:
         chunk = self._fusable_chunk()
         if chunk is None:
-            return self._drop_pending_outputs(super()._next())
+            return super()._next()
         decode, prompt = self._generation_batch, self._prompt_batch
         fused = _FusedDecode(self.model, chunk, prompt.prompt_cache)
         recorded = _ChunkRecorded(prompt, chunk)
@@ -200,4 +247,4 @@ class StallFreeBatchGenerator(BatchGenerator):
         if not (fused.used and recorded.used):  # cannot happen while _fusable_chunk matches mlx-lm's _next
             raise RuntimeError("fused prefill chunk was not computed")
         self.fused_steps += 1
-        return self._drop_pending_outputs(result)
+        return result

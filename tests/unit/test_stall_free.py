@@ -126,3 +126,34 @@ def test_deferred_join_honours_stop_sequences(model) -> None:
         if matcher.advance(token):
             break
     assert finished == "stop" and out[late_uid] == expected
+
+
+def test_a_finished_prefill_returns_its_first_token_before_the_others_prefill(model) -> None:
+    """Two prompts land together; the short one's first token does not wait for the long one's prefill."""
+    short = [(7 * j) % 2000 + 3 for j in range(10)]
+    long = [(11 * j) % 2000 + 3 for j in range(200)]
+
+    def run_both(generator: BatchGenerator) -> tuple[dict[int, list[int]], int]:
+        """Tokens per uid, and the long prompt's prefill progress in the step returning the short's first token."""
+        short_uid, long_uid = generator.insert([short, long], max_tokens=[6, 6])
+        out: dict[int, list[int]] = {short_uid: [], long_uid: []}
+        done, progress_then, live = 0, None, {short_uid, long_uid}
+        while live:
+            progress, responses = generator.next()
+            advanced = sum(p.progress[0] for p in progress if p.uid == long_uid) - done if progress else 0
+            done += max(advanced, 0)
+            for response in responses:
+                if response.uid == short_uid and not out[short_uid]:
+                    progress_then = advanced
+                out[response.uid].append(response.token)
+                if response.finish_reason is not None:
+                    live.discard(response.uid)
+        return out, progress_then
+
+    plain_out, plain_progress = run_both(BatchGenerator(model, prefill_step_size=64))
+    held = StallFreeBatchGenerator(model, prefill_step_size=64)
+    held_out, held_progress = run_both(held)
+    assert held_out == plain_out  # the same greedy tokens
+    assert held.held_prefill_steps == 2
+    assert plain_progress > 0   # mlx-lm: the short's first token comes back with a chunk of the long prompt
+    assert held_progress == 0   # held: it comes back from a step that prefilled nothing
