@@ -37,6 +37,10 @@ from engine_daemon.generation.fused_step import fusable, fused_forward
 
 log = logging.getLogger(__name__)
 
+# A conversation's next turn: at least this many tokens cached, at most this many new (`_admission_limit`).
+NEXT_TURN_CACHED = 256
+NEXT_TURN_NEW = 256
+
 
 class _FusedDecode:
     """Stands in for the model in the decode batch's call: runs the fused pass."""
@@ -133,6 +137,33 @@ class StallFreeBatchGenerator(BatchGenerator):
         self._steps_beside_streams: dict[int, int] = {}  # prompt uid -> steps it spent prefilling while others decoded
         self._first_tokens_due: set[int] = set()  # joined last step: their first token is returned this step
         self.held_prefill_steps = 0
+        self.prompt_concurrency = self.prefill_batch_size
+        self._turns: set[int] = set()  # uids whose short prompt continues a long cached prefix (`_admission_limit`)
+
+    def insert_segments(self, segments: Any, max_tokens: Any = None, caches: Any = None, all_tokens: Any = None,
+                        *args: Any, **kwargs: Any) -> list[int]:
+        uids = super().insert_segments(segments, max_tokens, caches, all_tokens, *args, **kwargs)
+        for uid, parts, cached in zip(uids, segments, all_tokens or [[] for _ in uids]):
+            if len(cached) >= NEXT_TURN_CACHED and sum(len(part) for part in parts) <= NEXT_TURN_NEW:
+                self._turns.add(uid)
+        return uids
+
+    def _admission_limit(self) -> int:
+        """How many prompts the prompt batch may hold this step (mlx-lm's `prefill_batch_size`).
+
+        A conversation's next turn (a short prompt after a long cached prefix) is prefilled
+        one at a time. Batching several copies each cached prefix into one left-padded cache
+        and pads their new parts to the longest: on a small model three 40-token turns over
+        ~1,300 cached tokens take longer together than one after another, and each waits for
+        all of them before its first token. One at a time, the first answers after its own
+        short prefill (`_hold_prefill` returns its first token before the next one's prefill).
+        Other prompts batch up to `--prompt-concurrency` as before.
+        """
+        waiting = self._unprocessed_sequences
+        if not waiting or waiting[0][0] not in self._turns:
+            return self.prompt_concurrency
+        turn_in_batch = any(uid in self._turns for uid in self._prompt_batch.uids)
+        return len(self._prompt_batch) + (0 if turn_in_batch else 1)
 
     def _split_prompts(self, batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
         """`_split`; a long prompt joining running streams takes `deferred_generation` (no pass of its own).
@@ -214,6 +245,8 @@ class StallFreeBatchGenerator(BatchGenerator):
         return bool(joining or self._first_tokens_due)
 
     def _next(self) -> Any:
+        self.prefill_batch_size = self._admission_limit()
+        self._turns.intersection_update(self._prompt_batch.uids + [seq[0] for seq in self._unprocessed_sequences])
         joining = self._joining_this_step()
         hold = self._hold_prefill(joining)
         self._first_tokens_due = {uid for uid in joining if uid not in self._pending}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import mlx.core as mx
@@ -157,3 +158,31 @@ def test_a_finished_prefill_returns_its_first_token_before_the_others_prefill(mo
     assert held.held_prefill_steps == 2
     assert plain_progress > 0   # mlx-lm: the short's first token comes back with a chunk of the long prompt
     assert held_progress == 0   # held: it comes back from a step that prefilled nothing
+
+
+def test_next_turns_are_prefilled_one_at_a_time(model) -> None:
+    """Short prompts after a long cached prefix: one in the prompt batch at a time, the same tokens."""
+    history = [(5 * j) % 2000 + 3 for j in range(300)]
+    cache = make_prompt_cache(model)
+    model(mx.array([history]), cache=cache)
+    mx.eval([c.state for c in cache])
+    turns = [[(9 * j + k) % 2000 + 3 for j in range(20 + 3 * k)] for k in range(3)]
+
+    def run_turns(generator: BatchGenerator) -> tuple[dict[int, list[int]], int]:
+        uids = generator.insert(turns, max_tokens=[5] * 3, caches=[copy.deepcopy(cache) for _ in turns],
+                                all_tokens=[history] * 3)
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        widest, live = 0, set(uids)
+        while live:
+            _, responses = generator.next()
+            widest = max(widest, len(generator._prompt_batch))
+            for response in responses:
+                out[response.uid].append(response.token)
+                if response.finish_reason is not None:
+                    live.discard(response.uid)
+        return out, widest
+
+    plain_out, plain_widest = run_turns(BatchGenerator(model, prefill_step_size=64))
+    ours_out, ours_widest = run_turns(StallFreeBatchGenerator(model, prefill_step_size=64))
+    assert plain_widest == 3 and ours_widest == 1
+    assert ours_out == plain_out
