@@ -212,8 +212,9 @@ class StallFreeBatchGenerator(BatchGenerator):
 
     def _fusable_chunk(self) -> list[int] | None:
         """The chunk this step will prefill, when it can ride in the decode pass; else None."""
-        if not self.fuse or self._unprocessed_sequences or len(self._currently_processing) != 1:
-            return None
+        admits = bool(self._unprocessed_sequences) and self.prefill_batch_size > len(self._prompt_batch)
+        if not self.fuse or admits or len(self._currently_processing) != 1:
+            return None  # a prompt joins the prompt batch this step, or several are prefilled
         generating = len(self._generation_batch)
         if generating == 0 or generating >= self.completion_batch_size:
             return None
@@ -264,7 +265,24 @@ class StallFreeBatchGenerator(BatchGenerator):
                     self._steps_beside_streams[uid] = self._steps_beside_streams.get(uid, 0) + 1
         return self._drop_pending_outputs(result)
 
+    def _admit_lone_prompt(self) -> None:
+        """Admits a lone waiting prompt before the step, as mlx-lm's `_next` would within it.
+
+        mlx-lm moves a waiting prompt into the prompt batch in the middle of a step, so its
+        first chunk could not ride in the decode pass (`_fusable_chunk` needs the prompt batch
+        settled before the step) and costs a weight read of its own: the newcomer's first step
+        beside running streams would be its dearest. Admitting it first makes that step fusable.
+        """
+        if not (self.fuse and self._unprocessed_sequences and len(self._generation_batch) > 0):
+            return
+        if self._currently_processing or len(self._prompt_batch):
+            return
+        room = min(self.prefill_batch_size, self.completion_batch_size - len(self._generation_batch))
+        if room >= 1 and (len(self._unprocessed_sequences) == 1 or self.prefill_batch_size == 1):
+            self._prompt_batch.extend(self._make_batch(1))
+
     def _step_fused_when_possible(self) -> Any:
+        self._admit_lone_prompt()
         chunk = self._fusable_chunk()
         if chunk is None:
             return super()._next()

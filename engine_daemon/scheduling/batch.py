@@ -323,8 +323,7 @@ class BatchScheduler(BaseScheduler):
         generator = self.generator
         # While others decode, prefill only a paced chunk per step so their tokens keep flowing.
         decoding = self.decoding()
-        position = self._prefill_position()
-        generator.prefill_step_size = self.pacer.chunk(decoding, len(self.by_uid) - decoding, position)
+        generator.prefill_step_size = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
         if decoding and len(self.by_uid) > decoding:
             self.stats.prefill_chunk_tokens = generator.prefill_step_size
         fused_before = getattr(generator, "fused_steps", 0)
@@ -351,7 +350,7 @@ class BatchScheduler(BaseScheduler):
             self._close_generator()
             return events
         seconds, prompt_done = time.perf_counter() - started, self._prompt_tokens_done(progress)
-        self.pacer.observe(seconds, decoding, prompt_done, position)
+        self.pacer.observe(seconds, decoding, prompt_done, prefilling=len(self.by_uid) - decoding)
         fused = getattr(generator, "fused_steps", 0) - fused_before
         self.stats.fused_prefill_steps += fused
         if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (`PrefillPacer`)
@@ -387,11 +386,6 @@ class BatchScheduler(BaseScheduler):
                 cache, tokens = tokens_cache
                 self._remember(tokens, cache, stopped_early[uid])
         return events
-
-    def _prefill_position(self) -> int:
-        """Context position of the furthest prompt still prefilling (cached prefix + what is done)."""
-        return max((request.cached_tokens + self._prefill_progress.get(uid, 0)
-                    for uid, request in self.by_uid.items() if request.seq == 0), default=0)
 
     def _prompt_tokens_done(self, progress: list[Any]) -> int:
         """Prompt tokens the last step processed, from the generator's cumulative progress."""

@@ -14,10 +14,9 @@ that cost from the steps it has seen, so both cases, and a fast accelerator
 grows as the prompt's own context grows (attention reads every earlier token), so
 the pacer steers by the most recent steps' cost per token rather than a fit over
 the whole prompt: a late chunk of a long prompt gets fewer tokens than an early one.
-That cost is remembered per stretch of context position (`POSITION_BUCKET` tokens):
-the next prompt starts from what its first positions cost, not from what the last
-chunk of the previous prompt (at position 1,500, say) cost, which would start it
-with minimum-size chunks and waste the budget of its first several steps.
+(Remembering the cost per stretch of context position, so that the next prompt
+starts from what its first positions cost, was tried and measured worse: rates
+learned from small chunks carry their step's fixed cost into other prompts.)
 
 The operator can fix the budget instead (`--step-token-budget`: decode tokens
 first, the rest to prefill) or fix the chunk (`--interleave-prefill-tokens`).
@@ -35,13 +34,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-POSITION_BUCKET = 256  # context positions whose per-token prefill cost is remembered together
-SURPRISE = 1.25  # a step this much dearer per token than expected resets the rate instead of smoothing it
-
 
 class PrefillPacer:
     def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.5,
-                 smoothing: float = 0.5, budget: int | None = None, first: int = 32, window: int = 16):
+                 smoothing: float = 0.3, budget: int | None = None, first: int = 32, window: int = 16):
         self.fixed = fixed
         self.budget = budget
         self.maximum = maximum
@@ -55,28 +51,11 @@ class PrefillPacer:
         # then to re-measure), so a single running median would size chunks from another batch.
         self._decode_steps: dict[int, deque[float]] = {}
         self._streams = 0  # streams decoding in the step being sized (set by `chunk`)
-        # Seconds a prompt token added to the most recent steps that prefilled (smoothed), per
-        # bucket of context position. A step's fixed cost makes a small chunk look dear per token;
-        # sizing the next chunk from it still converges on the size whose whole cost meets the
-        # target (n' = T*n/(a+b*n)).
-        self._rates: dict[int, float] = {}
-        self._last_bucket = 0
+        # Seconds a prompt token added to the most recent steps that prefilled (smoothed). A
+        # step's fixed cost makes a small chunk look dear per token; sizing the next chunk from
+        # it still converges on the size whose whole cost meets the target (n' = T*n/(a+b*n)).
+        self.seconds_per_token: float | None = None
 
-    @property
-    def seconds_per_token(self) -> float | None:
-        """The most recently learned cost per prompt token (any position), None until measured."""
-        return self._rates[self._last_bucket] if self._rates else None
-
-    def _rate_at(self, position: int) -> float | None:
-        """The learned cost per token at this context position: its bucket's, else the nearest bucket's."""
-        if not self._rates:
-            return None
-        bucket = position // POSITION_BUCKET
-        if bucket in self._rates:
-            return self._rates[bucket]
-        below = [b for b in self._rates if b < bucket]
-        nearest = max(below) if below else min(self._rates)  # dearer positions only: a conservative start
-        return self._rates[nearest]
     @property
     def decode_seconds(self) -> float | None:
         """A decode-only step's cost for the streams running now (None until one was seen)."""
@@ -93,11 +72,8 @@ class PrefillPacer:
         """What prefill may add to a step: `ratio` decode steps (None until a decode step was seen)."""
         return None if self.decode_seconds is None else self.ratio * self.decode_seconds
 
-    def chunk(self, decoding: int, prefilling: int, position: int = 0) -> int:
-        """Prompt tokens each of the `prefilling` requests may process in the next step, while `decoding` stream.
-
-        `position`: how many tokens the prefilling prompt already has in its cache (the furthest one's).
-        """
+    def chunk(self, decoding: int, prefilling: int) -> int:
+        """Prompt tokens each of the `prefilling` requests may process in the next step, while `decoding` stream."""
         self._streams = decoding
         if not decoding:
             return self.maximum  # nobody to stall: prefill at full speed
@@ -107,14 +83,14 @@ class PrefillPacer:
             return self._share(self.budget - decoding, prefilling)
         if decoding < prefilling:
             return self.maximum  # more clients wait for a first token than stream: serve them first
-        target, rate = self.target_seconds(), self._rate_at(position)
+        target, rate = self.target_seconds(), self.seconds_per_token
         if target is None or rate is None:
             return self._share(self.first, prefilling)
         return self._share(target / rate, prefilling)
 
-    def observe(self, step_seconds: float, decoding: int, prompt_tokens: int, position: int = 0) -> None:
+    def observe(self, step_seconds: float, decoding: int, prompt_tokens: int, prefilling: int = 1) -> None:
         """Learns from one finished step: its time, how many streams it decoded, how many prompt tokens
-        it took (starting at context `position`)."""
+        it took for how many prompts."""
         streams = int(decoding)
         if prompt_tokens == 0:
             if streams:
@@ -124,20 +100,24 @@ class PrefillPacer:
             return
         if not streams:
             return  # a full-speed prefill says little about a chunk beside a decode step
+        if prompt_tokens < self.minimum:
+            # A prompt's tail (its last token or few): the step's cost is the prompt joining the
+            # streams, not tokens. Learnt as a rate it would read as tens of ms per token and start
+            # the next prompt at the smallest chunk.
+            return
+        if prefilling != 1:
+            # Several prompts in one step cost less per token (one weight read, one pass) than one
+            # prompt does: learning from them would oversize the next lone prompt's chunk.
+            return
         decode_seconds = self.decode_seconds_for(streams)
         if decode_seconds is None:
             return  # cannot tell the prefill's share of this step yet
         extra = max(step_seconds - decode_seconds, 1e-6)
         rate = extra / prompt_tokens
-        bucket = position // POSITION_BUCKET
-        known = self._rates.get(bucket)
-        if known is None or rate > SURPRISE * known:
-            self._rates[bucket] = rate  # much dearer than thought: shrink the next chunk at once
+        if self.seconds_per_token is None or rate > self.seconds_per_token:
+            self.seconds_per_token = rate  # dearer than thought: shrink the next chunk at once
         else:
-            # Within the machine's step-to-step jitter: follow it halfway, so steps centre on the
-            # target instead of sitting below it after every slow one.
-            self._rates[bucket] = self._smooth(known, rate)
-        self._last_bucket = bucket
+            self.seconds_per_token = self._smooth(self.seconds_per_token, rate)  # cheaper: grow gently
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)

@@ -69,21 +69,6 @@ def test_a_dearer_step_shrinks_the_next_chunk_at_once() -> None:
     assert pacer.chunk(1, 1) == 50
 
 
-def test_a_new_prompt_starts_from_what_its_first_positions_cost() -> None:
-    """The rate learned at position 1,400 does not shrink the next prompt's first chunk at position 0."""
-    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0)
-    pacer.observe(0.100, decoding=True, prompt_tokens=0)
-    pacer.observe(0.100 + 0.050, decoding=True, prompt_tokens=50, position=0)      # 1 ms per token early
-    pacer.observe(0.100 + 0.120, decoding=True, prompt_tokens=30, position=1400)   # 4 ms per token late
-    assert pacer.chunk(1, 1, position=1450) == 38   # 150 ms at 4 ms per token
-    assert pacer.chunk(1, 1, position=0) == 150     # a new prompt: 150 ms at 1 ms per token
-    assert pacer.chunk(1, 1, position=600) == 150   # unmeasured stretch: the nearest cheaper one below
-    fresh = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0)
-    fresh.observe(0.100, decoding=True, prompt_tokens=0)
-    fresh.observe(0.100 + 0.120, decoding=True, prompt_tokens=30, position=1400)
-    assert fresh.chunk(1, 1, position=0) == 38      # only dearer positions known: start conservatively
-
-
 def test_the_target_follows_the_streams_running_now() -> None:
     """A decode step of one stream does not size chunks beside three (no decode-only step between)."""
     pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0)
@@ -96,3 +81,19 @@ def test_the_target_follows_the_streams_running_now() -> None:
     assert pacer.chunk(3, 1) == 38
     pacer.chunk(2, 1)  # two streams never measured alone: the nearest count's cost (three, the dearer)
     assert abs(pacer.target_seconds() - 1.5 * 0.050) < 1e-9
+
+
+def test_steps_of_several_prompts_do_not_teach_a_lone_prompts_rate() -> None:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0)
+    pacer.observe(0.100, decoding=1, prompt_tokens=0)
+    pacer.observe(0.100 + 0.050, decoding=1, prompt_tokens=50, prefilling=1)    # 1 ms per token alone
+    pacer.observe(0.100 + 0.070, decoding=1, prompt_tokens=140, prefilling=7)   # 0.5 ms per token in a batch
+    assert pacer.chunk(1, 1) == 150
+
+
+def test_a_prompts_last_token_does_not_teach_a_rate() -> None:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0)
+    pacer.observe(0.100, decoding=1, prompt_tokens=0)
+    pacer.observe(0.100 + 0.050, decoding=1, prompt_tokens=50)   # 1 ms per token
+    pacer.observe(0.100 + 0.040, decoding=1, prompt_tokens=1)    # the join step: not 40 ms per token
+    assert pacer.chunk(1, 1) == 150
