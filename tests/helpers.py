@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -179,6 +180,19 @@ def running_stack(endpoint: str, logs: Path, *, model: str | None = None, engine
     finally:
         frontend.stop()
         engine.stop()
+
+
+def answers_from_two_engines(socket_prefix: str, logs: list[Path], model: str, engine_args: list[str],
+                             conversations: list[list[dict]], ask: Callable[[Frontend, str, list[dict]], Any]) -> list:
+    """Two engines on the same flags (a shared `--prompt-cache-dir`), each answering one conversation.
+
+    Both are up together and stopped together, so their spills to the shared directory overlap.
+    """
+    with contextlib.ExitStack() as stacks:
+        ends = [stacks.enter_context(running_stack(f"{socket_prefix}-{i}.sock", log, model=model,
+                                                   engine_args=engine_args))
+                for i, log in enumerate(logs)]
+        return [ask(frontend, model, messages) for (_, frontend), messages in zip(ends, conversations)]
 
 
 def client_for(frontend: Frontend) -> openai.OpenAI:

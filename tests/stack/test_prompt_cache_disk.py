@@ -7,14 +7,13 @@ exactly a cold engine's. A damaged file is skipped with a log line, never served
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 
 from model_builders.text import build_model
-from tests.helpers import client_for, running_stack
+from tests.helpers import answers_from_two_engines, client_for, running_stack
 
 SYSTEM = "You maintain a large service. Runbook: " + " ".join(
     f"step {i}: check the {w} and write down what you saw." for i, w in
@@ -103,11 +102,8 @@ def test_two_engines_on_one_directory_keep_each_others_prefixes(tiny_model: Path
                                                   {"role": "user", "content": "Then?"}]))
     for run in ("one", "two", "three", "cold"):
         (tmp_path / run).mkdir()
-    with ExitStack() as stacks:  # both engines up together, both stopped together: their spills overlap
-        ends = [stacks.enter_context(running_stack(f"ipc://{ipc_dir}/share-{i}.sock", tmp_path / run, model=model,
-                                                   engine_args=args))
-                for i, run in enumerate(("one", "two"))]
-        opened = [ask(fe, model, opening) for (_, fe), (opening, _) in zip(ends, conversations)]
+    opened = answers_from_two_engines(f"ipc://{ipc_dir}/share", [tmp_path / "one", tmp_path / "two"], model, args,
+                                      [opening for opening, _ in conversations], ask)
     assert not list(cache_dir.glob(".*"))  # no temporary file left behind
     with running_stack(f"ipc://{ipc_dir}/share-r.sock", tmp_path / "three", model=model,
                        engine_args=args) as (engine, fe):

@@ -10,14 +10,13 @@ two engines share one directory.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.helpers import Frontend, client_for, data_url, png, running_stack
+from tests.helpers import Frontend, answers_from_two_engines, client_for, data_url, png, running_stack
 
 SYSTEM = "You look at pictures for a museum. Rules: " + " ".join(
     f"rule {i}: note the {w} and say it plainly." for i, w in
@@ -123,11 +122,8 @@ def test_two_engines_share_a_directory_under_its_byte_cap(vlm: str, cold: Fronte
     conversations = [conversation(png(40 + team), team) for team in range(2)]
     for run in ("one", "two", "three", "capped"):
         (tmp_path / run).mkdir()
-    with ExitStack() as stacks:  # both engines up together, both stopped together: their spills overlap
-        ends = [stacks.enter_context(running_stack(f"ipc://{ipc_dir}/vshare-{i}.sock", tmp_path / run, model=vlm,
-                                                   engine_args=args))
-                for i, run in enumerate(("one", "two"))]
-        opened = [ask(fe, vlm, opening) for (_, fe), (opening, _) in zip(ends, conversations)]
+    opened = answers_from_two_engines(f"ipc://{ipc_dir}/vshare", [tmp_path / "one", tmp_path / "two"], vlm, args,
+                                      [opening for opening, _ in conversations], ask)
     assert not list(cache_dir.glob(".*"))  # no temporary file left behind
     one_conversation = max(path.stat().st_size for path in cache_dir.glob("*.safetensors"))
     with running_stack(f"ipc://{ipc_dir}/vshare-r.sock", tmp_path / "three", model=vlm,
