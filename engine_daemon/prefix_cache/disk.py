@@ -118,7 +118,9 @@ class DiskTier:
                 log.warning("prompt cache: skipping %s: %s", path, exc)
 
     def nbytes(self) -> int:
-        return sum(entry.nbytes for entry in self._index.values())
+        # `/stats` asks from the io thread while the mlx thread writes: copy the values first (one
+        # C-level call under the GIL) rather than iterate a dict that may change size meanwhile.
+        return sum(entry.nbytes for entry in list(self._index.values()))
 
     def __len__(self) -> int:
         return len(self._index)
