@@ -188,9 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: the CPU count, at most 8: %(default)s)")
     parser.add_argument("--prompt-concurrency", type=int,
                         default=int(os.environ.get("MLX_ENGINE_PROMPT_CONCURRENCY", "8")),
-                        help="most prompts prefilled together (a conversation's next turn, a short prompt after a "
-                             "long cached prefix, is prefilled one at a time). [MLX_ENGINE_PROMPT_CONCURRENCY] "
-                             "(default: %(default)s)")
+                        help="most prompts prefilled together. [MLX_ENGINE_PROMPT_CONCURRENCY] (default: %(default)s)")
     parser.add_argument("--max-queued", type=int, default=int(os.environ.get("MLX_ENGINE_MAX_QUEUED", "256")),
                         help="requests waiting to start before new ones get 429. [MLX_ENGINE_MAX_QUEUED] "
                              "(default: %(default)s)")
