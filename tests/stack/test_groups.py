@@ -404,16 +404,10 @@ def test_units_restart_a_failed_group_and_the_same_frontend_reconnects(group_mod
     client = OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def healthy(timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                health = httpx.get(f"{frontend.base_url}/health", timeout=5)
-                if health.status_code == 200:
-                    return health.json()
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, [unit.current.log()[-3000:] for unit in units]
-            time.sleep(0.2)
+        try:
+            return frontend.wait_healthy(timeout)
+        except TimeoutError as exc:  # the ranks' logs say why, not the front-end's
+            raise AssertionError([unit.current.log()[-3000:] for unit in units]) from exc
 
     def complete() -> str:
         reply = client.chat.completions.create(model="default", messages=[{"role": "user", "content": PROMPTS[1]}],
