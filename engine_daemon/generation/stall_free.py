@@ -123,7 +123,11 @@ def _extend(batch: GenerationBatch, joining: GenerationBatch) -> None:
 
 
 class StallFreeBatchGenerator(BatchGenerator):
-    """A BatchGenerator that fuses a lone prompt's chunk into the decode step when it can."""
+    """A BatchGenerator whose prefill disturbs running streams as little as it can.
+
+    It fuses a lone prompt's chunk into the decode step, joins finished prompts cheaply,
+    prefills next turns one at a time and returns first tokens before others' prefill.
+    """
 
     def __init__(self, model: Any, *args: Any, fuse: bool = True, defer_join: bool = True, **kwargs: Any):
         super().__init__(model, *args, **kwargs)
@@ -203,6 +207,8 @@ class StallFreeBatchGenerator(BatchGenerator):
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
         self._pending.difference_update(uids)
+        self._first_tokens_due.difference_update(uids)  # a removed row holds no prefill back
+        self._turns.difference_update(uids)
         for uid in uids:
             self._steps_beside_streams.pop(uid, None)
         return super().remove(uids, return_prompt_caches=return_prompt_caches)  # extracts via extract_cache
