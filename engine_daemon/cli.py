@@ -18,6 +18,7 @@ from engine_daemon.lora.registry import is_adapter_dir
 from engine_daemon.models.names import ModelNames, ModelsConfigError
 from engine_daemon.models.store import ModelNotFound, model_roots, resolve, set_operator_names
 from engine_daemon.request import template_kwargs
+from engine_daemon.scheduling.flags import add_scheduling_flags, scheduling_config
 from engine_daemon.transport.security import InsecureEndpoint, SocketSecurity, check_endpoint, keygen_main
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
@@ -135,29 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                         default=int(os.environ.get("MLX_ENGINE_DEFAULT_MAX_TOKENS", "4096")),
                         help="max_tokens for requests that give none; capped by the context window. "
                              "[MLX_ENGINE_DEFAULT_MAX_TOKENS] (default: %(default)s)")
-    parser.add_argument("--prefill-step-size", type=int, default=int(os.environ.get("PREFILL_STEP_SIZE", "2048")),
-                        help="prompt tokens processed per model call. [PREFILL_STEP_SIZE] (default: %(default)s)")
-    parser.add_argument("--interleave-prefill-tokens", type=int,
-                        default=int(os.environ.get("MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS", "0")),
-                        help="prompt tokens prefilled per step while other requests decode, so a long prompt "
-                             "does not stall running streams; 0 sizes the chunk from measured step times so a "
-                             "step with prefill costs about one extra decode step. "
-                             "[MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS] (default: %(default)s)")
-    parser.add_argument("--step-token-budget", type=int,
-                        default=int(os.environ.get("MLX_ENGINE_STEP_TOKEN_BUDGET", "0")),
-                        help="tokens one step may process while requests decode: one per running stream first, "
-                             "the rest for prompt chunks (stall-free batching); 0 sizes it from measured step "
-                             "costs to meet --max-gap-ratio. [MLX_ENGINE_STEP_TOKEN_BUDGET] (default: %(default)s)")
-    parser.add_argument("--max-gap-ratio", type=float,
-                        default=float(os.environ.get("MLX_ENGINE_MAX_GAP_RATIO", "2.5")),
-                        help="with an automatic token budget, a step that also prefills costs at most this many "
-                             "decode steps, so running streams' inter-token gaps stay within it while a prompt "
-                             "arrives. [MLX_ENGINE_MAX_GAP_RATIO] (default: %(default)s)")
-    parser.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction,
-                        default=os.environ.get("MLX_ENGINE_FUSED_PREFILL", "1") != "0",
-                        help="run a lone prompt's chunk inside the decode step's forward pass (llama, qwen2, "
-                             "qwen3, mistral), so streams and the newcomer share one read of the weights. "
-                             "[MLX_ENGINE_FUSED_PREFILL=0 turns it off] (default: on)")
+    add_scheduling_flags(parser)  # --prefill-step-size, --max-gap-ratio, --max-stall-seconds, ...
     parser.add_argument("--allow-request-chat-template", action="store_true",
                         default=os.environ.get("MLX_ENGINE_ALLOW_REQUEST_CHAT_TEMPLATE") == "1",
                         help="let requests send their own chat template (chat_template_kwargs.chat_template), "
@@ -186,9 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "MLX streams so all cores work during prefill; outputs are bitwise unchanged. "
                              "1 turns it off; no effect on a GPU. [MLX_ENGINE_CPU_PARALLEL_OPS] "
                              "(default: the CPU count, at most 8: %(default)s)")
-    parser.add_argument("--prompt-concurrency", type=int,
-                        default=int(os.environ.get("MLX_ENGINE_PROMPT_CONCURRENCY", "8")),
-                        help="most prompts prefilled together. [MLX_ENGINE_PROMPT_CONCURRENCY] (default: %(default)s)")
     parser.add_argument("--max-queued", type=int, default=int(os.environ.get("MLX_ENGINE_MAX_QUEUED", "256")),
                         help="requests waiting to start before new ones get 429. [MLX_ENGINE_MAX_QUEUED] "
                              "(default: %(default)s)")
@@ -346,16 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         default_max_tokens=args.default_max_tokens,
         max_tokens_overflow=args.max_tokens_overflow,
         sampling_defaults=defaults,
-        prefill_step_size=args.prefill_step_size,
-        interleave_prefill_tokens=args.interleave_prefill_tokens,
-        step_token_budget=args.step_token_budget,
-        max_gap_ratio=args.max_gap_ratio,
-        fused_prefill=args.fused_prefill,
         decode_concurrency=args.decode_concurrency,
         max_slots_per_key=max(0, args.max_slots_per_key),
         max_stop_strings=max(1, args.max_stop_strings),
         max_stop_length=max(1, args.max_stop_length),
-        prompt_concurrency=args.prompt_concurrency,
         max_queued=args.max_queued,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes or (budget // 4 if budget else None),
@@ -376,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         draft_model=args.draft_model,
         num_draft_tokens=args.num_draft_tokens,
         **auxiliary_config(args),
+        **scheduling_config(args),
     )
     if args.model:
         # The operator named it: fetch it now if it is not cached, before serving.

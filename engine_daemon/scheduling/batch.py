@@ -32,7 +32,7 @@ from engine_daemon.prefix_cache.tiered import PrefixCache, model_identity
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
-from engine_daemon.scheduling.prefill_pacer import PrefillPacer
+from engine_daemon.scheduling.prefill_pacer import SAMPLE_DECODE, PrefillPacer
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,8 @@ class BatchScheduler(BaseScheduler):
         # Accepted for the loaded model, waiting for a free slot (at most decode_concurrency run).
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size,
-                                  ratio=max(0.1, config.max_gap_ratio - 1.0), budget=config.step_token_budget or None)
+                                  ratio=max(0.1, config.max_gap_ratio - 1.0), budget=config.step_token_budget or None,
+                                  max_stall=config.max_stall_seconds or None)
         self._prefill_progress: dict[int, int] = {}
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()
@@ -323,8 +324,11 @@ class BatchScheduler(BaseScheduler):
         generator = self.generator
         # While others decode, prefill only a paced chunk per step so their tokens keep flowing.
         decoding = self.decoding()
-        generator.prefill_step_size = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
-        if decoding and len(self.by_uid) > decoding:
+        chunk = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
+        if chunk == SAMPLE_DECODE and not isinstance(generator, GroupedGenerator):
+            chunk = self.pacer.minimum  # only the text generators (StallFreeBatchGenerator) hold a step's prefill
+        generator.prefill_step_size = chunk
+        if decoding and len(self.by_uid) > decoding and chunk:
             self.stats.prefill_chunk_tokens = generator.prefill_step_size
         fused_before = getattr(generator, "fused_steps", 0)
         if self.lockstep is not None:

@@ -25,8 +25,14 @@ Pacing protects the streams that are running at the expense of the prompts that
 wait, so (unless the operator fixed it) it only applies while the streams are at
 least as many as the waiting prompts. When more clients wait for a first token
 than are streaming (a burst of requests lands just after one started), the
-waiting prompts are prefilled at full speed: a few streams pause once instead of
-many clients waiting through dozens of slowed steps.
+waiting prompts are prefilled at full speed: a few streams slow down instead of
+many clients waiting through dozens of paced steps. Full speed still comes in
+steps of at most `max_stall` seconds (`--max-stall-seconds`, sized from the
+measured cost per prompt token of full-speed steps), with a decode step between
+them: three 1,240-token prompts landing beside one stream were one 11 s step on
+the ~85M CPU model, an 11 s freeze of that stream; in ~1 s steps the stream keeps
+moving and the prompts' first tokens come about as soon (smaller chunks also
+skip more of the masked attention a one-pass prefill computes).
 """
 
 from __future__ import annotations
@@ -34,11 +40,20 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+# Prompt tokens a step needs before its time per token says what full-speed prefill costs (fewer: the
+# step's fixed cost dominates); also the smallest chunk a full-speed step gives each prompt.
+FULL_SPEED_MINIMUM = 64
+# `chunk`'s answer when this many streams have no decode-only step on record: prefill nothing this step.
+SAMPLE_DECODE = 0
+
 
 class PrefillPacer:
     def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.5,
-                 smoothing: float = 0.3, budget: int | None = None, first: int = 32, window: int = 16):
+                 smoothing: float = 0.3, budget: int | None = None, first: int = 32, window: int = 16,
+                 max_stall: float | None = None, first_burst: int = 256):
         self.fixed = fixed
+        self.max_stall = max_stall
+        self.first_burst = first_burst
         self.budget = budget
         self.maximum = maximum
         self.minimum = minimum
@@ -55,6 +70,10 @@ class PrefillPacer:
         # step's fixed cost makes a small chunk look dear per token; sizing the next chunk from
         # it still converges on the size whose whole cost meets the target (n' = T*n/(a+b*n)).
         self.seconds_per_token: float | None = None
+        self._recent_rates: deque[float] = deque(maxlen=3)
+        # Seconds per prompt token of recent full-speed steps (whole step over its prompt tokens): sizes
+        # the burst steps that `max_stall` bounds.
+        self.full_speed_seconds_per_token: float | None = None
 
     @property
     def decode_seconds(self) -> float | None:
@@ -82,7 +101,12 @@ class PrefillPacer:
         if self.budget:  # the operator's --step-token-budget: decode tokens first, the rest to prefill
             return self._share(self.budget - decoding, prefilling)
         if decoding < prefilling:
-            return self.maximum  # more clients wait for a first token than stream: serve them first
+            return self._burst_chunk(prefilling)  # more clients wait for a first token than stream: serve them first
+        if decoding not in self._decode_steps:
+            # These streams never ran a step without prefill: one such step first (`SAMPLE_DECODE`), or
+            # the target would be a multiple of another count's step (a 1-stream warm-up sized chunks
+            # beside three long streams at 8 tokens: every fused step then looked dear per token).
+            return SAMPLE_DECODE
         target, rate = self.target_seconds(), self.seconds_per_token
         if target is None or rate is None:
             return self._share(self.first, prefilling)
@@ -92,7 +116,17 @@ class PrefillPacer:
         """Learns from one finished step: its time, how many streams it decoded, how many prompt tokens
         it took for how many prompts."""
         streams = int(decoding)
+        if prompt_tokens >= FULL_SPEED_MINIMUM and streams < prefilling:  # a full-speed step
+            rate = step_seconds / prompt_tokens
+            old = self.full_speed_seconds_per_token
+            self.full_speed_seconds_per_token = rate if old is None else old + 0.5 * (rate - old)
         if prompt_tokens == 0:
+            if not prefilling:
+                # No prompt waits: the next one starts at context 0, where a token costs a fraction
+                # of what the last chunks of a long prompt cost. Carried over, that rate started a
+                # long prompt after a burst at 19-token chunks, regrown 30% a step.
+                self.seconds_per_token = None
+                self._recent_rates.clear()
             if streams:
                 # The median of recent decode steps: one slow step (a collection, a neighbour's
                 # burst) must not widen every gap that follows.
@@ -112,12 +146,27 @@ class PrefillPacer:
         decode_seconds = self.decode_seconds_for(streams)
         if decode_seconds is None:
             return  # cannot tell the prefill's share of this step yet
-        extra = max(step_seconds - decode_seconds, 1e-6)
-        rate = extra / prompt_tokens
+        self._recent_rates.append(max(step_seconds - decode_seconds, 1e-6) / prompt_tokens)
+        # The median of the last three steps' rates (the latest until there are three): one slow
+        # step (a collection, a neighbour taking a core) says nothing about the next chunk's cost,
+        # and believed at once it shrank the chunk for the several steps the gentle regrowth took;
+        # after a burst of requests such spikes left a long prompt at ~60% of its chunk size.
+        recent = self._recent_rates
+        rate = statistics.median(recent) if len(recent) == recent.maxlen else recent[-1]
         if self.seconds_per_token is None or rate > self.seconds_per_token:
             self.seconds_per_token = rate  # dearer than thought: shrink the next chunk at once
         else:
             self.seconds_per_token = self._smooth(self.seconds_per_token, rate)  # cheaper: grow gently
+
+    def _burst_chunk(self, prefilling: int) -> int:
+        """Each waiting prompt's chunk in a full-speed step that should last about `max_stall` seconds."""
+        if not self.max_stall:
+            return self.maximum
+        rate = self.full_speed_seconds_per_token
+        if rate is None:  # nothing measured yet: a modest step that teaches the rate
+            return min(self.maximum, self.first_burst)
+        per_prompt = self.max_stall / rate / max(1, prefilling)
+        return round(max(min(self.maximum, FULL_SPEED_MINIMUM), min(self.maximum, per_prompt)))
 
     def _smooth(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.smoothing * (new - old)

@@ -20,10 +20,12 @@ def test_operator_budget_serves_decode_tokens_first() -> None:
 
 def test_first_chunk_until_measured_then_meets_the_target() -> None:
     pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0, first=32)
-    assert pacer.chunk(1, 1) == 32
+    assert pacer.chunk(1, 1) == 0   # this many streams never ran a step alone: one decode-only step first
     pacer.observe(0.100, decoding=True, prompt_tokens=0)          # a decode step costs 100 ms
+    assert pacer.chunk(1, 1) == 32  # no cost per token measured yet: the first chunk
     pacer.observe(0.100 + 0.064, decoding=True, prompt_tokens=32)  # 32 prompt tokens added 64 ms
     assert pacer.chunk(1, 1) == 75  # 150 ms target at 2 ms per token
+    pacer.observe(0.100, decoding=2, prompt_tokens=0)  # two streams cost the same 100 ms
     assert pacer.chunk(2, 2) == 38  # shared by two prompts
 
 
@@ -50,7 +52,7 @@ def test_later_chunks_shrink_as_the_prompt_grows_dearer() -> None:
 def test_full_speed_while_more_prompts_wait_than_stream() -> None:
     pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.0, smoothing=1.0, first=8)
     assert pacer.chunk(decoding=1, prefilling=7) == 2048  # a burst landed just after one request started
-    assert pacer.chunk(decoding=4, prefilling=4) == 8     # as many streams as prompts: paced (unmeasured yet)
+    assert pacer.chunk(decoding=4, prefilling=4) == 0     # as many streams as prompts: paced, after one decode-only step
     assert PrefillPacer(64, maximum=2048).chunk(decoding=1, prefilling=7) == 64  # a fixed chunk is the operator's
 
 
@@ -97,3 +99,46 @@ def test_a_prompts_last_token_does_not_teach_a_rate() -> None:
     pacer.observe(0.100 + 0.050, decoding=1, prompt_tokens=50)   # 1 ms per token
     pacer.observe(0.100 + 0.040, decoding=1, prompt_tokens=1)    # the join step: not 40 ms per token
     assert pacer.chunk(1, 1) == 150
+
+
+def test_a_burst_is_prefilled_in_steps_of_about_max_stall() -> None:
+    """Full speed for a burst, but in steps a running stream can wait through (--max-stall-seconds)."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, max_stall=1.0, first_burst=256)
+    assert pacer.chunk(decoding=1, prefilling=3) == 256  # nothing measured: a modest step that teaches the rate
+    pacer.observe(2.0, decoding=0, prompt_tokens=1000)   # a lone prompt at full speed: 2 ms per token
+    assert pacer.chunk(decoding=1, prefilling=3) == 167  # 1 s / 2 ms = 500 tokens, shared by three prompts
+    assert pacer.chunk(decoding=0, prefilling=3) == 2048  # nobody streams: nothing to stall
+    pacer.observe(0.9, decoding=1, prompt_tokens=600, prefilling=3)  # 1.5 ms per token batched
+    assert pacer.chunk(decoding=1, prefilling=3) == 190  # halfway to the newer rate (1.75 ms per token)
+    pacer.observe(60.0, decoding=1, prompt_tokens=1000, prefilling=3)  # a very slow step: never below the floor
+    assert pacer.chunk(decoding=1, prefilling=3) == 64
+
+
+def test_without_max_stall_a_burst_takes_whole_chunks() -> None:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, max_stall=None)
+    pacer.observe(2.0, decoding=0, prompt_tokens=1000)
+    assert pacer.chunk(decoding=1, prefilling=3) == 2048
+
+
+def test_one_slow_prefill_step_does_not_shrink_the_chunk() -> None:
+    """A spike (a collection, a neighbour) among steady steps: the chunk stays; a lasting rise is followed."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0)
+    pacer.observe(0.100, decoding=1, prompt_tokens=0)
+    for seconds in (0.150, 0.150, 0.150, 0.400, 0.150):  # 1 ms per token, one step at 6 ms per token
+        pacer.observe(seconds, decoding=1, prompt_tokens=50)
+        assert pacer.chunk(1, 1) == 150
+    pacer.observe(0.300, decoding=1, prompt_tokens=50)  # 4 ms per token, twice: the median follows
+    pacer.observe(0.300, decoding=1, prompt_tokens=50)
+    assert pacer.chunk(1, 1) == 38
+
+
+def test_the_next_prompt_starts_from_the_first_chunk_again() -> None:
+    """The last chunks of a long prompt are dear (long context); the next prompt does not inherit that."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0, first=32)
+    pacer.observe(0.100, decoding=1, prompt_tokens=0)
+    pacer.observe(0.100 + 0.150, decoding=1, prompt_tokens=10)  # 15 ms per token late in a prompt
+    assert pacer.chunk(1, 1) == 10
+    pacer.observe(0.100, decoding=1, prompt_tokens=0, prefilling=1)  # a step with prefill held: no reset
+    assert pacer.chunk(1, 1) == 10
+    pacer.observe(0.100, decoding=1, prompt_tokens=0, prefilling=0)  # nothing waits any more
+    assert pacer.chunk(1, 1) == 32

@@ -1,0 +1,58 @@
+"""The `engined` flags of prefill scheduling (each with its environment variable).
+
+Kept beside the scheduler rather than in `engine_daemon.cli`: how prompts share steps
+with running streams (`PrefillPacer`, `StallFreeBatchGenerator`) is one concern, and
+its knobs read together. The CLI adds them to its parser and passes what they say on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+
+def add_scheduling_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill-step-size", type=int, default=int(os.environ.get("PREFILL_STEP_SIZE", "2048")),
+                        help="prompt tokens processed per model call. [PREFILL_STEP_SIZE] (default: %(default)s)")
+    parser.add_argument("--interleave-prefill-tokens", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS", "0")),
+                        help="prompt tokens prefilled per step while other requests decode, so a long prompt "
+                             "does not stall running streams; 0 sizes the chunk from measured step times so a "
+                             "step with prefill costs about one extra decode step. "
+                             "[MLX_ENGINE_INTERLEAVE_PREFILL_TOKENS] (default: %(default)s)")
+    parser.add_argument("--step-token-budget", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_STEP_TOKEN_BUDGET", "0")),
+                        help="tokens one step may process while requests decode: one per running stream first, "
+                             "the rest for prompt chunks (stall-free batching); 0 sizes it from measured step "
+                             "costs to meet --max-gap-ratio. [MLX_ENGINE_STEP_TOKEN_BUDGET] (default: %(default)s)")
+    parser.add_argument("--max-gap-ratio", type=float,
+                        default=float(os.environ.get("MLX_ENGINE_MAX_GAP_RATIO", "2.5")),
+                        help="with an automatic token budget, a step that also prefills costs at most this many "
+                             "decode steps, so running streams' inter-token gaps stay within it while a prompt "
+                             "arrives. [MLX_ENGINE_MAX_GAP_RATIO] (default: %(default)s)")
+    parser.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get("MLX_ENGINE_FUSED_PREFILL", "1") != "0",
+                        help="run a lone prompt's chunk inside the decode step's forward pass (llama, qwen2, "
+                             "qwen3, mistral), so streams and the newcomer share one read of the weights. "
+                             "[MLX_ENGINE_FUSED_PREFILL=0 turns it off] (default: on)")
+    parser.add_argument("--prompt-concurrency", type=int,
+                        default=int(os.environ.get("MLX_ENGINE_PROMPT_CONCURRENCY", "8")),
+                        help="most prompts prefilled together. [MLX_ENGINE_PROMPT_CONCURRENCY] (default: %(default)s)")
+    parser.add_argument("--max-stall-seconds", type=float,
+                        default=float(os.environ.get("MLX_ENGINE_MAX_STALL_SECONDS", "1.0")),
+                        help="when more prompts wait than streams run, prompts are prefilled at full speed, in "
+                             "steps of at most about this long, so a running stream still gets a token between "
+                             "them; 0: one step per chunk of --prefill-step-size. "
+                             "[MLX_ENGINE_MAX_STALL_SECONDS] (default: %(default)s)")
+
+
+def scheduling_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The `SchedulerConfig` fields these flags set."""
+    return {"prefill_step_size": args.prefill_step_size,
+            "interleave_prefill_tokens": args.interleave_prefill_tokens,
+            "step_token_budget": args.step_token_budget,
+            "max_gap_ratio": args.max_gap_ratio,
+            "max_stall_seconds": max(0.0, args.max_stall_seconds),
+            "fused_prefill": args.fused_prefill,
+            "prompt_concurrency": args.prompt_concurrency}

@@ -1,0 +1,79 @@
+"""A burst of prompts beside a running stream is prefilled at full speed in bounded steps (--max-stall-seconds).
+
+Read from the engine's own step trace (`MLX_ENGINE_LOG_LEVEL=DEBUG`), not from client clocks:
+every step that prefilled the burst also decoded the running stream, and no such step took
+more than the floor chunk per prompt. Without the bound, the three prompts went in one step.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_daemon.scheduling.prefill_pacer import FULL_SPEED_MINIMUM
+from tests.helpers import Engine, Frontend
+
+STEP = re.compile(r"step [\d.]+ ms: (\d+) decoding, (\d+) prompt tokens \(chunk (\d+)")
+PROMPT_WORDS = 700  # over 1,000 prompt tokens each: one step for all three without the bound
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Frontend, Path]]:
+    logs = tmp_path_factory.mktemp("burst-logs")
+    engine = Engine(f"ipc://{ipc_dir}/burst.sock", logs / "engined.log", model=str(tiny_model),
+                    args=["--max-stall-seconds", "0.000001"], env={"MLX_ENGINE_LOG_LEVEL": "DEBUG"})
+    frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=1)
+    try:
+        engine.wait_ready()
+        frontend.wait_healthy()
+        yield frontend, logs / "engined.log"
+    finally:
+        frontend.stop()
+        engine.stop()
+
+
+def _body(model: str, text: str, max_tokens: int, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, **extra}
+
+
+def test_a_burst_beside_a_stream_is_prefilled_in_bounded_steps(stack: tuple[Frontend, Path], model_id: str) -> None:
+    frontend, log_path = stack
+    url = f"{frontend.base_url}/v1/chat/completions"
+    streaming = threading.Event()
+    stream_status: list[int] = []
+
+    def stream() -> None:
+        body = _body(model_id, "Tell a long story.", 600, stream=True, ignore_eos=True)
+        with httpx.stream("POST", url, json=body, timeout=300) as response:
+            stream_status.append(response.status_code)
+            for line in response.iter_lines():
+                if line.startswith("data: ") and '"content"' in line:
+                    streaming.set()
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    assert streaming.wait(120), "the running stream never produced a token"
+    prompts = [" ".join(f"word{(i * 7 + j) % 503}" for j in range(PROMPT_WORDS)) for i in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda text: httpx.post(url, json=_body(model_id, text, 4), timeout=300), prompts))
+    runner.join(300)
+    assert [r.status_code for r in replies] == [200, 200, 200], [r.text[:200] for r in replies]
+    assert stream_status == [200]
+
+    steps = [tuple(map(int, m.groups())) for m in STEP.finditer(log_path.read_text())]
+    # Steps at full speed beside the stream: more prompts waited than streamed (chunk at the floor).
+    burst = [(decoding, tokens) for decoding, tokens, chunk in steps
+             if decoding >= 1 and tokens > 0 and chunk == FULL_SPEED_MINIMUM]
+    assert len(burst) >= 3, f"the burst was not split into bounded steps: {[s for s in steps if s[1]][:20]}"
+    # Each of those steps also decoded the stream and took at most the floor chunk per waiting prompt.
+    assert all(tokens <= 3 * FULL_SPEED_MINIMUM for _, tokens in burst), burst
+    # And nothing beside a stream took more than the first, unmeasured burst step's 256 per prompt
+    # (PrefillPacer.first_burst), far short of the prompts themselves.
+    assert max(tokens for decoding, tokens, _ in steps if decoding >= 1) <= 3 * 256, [s for s in steps if s[1]][:20]
