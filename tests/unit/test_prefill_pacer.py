@@ -52,7 +52,7 @@ def test_later_chunks_shrink_as_the_prompt_grows_dearer() -> None:
 def test_full_speed_while_more_prompts_wait_than_stream() -> None:
     pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.0, smoothing=1.0, first=8)
     assert pacer.chunk(decoding=1, prefilling=7) == 2048  # a burst landed just after one request started
-    assert pacer.chunk(decoding=4, prefilling=4) == 0     # as many streams as prompts: paced, after one decode-only step
+    assert pacer.chunk(decoding=4, prefilling=4) == 0     # as many streams as prompts: a decode-only step first
     assert PrefillPacer(64, maximum=2048).chunk(decoding=1, prefilling=7) == 64  # a fixed chunk is the operator's
 
 
