@@ -32,7 +32,7 @@ from engine_daemon.prefix_cache.tiered import PrefixCache, model_identity
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
-from engine_daemon.scheduling.prefill_pacer import SAMPLE_DECODE, PrefillPacer
+from engine_daemon.scheduling.prefill_pacer import PrefillPacer
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
 
 log = logging.getLogger(__name__)
@@ -325,8 +325,8 @@ class BatchScheduler(BaseScheduler):
         # While others decode, prefill only a paced chunk per step so their tokens keep flowing.
         decoding = self.decoding()
         chunk = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
-        if chunk == SAMPLE_DECODE and not isinstance(generator, GroupedGenerator):
-            chunk = self.pacer.minimum  # only the text generators (StallFreeBatchGenerator) hold a step's prefill
+        if not isinstance(generator, GroupedGenerator):  # vision: mlx-vlm's generator, unpaced when alone
+            chunk = self.config.prefill_step_size if not decoding else max(chunk, self.pacer.minimum)
         generator.prefill_step_size = chunk
         if decoding and len(self.by_uid) > decoding and chunk:
             self.stats.prefill_chunk_tokens = generator.prefill_step_size

@@ -32,7 +32,10 @@ measured cost per prompt token of full-speed steps), with a decode step between
 them: three 1,240-token prompts landing beside one stream were one 11 s step on
 the ~85M CPU model, an 11 s freeze of that stream; in ~1 s steps the stream keeps
 moving and the prompts' first tokens come about as soon (smaller chunks also
-skip more of the masked attention a one-pass prefill computes).
+skip more of the masked attention a one-pass prefill computes). The same bound holds
+when nobody streams: a request that arrives waits for the step in flight, and an
+agent's next turn (a few dozen tokens) waited 4.4 s behind another conversation's
+one-step prefill.
 """
 
 from __future__ import annotations
@@ -95,7 +98,9 @@ class PrefillPacer:
         """Prompt tokens each of the `prefilling` requests may process in the next step, while `decoding` stream."""
         self._streams = decoding
         if not decoding:
-            return self.maximum  # nobody to stall: prefill at full speed
+            # Nobody to stall, but whoever arrives next (an agent's next turn) waits for the step in
+            # flight: full speed in steps of about `max_stall` (4.4 s steps held next turns that long).
+            return self._burst_chunk(prefilling)
         if self.fixed:
             return self.fixed  # the operator's --interleave-prefill-tokens
         if self.budget:  # the operator's --step-token-budget: decode tokens first, the rest to prefill

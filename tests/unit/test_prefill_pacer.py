@@ -107,7 +107,7 @@ def test_a_burst_is_prefilled_in_steps_of_about_max_stall() -> None:
     assert pacer.chunk(decoding=1, prefilling=3) == 256  # nothing measured: a modest step that teaches the rate
     pacer.observe(2.0, decoding=0, prompt_tokens=1000)   # a lone prompt at full speed: 2 ms per token
     assert pacer.chunk(decoding=1, prefilling=3) == 167  # 1 s / 2 ms = 500 tokens, shared by three prompts
-    assert pacer.chunk(decoding=0, prefilling=3) == 2048  # nobody streams: nothing to stall
+    assert pacer.chunk(decoding=0, prefilling=1) == 500  # nobody streams: the next arrival still waits a step
     pacer.observe(0.9, decoding=1, prompt_tokens=600, prefilling=3)  # 1.5 ms per token batched
     assert pacer.chunk(decoding=1, prefilling=3) == 190  # halfway to the newer rate (1.75 ms per token)
     pacer.observe(60.0, decoding=1, prompt_tokens=1000, prefilling=3)  # a very slow step: never below the floor
