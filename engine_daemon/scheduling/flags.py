@@ -41,10 +41,10 @@ def add_scheduling_flags(parser: argparse.ArgumentParser) -> None:
                         help="most prompts prefilled together. [MLX_ENGINE_PROMPT_CONCURRENCY] (default: %(default)s)")
     parser.add_argument("--max-stall-seconds", type=float,
                         default=float(os.environ.get("MLX_ENGINE_MAX_STALL_SECONDS", "1.0")),
-                        help="when more prompts wait than streams run, prompts are prefilled at full speed, in "
-                             "steps of at most about this long, so a running stream still gets a token between "
-                             "them; 0: one step per chunk of --prefill-step-size. "
-                             "[MLX_ENGINE_MAX_STALL_SECONDS] (default: %(default)s)")
+                        help="prompts prefilled at full speed (nobody streams, or more prompts wait than streams "
+                             "run) go in steps of about this long, sized from the measured cost per prompt token, "
+                             "so running streams get a token and new requests start between steps; 0: one step "
+                             "per --prefill-step-size chunk. [MLX_ENGINE_MAX_STALL_SECONDS] (default: %(default)s)")
 
 
 def scheduling_config(args: argparse.Namespace) -> dict[str, Any]:

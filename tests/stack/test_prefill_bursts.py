@@ -2,7 +2,8 @@
 
 Read from the engine's own step trace (`MLX_ENGINE_LOG_LEVEL=DEBUG`), not from client clocks:
 every step that prefilled the burst also decoded the running stream, and no such step took
-more than the floor chunk per prompt. Without the bound, the three prompts went in one step.
+more than the floor chunk per prompt. Without the bound, the three prompts went in one step
+of ~4,000 tokens (this test fails with `--max-stall-seconds 0`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,3 @@ def test_a_burst_beside_a_stream_is_prefilled_in_bounded_steps(stack: tuple[Fron
     assert len(burst) >= 3, f"the burst was not split into bounded steps: {[s for s in steps if s[1]][:20]}"
     # Each of those steps also decoded the stream and took at most the floor chunk per waiting prompt.
     assert all(tokens <= 3 * FULL_SPEED_MINIMUM for _, tokens in burst), burst
-    # And nothing beside a stream took more than the first, unmeasured burst step's 256 per prompt
-    # (PrefillPacer.first_burst), far short of the prompts themselves.
-    assert max(tokens for decoding, tokens, _ in steps if decoding >= 1) <= 3 * 256, [s for s in steps if s[1]][:20]
