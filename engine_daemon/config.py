@@ -34,8 +34,8 @@ class SchedulerConfig:
     step_token_budget: int = 0
     # The budget's target: a step with prefill costs at most this many decode steps (--max-gap-ratio).
     max_gap_ratio: float = 2.5
-    # When more prompts wait than streams run, full-speed prefill steps last at most about this long, so the
-    # streams still get a token between them (--max-stall-seconds); 0: unbounded (one chunk per prompt per step).
+    # Full-speed prefill steps (nobody streams, or more prompts wait than streams run) last about this long, so
+    # streams get a token and new requests start between them (--max-stall-seconds); 0: one chunk per prompt a step.
     max_stall_seconds: float = 1.0
     # Run a lone prompt's chunk in the decode step's forward pass (StallFreeBatchGenerator).
     fused_prefill: bool = True

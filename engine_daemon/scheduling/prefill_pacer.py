@@ -122,9 +122,8 @@ class PrefillPacer:
         it took for how many prompts."""
         streams = int(decoding)
         if prompt_tokens >= FULL_SPEED_MINIMUM and streams < prefilling:  # a full-speed step
-            rate = step_seconds / prompt_tokens
-            old = self.full_speed_seconds_per_token
-            self.full_speed_seconds_per_token = rate if old is None else old + 0.5 * (rate - old)
+            self.full_speed_seconds_per_token = _moved_toward(self.full_speed_seconds_per_token,
+                                                              step_seconds / prompt_tokens, 0.5)
         if prompt_tokens == 0:
             if not prefilling:
                 # No prompt waits: the next one starts at context 0, where a token costs a fraction
@@ -174,7 +173,12 @@ class PrefillPacer:
         return round(max(min(self.maximum, FULL_SPEED_MINIMUM), min(self.maximum, per_prompt)))
 
     def _smooth(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+        return _moved_toward(old, new, self.smoothing)
 
     def _share(self, total: float, prefilling: int) -> int:
         return int(max(self.minimum, min(self.maximum, round(total / max(1, prefilling)))))
+
+
+def _moved_toward(old: float | None, new: float, weight: float) -> float:
+    """An exponential moving average's next value (`new` itself when there is no old one)."""
+    return new if old is None else old + weight * (new - old)
