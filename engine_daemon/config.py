@@ -37,6 +37,9 @@ class SchedulerConfig:
     # Full-speed prefill steps (nobody streams, or more prompts wait than streams run) last about this long, so
     # streams get a token and new requests start between them (--max-stall-seconds); 0: one chunk per prompt a step.
     max_stall_seconds: float = 1.0
+    # A request that wakes an idle engine waits until this long passes with no other arrival (at most three
+    # times it), so requests sent together are prefilled together (--coalesce-ms; `worth_coalescing`).
+    coalesce_seconds: float = 0.008
     # Run a lone prompt's chunk in the decode step's forward pass (StallFreeBatchGenerator).
     fused_prefill: bool = True
     decode_concurrency: int = 32

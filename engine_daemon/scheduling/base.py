@@ -49,6 +49,9 @@ class SchedulerStats:
     # size the token budget gave a prompt while others decoded (PrefillPacer).
     fused_prefill_steps: int = 0
     prefill_chunk_tokens: int = 0
+    # Requests taken while an idle engine waited for companions of the one that woke it (`--coalesce-ms`).
+    coalesce_waits: int = 0
+    coalesced_requests: int = 0
     rejections: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,6 +94,10 @@ class BaseScheduler:
 
     def running(self) -> int:
         raise NotImplementedError
+
+    def worth_coalescing(self, window: float) -> bool:
+        """Whether the work that woke the idle engine is worth waiting `window` for companions (`--coalesce-ms`)."""
+        return False
 
     def prompt_cache_stats(self) -> dict[str, int]:
         """The prefix cache's counters for /stats; empty where the scheduler keeps none."""

@@ -31,6 +31,7 @@ from engine_daemon.prefix_cache.disk import DiskTier
 from engine_daemon.prefix_cache.tiered import PrefixCache, model_identity
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
+from engine_daemon.scheduling import coalesce
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
 from engine_daemon.scheduling.prefill_pacer import PrefillPacer
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
@@ -83,6 +84,16 @@ class BatchScheduler(BaseScheduler):
 
     def all_requests(self) -> list[EngineRequest]:
         return [r for r, _ in self.waiting] + list(self.pending) + list(self.by_uid.values())
+
+    def worth_coalescing(self, window: float) -> bool:
+        """A text prefill expected to take `COALESCE_FACTOR` windows or more (`worth_coalescing`)."""
+        current = self.models.current
+        if self.lockstep is not None or current is None or current.kind != "text":
+            return False
+        uncached = sum(len(r.prompt_tokens) - r.cached_tokens for r in self.by_uid.values())
+        uncached += sum(len(r.prompt_tokens) for r in self.pending)
+        speed = getattr(self.prompt_cache, "prefill_tokens_per_second", None)
+        return coalesce.worth_coalescing(uncached, 1 / speed if speed else None, window)
 
     def prompt_cache_stats(self) -> dict[str, int]:
         vision_kv = getattr(self.generator, "prefix_cache_stats", dict)()  # VisionBatchGenerator's KV blocks

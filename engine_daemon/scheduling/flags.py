@@ -45,6 +45,11 @@ def add_scheduling_flags(parser: argparse.ArgumentParser) -> None:
                              "run) go in steps of about this long, sized from the measured cost per prompt token, "
                              "so running streams get a token and new requests start between steps; 0: one step "
                              "per --prefill-step-size chunk. [MLX_ENGINE_MAX_STALL_SECONDS] (default: %(default)s)")
+    parser.add_argument("--coalesce-ms", type=float, default=float(os.environ.get("MLX_ENGINE_COALESCE_MS", "8")),
+                        help="when a request wakes an idle engine and its prefill will take at least 20 times "
+                             "this, wait until this many ms pass with no other request (at most 3 times it), so "
+                             "requests sent together are prefilled together instead of the first alone; 0 turns "
+                             "it off. [MLX_ENGINE_COALESCE_MS] (default: %(default)s)")
 
 
 def scheduling_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,5 +59,6 @@ def scheduling_config(args: argparse.Namespace) -> dict[str, Any]:
             "step_token_budget": args.step_token_budget,
             "max_gap_ratio": args.max_gap_ratio,
             "max_stall_seconds": max(0.0, args.max_stall_seconds),
+            "coalesce_seconds": max(0.0, args.coalesce_ms) / 1000,
             "fused_prefill": args.fused_prefill,
             "prompt_concurrency": args.prompt_concurrency}

@@ -123,7 +123,10 @@ class MlxWorker(threading.Thread):
                 self._attach_group()
             self._preload_auxiliary()
             while not self._stopping.is_set():
-                events = self._drain_commands(block=not (self.scheduler.has_work() or self.aux_jobs.has_work()))
+                idle = not (self.scheduler.has_work() or self.aux_jobs.has_work())
+                events = self._drain_commands(block=idle)
+                if idle and self.scheduler.has_work():
+                    events += self._coalesce()
                 if self.group is not None and self.group.failed:
                     self._publish(outbox, events)
                     continue  # no more steps: the process exits after --group-exit-delay
@@ -277,15 +280,40 @@ class MlxWorker(threading.Thread):
             return events
         self.status.busy_since = self.status.busy_since or time.monotonic()
         while True:
-            try:
-                events += self._handle(command)
-            except Exception:
-                log.exception("command %s failed", type(command).__name__)
-                events += self._refuse_failed(command)
+            events += self._handle_safely(command)
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return events
+
+    def _coalesce(self) -> list[Event]:
+        """Takes the requests arriving right behind the one that woke the idle engine (`--coalesce-ms`).
+
+        Waits until a window passes with no new command, three windows at most, and only while the
+        waiting prefill is long enough to be worth it (`BaseScheduler.worth_coalescing`).
+        """
+        window = self.scheduler.config.coalesce_seconds
+        if self.group is not None or not self.scheduler.worth_coalescing(window):
+            return []
+        events: list[Event] = []
+        self.scheduler.stats.coalesce_waits += 1
+        deadline = time.monotonic() + 3 * window
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                command = self.commands.get(timeout=min(window, left))
+            except queue.Empty:
+                break
+            self.scheduler.stats.coalesced_requests += isinstance(command, AddCommand)
+            events += self._handle_safely(command)
+        return events
+
+    def _handle_safely(self, command: Command) -> list[Event]:
+        """`_handle`; a command that raises is answered with an error instead of stopping the loop."""
+        try:
+            return self._handle(command)
+        except Exception:
+            log.exception("command %s failed", type(command).__name__)
+            return self._refuse_failed(command)
 
     @staticmethod
     def _refuse_failed(command: Command) -> list[Event]:
