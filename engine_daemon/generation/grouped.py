@@ -154,6 +154,10 @@ class GroupedGenerator:
         self._drop_idle_groups()
         return progress, responses
 
+    def prefilling_turn(self) -> bool:
+        """Whether some group is prefilling a conversation's next turn (`StallFreeBatchGenerator.prefilling_turn`)."""
+        return any(generator.prefilling_turn() for key, generator in self._groups.items() if self._live.get(key))
+
     def close(self) -> None:
         if self.lane is not None:
             self.lane.close()

@@ -169,6 +169,13 @@ class StallFreeBatchGenerator(BatchGenerator):
         turn_in_batch = any(uid in self._turns for uid in self._prompt_batch.uids)
         return len(self._prompt_batch) + (0 if turn_in_batch else 1)
 
+    def prefilling_turn(self) -> bool:
+        """Whether a conversation's next turn is being (or is next to be) prefilled (`_admission_limit`)."""
+        waiting = self._unprocessed_sequences  # a deque: its head is the next to be admitted
+        if waiting and waiting[0][0] in self._turns:
+            return True
+        return any(uid in self._turns for uid in self._prompt_batch.uids)
+
     def _split_prompts(self, batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
         """`_split`; a long prompt joining running streams takes `deferred_generation` (no pass of its own).
 

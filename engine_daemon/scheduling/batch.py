@@ -338,6 +338,8 @@ class BatchScheduler(BaseScheduler):
         chunk = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
         if not isinstance(generator, GroupedGenerator):  # vision: mlx-vlm's generator, unpaced when alone
             chunk = self.config.prefill_step_size if not decoding else max(chunk, self.pacer.minimum)
+        elif decoding and not (self.pacer.fixed or self.pacer.budget) and generator.prefilling_turn():
+            chunk = max(chunk, self.pacer.turn_chunk())  # a next turn goes in one step (`PrefillPacer.turn_chunk`)
         generator.prefill_step_size = chunk
         if decoding and len(self.by_uid) > decoding and chunk:
             self.stats.prefill_chunk_tokens = generator.prefill_step_size

@@ -142,3 +142,13 @@ def test_the_next_prompt_starts_from_the_first_chunk_again() -> None:
     assert pacer.chunk(1, 1) == 10
     pacer.observe(0.100, decoding=1, prompt_tokens=0, prefilling=0)  # nothing waits any more
     assert pacer.chunk(1, 1) == 32
+
+
+def test_a_next_turn_gets_a_whole_full_speed_step() -> None:
+    """`turn_chunk`: a conversation's next turn is not paced like a long prompt, but bounded like a burst."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, max_stall=1.0, first_burst=256)
+    assert pacer.turn_chunk() == 256  # nothing measured yet
+    pacer.observe(2.0, decoding=0, prompt_tokens=1000)  # 2 ms per token at full speed
+    pacer.observe(0.035, decoding=2, prompt_tokens=0, prefilling=1)
+    pacer.observe(0.035 + 16 * 0.003, decoding=2, prompt_tokens=16)  # paced: 3 ms per token beside two streams
+    assert pacer.chunk(decoding=2, prefilling=1) < 40 < pacer.turn_chunk() == 500

@@ -186,3 +186,26 @@ def test_next_turns_are_prefilled_one_at_a_time(model) -> None:
     ours_out, ours_widest = run_turns(StallFreeBatchGenerator(model, prefill_step_size=64))
     assert plain_widest == 3 and ours_widest == 1
     assert ours_out == plain_out
+
+
+def test_a_next_turn_is_reported_while_it_waits_or_prefills(model) -> None:
+    """`prefilling_turn` (the scheduler then gives it one full-speed step): true for a short prompt after a
+    long cached prefix until it streams, false for a fresh prompt of the same length."""
+    history = [(5 * j) % 2000 + 3 for j in range(300)]
+    cache = make_prompt_cache(model)
+    model(mx.array([history]), cache=cache)
+    mx.eval([c.state for c in cache])
+    turn = [(9 * j) % 2000 + 3 for j in range(40)]
+    generator = StallFreeBatchGenerator(model, prefill_step_size=8)
+    generator.insert([turn], max_tokens=[3], caches=[copy.deepcopy(cache)], all_tokens=[history])
+    assert generator.prefilling_turn()
+    generator.next()
+    assert generator.prefilling_turn()  # an 8-token chunk taken: the rest still waits
+    for _ in range(20):
+        if not generator._prompt_batch.uids and not generator._unprocessed_sequences:
+            break
+        generator.next()
+    assert not generator.prefilling_turn()
+    fresh = StallFreeBatchGenerator(model, prefill_step_size=8)
+    fresh.insert([turn], max_tokens=[3])
+    assert not fresh.prefilling_turn()
