@@ -40,12 +40,13 @@ def our_stack(model: Path, engine_args: list[str] | None = None, workers: int = 
 
 
 @contextmanager
-def mlx_lm_server(model: Path, args: list[str] | None = None) -> Iterator[str]:
+def mlx_lm_server(model: Path, args: list[str] | None = None, launcher: list[str] | None = None) -> Iterator[str]:
+    """mlx_lm.server on `model`; `launcher` replaces `-m mlx_lm.server` (`mlx_lm_steps.py` traces its steps)."""
     port = free_port()
     work = Path(tempfile.mkdtemp(prefix="mlxlm-bench-"))
     log = open(work / "server.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--port", str(port),
-                             *(args or [])], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([sys.executable, *(launcher or ["-m", "mlx_lm.server"]), "--model", str(model),
+                             "--port", str(port), *(args or [])], stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 600
