@@ -17,18 +17,20 @@ it lands in the joining step and not in the next one. Caches it does not know
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
-_streams: list[Any] = []
+_local = threading.local()  # MLX streams belong to the thread that made them (`mx.clear_streams` ends them)
 
 
 def _copy_streams() -> list[Any]:
-    if not _streams:
-        _streams.extend(mx.new_stream(mx.cpu) for _ in range(2))
-    return _streams
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = [mx.new_stream(mx.cpu) for _ in range(2)]
+    return streams
 
 
 def joinable(running: list[Any], joining: list[Any]) -> bool:

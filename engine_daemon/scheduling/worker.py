@@ -163,6 +163,10 @@ class MlxWorker(threading.Thread):
             raise
         finally:
             outbox.close()
+            # This thread's MLX streams (the default one, `cpu_parallel`'s and `cache_join`'s) each own a
+            # thread of MLX's: left to thread or process teardown they were destroyed there and the
+            # engine sometimes aborted on SIGTERM after "engine stopped" (std::terminate, exit -6).
+            mx.clear_streams()
 
     def _step(self) -> list[Event]:
         """One scheduler step; a bug in it fails the requests in flight, never the thread."""
