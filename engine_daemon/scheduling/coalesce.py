@@ -9,7 +9,7 @@ stagger then repeats for good: the first stream finishes first, its client's nex
 is paced beside the seven still running, and every wave pays the first arrival's separate
 prefill, its hold steps and its one-row decode passes. Measured on the 0.5B model at eight
 clients (the `compare` benchmark), eight requests reached the engine within 7 ms; waiting until
-8 ms pass with no new arrival took ours from 0.98x to 1.03x mlx_lm.server's throughput.
+8 ms pass with no new arrival took ours from 0.98x to 1.03-1.04x mlx_lm.server's throughput.
 
 The wait is only worth it for a long first step: a prompt whose prefill is expected to take
 at least `COALESCE_FACTOR` windows (so the wait costs it at most ~5% of its first token),

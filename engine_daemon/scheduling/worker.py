@@ -166,7 +166,9 @@ class MlxWorker(threading.Thread):
             # This thread's MLX streams (the default one, `cpu_parallel`'s and `cache_join`'s) each own a
             # thread of MLX's: left to thread or process teardown they were destroyed there and the
             # engine sometimes aborted on SIGTERM after "engine stopped" (std::terminate, exit -6).
-            mx.clear_streams()
+            clear_streams = getattr(mx, "clear_streams", None)  # MLX 0.31 and later
+            if clear_streams is not None:
+                clear_streams()
 
     def _step(self) -> list[Event]:
         """One scheduler step; a bug in it fails the requests in flight, never the thread."""
