@@ -81,7 +81,9 @@ def test_answer_streams_in_and_the_history_is_sent(session: Session) -> None:
     final = len(answer.locator(".content").text_content())
     lengths = page.evaluate("window.__lengths")
     partial = sorted({n for n in lengths if 0 < n < final})
-    assert final > 0 and len(partial) >= 3, (final, lengths)  # seen growing, not only at the end
+    # Seen growing, not only at the end. Two partial lengths at least: on a loaded CI machine the browser
+    # took the tiny model's 160 tokens in three tasks (lengths 1, 563, then the final 875).
+    assert final > 0 and len(partial) >= 2, (final, lengths)
     meta = answer.locator(".meta").text_content()
     assert "prompt " in meta and "completion 160" in meta and "TTFT" in meta and "tok/s" in meta, meta
     assert page.locator(".msg.user").first.text_content().count("Tell me a story.") == 1
