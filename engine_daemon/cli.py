@@ -165,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "MLX streams so all cores work during prefill; outputs are bitwise unchanged. "
                              "1 turns it off; no effect on a GPU. [MLX_ENGINE_CPU_PARALLEL_OPS] "
                              "(default: the CPU count, at most 8: %(default)s)")
+    parser.add_argument("--cpu-prefill-attention", choices=["numpy", "mlx"],
+                        default=os.environ.get("MLX_ENGINE_CPU_PREFILL_ATTENTION", "numpy"),
+                        help="on the CPU, compute prompts' attention with the softmax's exp in NumPy (SIMD), which "
+                             "MLX's x86 build runs one element at a time: ~3-4x faster attention, ~25%% faster "
+                             "prefill of a 1,500-token prompt; results equal MLX's to float rounding, not bitwise. "
+                             "'mlx' keeps MLX's; decode steps always do; no effect on a GPU. "
+                             "[MLX_ENGINE_CPU_PREFILL_ATTENTION] (default: %(default)s)")
     parser.add_argument("--max-queued", type=int, default=int(os.environ.get("MLX_ENGINE_MAX_QUEUED", "256")),
                         help="requests waiting to start before new ones get 429. [MLX_ENGINE_MAX_QUEUED] "
                              "(default: %(default)s)")
@@ -304,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
 
     warn_if_slow_blas()
     from engine_daemon.cpu import parallel_ops as cpu_parallel
+    from engine_daemon.cpu import prefill_attention
     cpu_parallel.configure(args.cpu_parallel_ops)
+    prefill_attention.configure(args.cpu_prefill_attention == "numpy")
     defaults = {"temperature": args.temperature if args.temperature is not None else 1.0}
     if args.top_p is not None:
         defaults["top_p"] = args.top_p

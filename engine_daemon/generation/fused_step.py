@@ -31,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from engine_daemon.cpu.prefill_attention import prefilling
+
 FUSABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -128,7 +130,8 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
         decode_part = {name: value[:rows] for name, value in projected.items()}
         chunk_part = {name: value[rows:] for name, value in projected.items()}
         decode_out = _attention_core(attn, decode_part, (rows, 1, width), decode_mask, decode_c)
-        chunk_out = _attention_core(attn, chunk_part, (1, chunk_len, width), chunk_mask, chunk_c)
+        with prefilling():  # the chunk is a prompt's: its attention is computed as its own prefill's would be
+            chunk_out = _attention_core(attn, chunk_part, (1, chunk_len, width), chunk_mask, chunk_c)
         if index == last:  # the chunk's KV is complete: its output would feed nothing
             decode_h = stacked[:rows] + attn.o_proj(decode_out.reshape(rows, -1))
             decode_h = decode_h + layer.mlp(layer.post_attention_layernorm(decode_h))

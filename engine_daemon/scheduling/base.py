@@ -18,6 +18,7 @@ from typing import Any
 from engine_daemon.auxiliary.embedding import pooling_of
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.cpu import parallel_ops as cpu_parallel
+from engine_daemon.cpu import prefill_attention
 from engine_daemon.errors import RequestError
 from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.lora.adapters import AdapterManager
@@ -107,7 +108,8 @@ class BaseScheduler:
         return {"scheduler": type(self).__name__, "batching": self.batching, "batching_note": self.batching_note,
                 "decode_concurrency": self.config.decode_concurrency if self.batching else 1,
                 "prompt_concurrency": self.config.prompt_concurrency if self.batching else 1,
-                "cpu_parallel_ops": cpu_parallel.active_parts()}
+                "cpu_parallel_ops": cpu_parallel.active_parts(),
+                "cpu_prefill_attention": "numpy" if prefill_attention.enabled() else "mlx"}
 
     # -- admission -----------------------------------------------------------------
     def resolve_model(self, name: str | None) -> ModelRef:

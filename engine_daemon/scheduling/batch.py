@@ -33,7 +33,7 @@ from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from engine_daemon.scheduling import coalesce
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
-from engine_daemon.scheduling.prefill_pacer import PrefillPacer
+from engine_daemon.scheduling.prefill_pacer import ROW_TILE, PrefillPacer
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class BatchScheduler(BaseScheduler):
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size,
                                   ratio=max(0.1, config.max_gap_ratio - 1.0), budget=config.step_token_budget or None,
-                                  max_stall=config.max_stall_seconds or None)
+                                  max_stall=config.max_stall_seconds or None, tile=ROW_TILE)
         self._prefill_progress: dict[int, int] = {}
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()

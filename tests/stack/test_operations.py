@@ -173,3 +173,4 @@ def test_engine_unreachable_gives_503(tmp_path: Path, ipc_dir: Path) -> None:
 def test_the_engine_reports_its_cpu_streams(frontend: Frontend) -> None:
     stats = httpx.get(f"{frontend.base_url}/stats").json()
     assert stats["cpu_parallel_ops"] == min(os.cpu_count() or 1, 8)
+    assert stats["cpu_prefill_attention"] == "numpy"  # the default on the CPU (`--cpu-prefill-attention`)

@@ -16,6 +16,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
+from engine_daemon.cpu import prefill_attention
 from model_builders.text import build_model
 
 
@@ -28,7 +29,10 @@ def split_everything(monkeypatch: pytest.MonkeyPatch):
                 if hasattr(module, attr):
                     monkeypatch.setattr(module, attr, getattr(module, attr))
     monkeypatch.setattr(cpu_parallel, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(cpu_parallel, "MIN_SWIGLU_ELEMENTS", 1)
     monkeypatch.setattr(cpu_parallel, "_parts", 1)
+    # Prompts' attention through NumPy is close to MLX's, not bitwise: test_prefill_attention covers it.
+    monkeypatch.setattr(prefill_attention, "_enabled", False)
     return cpu_parallel
 
 

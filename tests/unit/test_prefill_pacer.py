@@ -152,3 +152,17 @@ def test_a_next_turn_gets_a_whole_full_speed_step() -> None:
     pacer.observe(0.035, decoding=2, prompt_tokens=0, prefilling=1)
     pacer.observe(0.035 + 16 * 0.003, decoding=2, prompt_tokens=16)  # paced: 3 ms per token beside two streams
     assert pacer.chunk(decoding=2, prefilling=1) < 40 < pacer.turn_chunk() == 500
+
+
+def test_a_paced_chunk_fills_whole_row_tiles_with_the_streams() -> None:
+    """Beside 4 streams a 40-token chunk is a 44-row pass: 44 tokens (48 rows) cost no more."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0, first=32, tile=16)
+    pacer.observe(0.100, decoding=4, prompt_tokens=0)
+    pacer.observe(0.100 + 0.064, decoding=4, prompt_tokens=32)  # 2 ms a token: 150 ms target -> 75 tokens
+    assert pacer.chunk(4, 1) == 76  # 79 rows -> 80
+    pacer.observe(0.100 + 0.150, decoding=4, prompt_tokens=40)  # dearer: 3.75 ms a token -> 40 tokens
+    assert pacer.chunk(4, 1) == 44  # 44 rows -> 48
+    assert pacer.chunk(4, 2) == 20  # two prompts share a pass: untiled
+    # 36 rows -> 32, 41 rows stay (too far from a boundary), 60 rows -> 64; 2 streams: 38 rows stay
+    assert [pacer._tiled(n, 4, 1) for n in (32, 37, 56)] + [pacer._tiled(36, 2, 1)] == [28, 37, 60, 36]
+    assert pacer._tiled(5, 4, 1) == 5  # never below the minimum

@@ -1,0 +1,165 @@
+"""Attention for prompt prefill on the CPU, with the softmax's `exp` done by NumPy.
+
+Why: on the CPU, MLX's attention (`mx.fast.scaled_dot_product_attention` falls back to
+matmul, mask, softmax, matmul) spends most of its time in `exp`, which MLX's x86 build
+runs one element at a time (~12 ns per score here; NumPy's AVX2/AVX-512 `exp` takes
+~0.5 ns). For a prompt of a few thousand tokens every query scores every earlier key,
+so this one function is most of a long prefill: 60% of a 48-token chunk at 1,400
+tokens of context on the ~85M bench model. It also decides how many prompt tokens fit
+in a step beside running streams (`PrefillPacer` sizes chunks by time), and small
+chunks are the dear ones: each reads every weight once.
+
+How: the query heads that share a key/value head are folded into the rows of one
+matrix product (GQA without broadcasting keys), the scores are evaluated, masked,
+exponentiated and reduced in NumPy, and the probabilities go back to MLX for the
+product with the values. A column of ones appended to the values makes that product
+return each row's normaliser beside its output, so the row sums come from the same
+BLAS product as the outputs and the division happens on the small output. Causal
+queries are taken in blocks that each see only the keys up to their last row, which
+also bounds the scores' memory.
+
+Only prompt prefill takes this path (`prefilling`, entered by mlx-lm's
+`PromptProcessingBatch.prompt` once `install` has wrapped it, and by `fused_forward`
+for its chunk); decode steps keep MLX's attention, so every token is computed the same
+way whichever chunk it landed in, and a decode step keeps its asynchronous evaluation.
+Results match MLX's to float rounding (~1e-7), not bitwise: `--cpu-prefill-attention
+mlx` keeps MLX's. Nothing changes on a GPU, with quantized KV caches or attention sinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import PromptProcessingBatch
+
+# Scores held at once per block (float32): 32 MB. Larger prompts are taken in blocks of queries.
+BLOCK_SCORES = 1 << 23
+# From this many scores the exponentials are shared with a second thread (its hand-off costs ~50 us).
+SPLIT_SCORES = 1 << 16
+_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-softmax")
+
+_enabled = True
+_local = threading.local()
+
+
+def configure(enabled: bool) -> None:
+    """Whether prefill attention on the CPU goes through NumPy (`--cpu-prefill-attention`)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def enabled() -> bool:
+    """Whether this path is on here and now (off on a GPU), for /stats."""
+    return _enabled and mx.default_device() == mx.cpu
+
+
+@contextlib.contextmanager
+def prefilling() -> Iterator[None]:
+    """Marks the attention computed inside as a prompt's (this thread only; nests)."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def install() -> None:
+    """Wraps mlx-lm's `PromptProcessingBatch.prompt` in `prefilling`, once per process."""
+    original = PromptProcessingBatch.prompt
+    if getattr(original, "prefill_attention", False):
+        return
+
+    @functools.wraps(original)
+    def prompt(self: PromptProcessingBatch, tokens: list[list[int]]) -> None:
+        with prefilling():
+            return original(self, tokens)
+
+    prompt.prefill_attention = True  # type: ignore[attr-defined]
+    PromptProcessingBatch.prompt = prompt  # type: ignore[method-assign]
+
+
+def claims(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
+    """Whether `attention` computes this call: a prompt's attention on the CPU with a plain KV cache."""
+    if not (_enabled and getattr(_local, "depth", 0) > 0) or sinks is not None or hasattr(cache, "bits"):
+        return False
+    if not isinstance(keys, mx.array) or queries.shape[1] % keys.shape[1]:
+        return False
+    if isinstance(mask, str) and mask != "causal" or not (mask is None or isinstance(mask, (str, mx.array))):
+        return False
+    return mx.default_device() == mx.cpu
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    """softmax(q k^T * scale + mask) v for (batch, heads, queries, dim) against (batch, kv heads, keys, dim)."""
+    batch, heads, length, dim = queries.shape
+    key_length = keys.shape[2]
+    rows = max(1, BLOCK_SCORES // max(1, batch * heads * key_length))
+    parts = [_block(queries, keys, values, scale, mask, start, min(length, start + rows))
+             for start in range(0, length, rows)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def _block(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any,
+           start: int, stop: int) -> mx.array:
+    batch, heads, length, dim = queries.shape
+    kv_heads, key_length = keys.shape[1], keys.shape[2]
+    group, rows = heads // kv_heads, stop - start
+    causal = isinstance(mask, str)
+    visible = key_length - length + stop if causal else key_length  # later keys are masked for every row here
+    folded = (_float32(queries[:, :, start:stop]) * scale).reshape(batch, kv_heads, group * rows, dim)
+    scores = folded @ _float32(keys[:, :, :visible]).swapaxes(-1, -2)
+    mx.eval(scores)
+    # The evaluated product's own buffer, worked on in place: it is fresh, contiguous and ours alone, and
+    # the product with the values reads it next. (Setting `shape` raises rather than silently copying.)
+    grid = np.asarray(scores)
+    grid.shape = (batch, kv_heads, group, rows, visible)
+    if causal:
+        np.copyto(grid[..., visible - rows:], -np.inf, where=np.triu(np.ones((rows, rows), dtype=bool), k=1))
+    elif mask is not None:
+        _apply_mask(grid, mask if mask.shape[-2] == 1 else mask[..., start:stop, :], heads, kv_heads)
+    halves = [grid[:, :1], grid[:, 1:]] if kv_heads >= 2 and grid.size >= SPLIT_SCORES else [grid]
+    if len(halves) == 2:  # NumPy lets go of the GIL in these loops: the other core takes the second half
+        second = _pool.submit(_exponentiate, halves[1])
+        _exponentiate(halves[0])
+        second.result()
+    else:
+        _exponentiate(grid)
+    ones = mx.ones((*values.shape[:2], visible, 1), dtype=mx.float32)
+    weighted = scores @ mx.concatenate([_float32(values[:, :, :visible]), ones], axis=-1)
+    # Every row that sees a key has a normaliser >= 1 (its largest score gives exp(0)); a fully masked row gives 0.
+    out = weighted[..., :dim] / mx.maximum(weighted[..., dim:], 1.0)
+    return out.reshape(batch, heads, rows, dim).astype(queries.dtype)
+
+
+def _exponentiate(grid: np.ndarray) -> None:
+    """exp(score - row max) in place: softmax's numerators."""
+    peak = grid.max(axis=-1, keepdims=True)
+    peak[~np.isfinite(peak)] = 0.0  # a row with every key masked: all zeros, not NaN
+    grid -= peak
+    np.exp(grid, out=grid)
+
+
+def _float32(array: mx.array) -> mx.array:
+    return array if array.dtype == mx.float32 else array.astype(mx.float32)
+
+
+def _apply_mask(grid: np.ndarray, mask: mx.array, heads: int, kv_heads: int) -> None:
+    """Applies an array mask (bool: keep where True; float: added) to scores laid out (B, kv, group, Q, K)."""
+    values = np.array(mask)
+    while values.ndim < 4:  # (queries, keys) or (batch, heads, queries, keys), each axis maybe broadcast
+        values = values[None]
+    if values.shape[1] == heads:
+        values = values.reshape(values.shape[0], kv_heads, heads // kv_heads, *values.shape[2:])
+    else:
+        values = values[:, :, None]  # one mask for every head
+    if values.dtype == np.bool_:
+        np.copyto(grid, -np.inf, where=~values)
+    else:
+        grid += values.astype(np.float32)
