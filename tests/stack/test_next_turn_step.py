@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Engine, Frontend
+from tests.helpers import Frontend, running_stack
 
 STEP = re.compile(r"step [\d.]+ ms: (\d+) decoding, (\d+) prompt tokens")
 NEW_WORDS = 60  # the next turn's new text: ~120 tokens, under the 256 a next turn may add
@@ -24,16 +24,10 @@ NEW_WORDS = 60  # the next turn's new text: ~120 tokens, under the 256 a next tu
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Frontend, Path]]:
     logs = tmp_path_factory.mktemp("turn-logs")
-    engine = Engine(f"ipc://{ipc_dir}/turn.sock", logs / "engined.log", model=str(tiny_model),
-                    args=["--max-gap-ratio", "1.01"], env={"MLX_ENGINE_LOG_LEVEL": "DEBUG"})
-    frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=1)
-    try:
-        engine.wait_ready()
-        frontend.wait_healthy()
+    with running_stack(f"ipc://{ipc_dir}/turn.sock", logs, model=str(tiny_model),
+                       engine_args=["--max-gap-ratio", "1.01"],
+                       env={"MLX_ENGINE_LOG_LEVEL": "DEBUG"}) as (_, frontend):
         yield frontend, logs / "engined.log"
-    finally:
-        frontend.stop()
-        engine.stop()
 
 
 def _chunks_beside_streams(log_path: Path, offset: int) -> list[int]:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from engine_daemon.scheduling.prefill_pacer import FULL_SPEED_MINIMUM
-from tests.helpers import Engine, Frontend
+from tests.helpers import Frontend, running_stack
 
 STEP = re.compile(r"step [\d.]+ ms: (\d+) decoding, (\d+) prompt tokens \(chunk (\d+)")
 PROMPT_WORDS = 700  # over 1,000 prompt tokens each: one step for all three without the bound
@@ -27,16 +27,10 @@ PROMPT_WORDS = 700  # over 1,000 prompt tokens each: one step for all three with
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Frontend, Path]]:
     logs = tmp_path_factory.mktemp("burst-logs")
-    engine = Engine(f"ipc://{ipc_dir}/burst.sock", logs / "engined.log", model=str(tiny_model),
-                    args=["--max-stall-seconds", "0.000001"], env={"MLX_ENGINE_LOG_LEVEL": "DEBUG"})
-    frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=1)
-    try:
-        engine.wait_ready()
-        frontend.wait_healthy()
+    with running_stack(f"ipc://{ipc_dir}/burst.sock", logs, model=str(tiny_model),
+                       engine_args=["--max-stall-seconds", "0.000001"],
+                       env={"MLX_ENGINE_LOG_LEVEL": "DEBUG"}) as (_, frontend):
         yield frontend, logs / "engined.log"
-    finally:
-        frontend.stop()
-        engine.stop()
 
 
 def _body(model: str, text: str, max_tokens: int, **extra) -> dict:
