@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,14 +59,28 @@ def _chat(frontend: Frontend, model_id: str, text: str) -> httpx.Response:
     return httpx.post(f"{frontend.base_url}/v1/chat/completions", json=body, timeout=120)
 
 
-def _staggered_burst(frontend: Frontend, model_id: str) -> list[int]:
-    """One request, then three more ~100 ms later; their status codes."""
+def _staggered_burst(frontend: Frontend, model_id: str, lead: Callable[[], None]) -> list[int]:
+    """One request, then three more once `lead` returns; their status codes."""
     prompts = [" ".join(f"word{(i * 11 + j) % 397}" for j in range(PROMPT_WORDS)) for i in range(REQUESTS)]
     with ThreadPoolExecutor(REQUESTS) as pool:
         first = pool.submit(_chat, frontend, model_id, prompts[0])
-        time.sleep(0.1)
+        lead()
         rest = [pool.submit(_chat, frontend, model_id, text) for text in prompts[1:]]
         return [future.result().status_code for future in [first, *rest]]
+
+
+def _until_accepted(log_path: Path, offset: int) -> Callable[[], None]:
+    """Waits until the engine logs that it accepted a request after `offset`: a lead taken from the engine's clock.
+
+    A cold front-end worker can take longer than any fixed client-side sleep to render its first request, so the
+    control must not assume the first request reaches the engine first.
+    """
+    def wait() -> None:
+        deadline = time.monotonic() + 60
+        while " accepted " not in log_path.read_text()[offset:]:
+            assert time.monotonic() < deadline, "the engine never accepted the first request"
+            time.sleep(0.005)
+    return wait
 
 
 def _first_prefill_tokens(log_path: Path, offset: int) -> int:
@@ -89,7 +103,7 @@ def test_a_short_prompt_does_not_wait(coalescing: tuple[Frontend, Path], model_i
 def test_requests_close_behind_the_first_join_its_prefill(coalescing: tuple[Frontend, Path], model_id: str) -> None:
     frontend, log_path = coalescing
     offset = len(log_path.read_text())
-    assert _staggered_burst(frontend, model_id) == [200] * REQUESTS
+    assert _staggered_burst(frontend, model_id, lambda: time.sleep(0.1)) == [200] * REQUESTS
     stats = _engine_stats(frontend)
     assert stats["coalesce_waits"] == 1 and stats["coalesced_requests"] == REQUESTS - 1, stats
     first = _first_prefill_tokens(log_path, offset)
@@ -100,7 +114,7 @@ def test_with_no_window_the_first_is_prefilled_alone(not_coalescing: tuple[Front
     """The control: the same burst with `--coalesce-ms 0` starts with the first prompt alone."""
     frontend, log_path = not_coalescing
     offset = len(log_path.read_text())
-    assert _staggered_burst(frontend, model_id) == [200] * REQUESTS
+    assert _staggered_burst(frontend, model_id, _until_accepted(log_path, offset)) == [200] * REQUESTS
     stats = _engine_stats(frontend)
     assert stats["coalesce_waits"] == 0 and stats["coalesced_requests"] == 0, stats
     assert 0 < _first_prefill_tokens(log_path, offset) < 2 * 200
