@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "prefill of a 1,500-token prompt; results equal MLX's to float rounding, not bitwise. "
                              "'mlx' keeps MLX's; decode steps always do; no effect on a GPU. "
                              "[MLX_ENGINE_CPU_PREFILL_ATTENTION] (default: %(default)s)")
+    parser.add_argument("--cpu-prefill-swiglu", choices=["numpy", "mlx"],
+                        default=os.environ.get("MLX_ENGINE_CPU_PREFILL_SWIGLU", "numpy"),
+                        help="on the CPU, compute prompts' SwiGLU gate (silu(gate) * up) in NumPy (SIMD exp): "
+                             "~8x faster than MLX's x86 kernel, a prefill ~10%% faster and a step carrying a "
+                             "prompt chunk beside running streams ~13%% cheaper; results equal MLX's to float "
+                             "rounding, not bitwise. 'mlx' keeps MLX's; decode steps always do; no effect on a GPU. "
+                             "[MLX_ENGINE_CPU_PREFILL_SWIGLU] (default: %(default)s)")
     parser.add_argument("--max-queued", type=int, default=int(os.environ.get("MLX_ENGINE_MAX_QUEUED", "256")),
                         help="requests waiting to start before new ones get 429. [MLX_ENGINE_MAX_QUEUED] "
                              "(default: %(default)s)")
@@ -311,9 +318,10 @@ def main(argv: list[str] | None = None) -> int:
 
     warn_if_slow_blas()
     from engine_daemon.cpu import parallel_ops as cpu_parallel
-    from engine_daemon.cpu import prefill_attention
+    from engine_daemon.cpu import prefill_attention, prefill_swiglu
     cpu_parallel.configure(args.cpu_parallel_ops)
     prefill_attention.configure(args.cpu_prefill_attention == "numpy")
+    prefill_swiglu.configure(args.cpu_prefill_swiglu == "numpy")
     defaults = {"temperature": args.temperature if args.temperature is not None else 1.0}
     if args.top_p is not None:
         defaults["top_p"] = args.top_p

@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import activations, base
 
-from engine_daemon.cpu import prefill_attention
+from engine_daemon.cpu import prefill_attention, prefill_swiglu
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,12 @@ def _index(axis: int, part: slice) -> tuple[Any, ...]:
 
 
 def split_swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """mlx-lm's `swiglu`, split along the first leading axis long enough to share out."""
+    """mlx-lm's `swiglu`, split along the first leading axis long enough to share out.
+
+    A prompt's gate on the CPU goes to `prefill_swiglu` instead (`prefill_swiglu.claims`).
+    """
+    if prefill_swiglu.claims(gate, x):
+        return prefill_swiglu.swiglu(gate, x)
     if not _active() or gate.size < MIN_SWIGLU_ELEMENTS or gate.shape != x.shape:
         return _ORIGINAL_SWIGLU(gate, x)
     axis = next((a for a in range(gate.ndim - 1) if gate.shape[a] >= 2), None)

@@ -28,25 +28,20 @@ mlx` keeps MLX's. Nothing changes on a GPU, with quantized KV caches or attentio
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import PromptProcessingBatch
 
+from engine_daemon.cpu.prefill_scope import active, in_two, prefilling
+
 # Scores held at once per block (float32): 32 MB. Larger prompts are taken in blocks of queries.
 BLOCK_SCORES = 1 << 23
 # From this many scores the exponentials are shared with a second thread (its hand-off costs ~50 us).
 SPLIT_SCORES = 1 << 16
-_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-softmax")
-
 _enabled = True
-_local = threading.local()
 
 
 def configure(enabled: bool) -> None:
@@ -58,16 +53,6 @@ def configure(enabled: bool) -> None:
 def enabled() -> bool:
     """Whether this path is on here and now (off on a GPU), for /stats."""
     return _enabled and mx.default_device() == mx.cpu
-
-
-@contextlib.contextmanager
-def prefilling() -> Iterator[None]:
-    """Marks the attention computed inside as a prompt's (this thread only; nests)."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
 
 
 def install() -> None:
@@ -87,7 +72,7 @@ def install() -> None:
 
 def claims(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether `attention` computes this call: a prompt's attention on the CPU with a plain KV cache."""
-    if not (_enabled and getattr(_local, "depth", 0) > 0) or sinks is not None or hasattr(cache, "bits"):
+    if not (_enabled and active()) or sinks is not None or hasattr(cache, "bits"):
         return False
     if not isinstance(keys, mx.array) or queries.shape[1] % keys.shape[1]:
         return False
@@ -124,11 +109,8 @@ def _block(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
         np.copyto(grid[..., visible - rows:], -np.inf, where=np.triu(np.ones((rows, rows), dtype=bool), k=1))
     elif mask is not None:
         _apply_mask(grid, mask if mask.shape[-2] == 1 else mask[..., start:stop, :], heads, kv_heads)
-    halves = [grid[:, :1], grid[:, 1:]] if kv_heads >= 2 and grid.size >= SPLIT_SCORES else [grid]
-    if len(halves) == 2:  # NumPy lets go of the GIL in these loops: the other core takes the second half
-        second = _pool.submit(_exponentiate, halves[1])
-        _exponentiate(halves[0])
-        second.result()
+    if kv_heads >= 2 and grid.size >= SPLIT_SCORES:  # the other core takes the second half of the heads
+        in_two(_exponentiate, grid[:, :1], grid[:, 1:])
     else:
         _exponentiate(grid)
     ones = mx.ones((*values.shape[:2], visible, 1), dtype=mx.float32)

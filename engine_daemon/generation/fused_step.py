@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
-from engine_daemon.cpu.prefill_attention import prefilling
+from engine_daemon.cpu.prefill_scope import prefilling
 
 FUSABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -138,7 +138,8 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
             break
         mixed = mx.concatenate([decode_out.reshape(rows, -1), chunk_out.reshape(chunk_len, -1)], axis=0)
         stacked = stacked + attn.o_proj(mixed)
-        stacked = stacked + layer.mlp(layer.post_attention_layernorm(stacked))
+        with prefilling():  # mostly the chunk's rows: its SwiGLU is computed as its own prefill's would be
+            stacked = stacked + layer.mlp(layer.post_attention_layernorm(stacked))
     out = body.norm(decode_h.reshape(rows, 1, width))
     if getattr(net, "args", None) is not None and getattr(net.args, "tie_word_embeddings", False):
         return body.embed_tokens.as_linear(out)

@@ -18,7 +18,7 @@ from typing import Any
 from engine_daemon.auxiliary.embedding import pooling_of
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.cpu import parallel_ops as cpu_parallel
-from engine_daemon.cpu import prefill_attention
+from engine_daemon.cpu import prefill_attention, prefill_swiglu
 from engine_daemon.errors import RequestError
 from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.lora.adapters import AdapterManager
@@ -109,7 +109,8 @@ class BaseScheduler:
                 "decode_concurrency": self.config.decode_concurrency if self.batching else 1,
                 "prompt_concurrency": self.config.prompt_concurrency if self.batching else 1,
                 "cpu_parallel_ops": cpu_parallel.active_parts(),
-                "cpu_prefill_attention": "numpy" if prefill_attention.enabled() else "mlx"}
+                "cpu_prefill_attention": "numpy" if prefill_attention.enabled() else "mlx",
+                "cpu_prefill_swiglu": "numpy" if prefill_swiglu.enabled() else "mlx"}
 
     # -- admission -----------------------------------------------------------------
     def resolve_model(self, name: str | None) -> ModelRef:

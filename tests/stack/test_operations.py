@@ -174,3 +174,4 @@ def test_the_engine_reports_its_cpu_streams(frontend: Frontend) -> None:
     stats = httpx.get(f"{frontend.base_url}/stats").json()
     assert stats["cpu_parallel_ops"] == min(os.cpu_count() or 1, 8)
     assert stats["cpu_prefill_attention"] == "numpy"  # the default on the CPU (`--cpu-prefill-attention`)
+    assert stats["cpu_prefill_swiglu"] == "numpy"  # likewise (`--cpu-prefill-swiglu`)

@@ -16,7 +16,7 @@ from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
-from engine_daemon.cpu import prefill_attention
+from engine_daemon.cpu import prefill_attention, prefill_swiglu
 from model_builders.text import build_model
 
 
@@ -31,8 +31,10 @@ def split_everything(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cpu_parallel, "MIN_ELEMENTS", 1)
     monkeypatch.setattr(cpu_parallel, "MIN_SWIGLU_ELEMENTS", 1)
     monkeypatch.setattr(cpu_parallel, "_parts", 1)
-    # Prompts' attention through NumPy is close to MLX's, not bitwise: test_prefill_attention covers it.
+    # Prompts' attention and SwiGLU through NumPy are close to MLX's, not bitwise: test_prefill_attention and
+    # test_prefill_swiglu cover them.
     monkeypatch.setattr(prefill_attention, "_enabled", False)
+    monkeypatch.setattr(prefill_swiglu, "_enabled", False)
     return cpu_parallel
 
 

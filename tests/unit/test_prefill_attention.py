@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from types import ModuleType
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.base import create_causal_mask
 
-from engine_daemon.cpu import parallel_ops, prefill_attention
+from engine_daemon.cpu import parallel_ops, prefill_attention, prefill_swiglu
+from engine_daemon.cpu.prefill_scope import prefilling
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +77,7 @@ def test_additive_per_head_mask_matches_mlx() -> None:
 def test_only_prompt_attention_on_the_cpu_is_claimed() -> None:
     q, k, _ = _inputs(1, 4, 2, 3, 3)
     assert not prefill_attention.claims(q, k, None, "causal", None)  # a decode step or any call outside a prompt
-    with prefill_attention.prefilling():
+    with prefilling():
         assert prefill_attention.claims(q, k, None, "causal", None)
         assert not prefill_attention.claims(q, k, None, "causal", mx.zeros((4,)))  # attention sinks: MLX's
         assert not prefill_attention.claims(q, k, type("Quantized", (), {"bits": 8})(), None, None)
@@ -105,10 +107,13 @@ def test_install_marks_mlx_lm_prompt_processing_as_prefill() -> None:
     assert not getattr(PromptProcessingBatch.prompt.__wrapped__, "prefill_attention", False)
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_a_real_continuous_batch_gives_the_same_tokens(arch: str, tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize("arch,path", [("qwen2", prefill_attention), ("llama", prefill_attention),
+                                       ("qwen2", prefill_swiglu)], ids=["qwen2", "llama", "qwen2-swiglu"])
+def test_a_real_continuous_batch_gives_the_same_tokens(arch: str, path: ModuleType,
+                                                      tmp_path_factory: pytest.TempPathFactory,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """mlx-lm's own BatchGenerator on a real model file: greedy tokens equal, logprobs equal to rounding."""
+    """mlx-lm's own BatchGenerator on a real model file, one NumPy path off then on: greedy tokens equal,
+    logprobs equal to rounding (`prefill_swiglu` shares this test: it follows the same `prefilling` marks)."""
     from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
@@ -128,18 +133,25 @@ def test_a_real_continuous_batch_gives_the_same_tokens(arch: str, tmp_path_facto
         generator.close()
         return steps
 
-    path = build_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", size="tiny", seed=0, arch=arch)
-    model, _ = load(str(path))
+    computed = "attention" if path is prefill_attention else "swiglu"
+    path_on_disk = build_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", size="tiny", seed=0, arch=arch)
+    model, _ = load(str(path_on_disk))
     parallel_ops.install()
-    monkeypatch.setattr(prefill_attention, "_enabled", False)
+    monkeypatch.setattr(path, "_enabled", False)
     stock = run(model)
-    monkeypatch.setattr(prefill_attention, "_enabled", True)
-    calls: list[int] = []
-    original = prefill_attention.attention
-    monkeypatch.setattr(prefill_attention, "attention", lambda q, *rest: calls.append(q.shape[2]) or original(q, *rest))
+    monkeypatch.setattr(path, "_enabled", True)
+    rows: list[int] = []
+    original = getattr(path, computed)
+    monkeypatch.setattr(path, computed,
+                        lambda first, *rest: rows.append(_rows(first, computed)) or original(first, *rest))
     ours = run(model)
-    assert len(calls) >= 2 * 4 and max(calls) == 16  # both layers, every prompt's chunks, in mlx-lm's own loop
+    assert len(rows) >= 2 * 4 and max(rows) == 16  # both layers, every prompt's chunks, in mlx-lm's own loop
     for uid, steps in stock.items():
         assert [t for t, _ in ours[uid]] == [t for t, _ in steps]
         for (_, a), (_, b) in zip(steps, ours[uid]):
             np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def _rows(first: mx.array, computed: str) -> int:
+    """A prompt chunk's token count: queries are (B, heads, L, dim), a SwiGLU gate (B, L, width)."""
+    return first.shape[2] if computed == "attention" else first.shape[1]
