@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on the CPU, compute prompts' attention with the softmax's exp in NumPy (SIMD), which "
                              "MLX's x86 build runs one element at a time: ~3-4x faster attention, ~25%% faster "
                              "prefill of a 1,500-token prompt; results equal MLX's to float rounding, not bitwise. "
-                             "'mlx' keeps MLX's; decode steps always do; no effect on a GPU. "
+                             "'mlx' keeps MLX's; plain decode steps always do (a step carrying a prompt chunk "
+                             "computes its decode rows this way too); no effect on a GPU. "
                              "[MLX_ENGINE_CPU_PREFILL_ATTENTION] (default: %(default)s)")
     parser.add_argument("--cpu-prefill-swiglu", choices=["numpy", "mlx"],
                         default=os.environ.get("MLX_ENGINE_CPU_PREFILL_SWIGLU", "numpy"),

@@ -18,17 +18,22 @@ BLAS product as the outputs and the division happens on the small output. Causal
 queries are taken in blocks that each see only the keys up to their last row, which
 also bounds the scores' memory.
 
-Only prompt prefill takes this path (`prefilling`, entered by mlx-lm's
-`PromptProcessingBatch.prompt` once `install` has wrapped it, and by `fused_forward`
-for its chunk); decode steps keep MLX's attention, so every token is computed the same
-way whichever chunk it landed in, and a decode step keeps its asynchronous evaluation.
-Results match MLX's to float rounding (~1e-7), not bitwise: `--cpu-prefill-attention
-mlx` keeps MLX's. Nothing changes on a GPU, with quantized KV caches or attention sinks.
+Only work marked `prefilling` takes this path: mlx-lm's `PromptProcessingBatch.prompt`
+once `install` has wrapped it, and both attentions of a fused step (`fused_forward`: its
+chunk's, and its decode rows', since that pass stops at every layer for the chunk anyway;
+`evaluated_together` then evaluates both layers' scores at once). Plain decode steps keep
+MLX's attention and their asynchronous evaluation, so a prompt token is computed the same
+way whichever chunk it landed in. Results match MLX's to float rounding (~1e-7), not
+bitwise: `--cpu-prefill-attention mlx` keeps MLX's. Nothing changes on a GPU, with
+quantized KV caches or attention sinks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
@@ -42,6 +47,7 @@ BLOCK_SCORES = 1 << 23
 # From this many scores the exponentials are shared with a second thread (its hand-off costs ~50 us).
 SPLIT_SCORES = 1 << 16
 _enabled = True
+_pending = threading.local()  # softmaxes waiting for `evaluated_together` to evaluate their scores
 
 
 def configure(enabled: bool) -> None:
@@ -96,28 +102,74 @@ def _block(queries: mx.array, keys: mx.array, values: mx.array, scale: float, ma
     batch, heads, length, dim = queries.shape
     kv_heads, key_length = keys.shape[1], keys.shape[2]
     group, rows = heads // kv_heads, stop - start
-    causal = isinstance(mask, str)
-    visible = key_length - length + stop if causal else key_length  # later keys are masked for every row here
+    visible = key_length - length + stop if isinstance(mask, str) else key_length  # later keys: masked for all
     folded = (_float32(queries[:, :, start:stop]) * scale).reshape(batch, kv_heads, group * rows, dim)
     scores = folded @ _float32(keys[:, :, :visible]).swapaxes(-1, -2)
-    mx.eval(scores)
-    # The evaluated product's own buffer, worked on in place: it is fresh, contiguous and ours alone, and
-    # the product with the values reads it next. (Setting `shape` raises rather than silently copying.)
+    # One query per sequence (a fused step's decode rows): normalised in NumPy, where it is a few thousand
+    # sums; a column of ones beside a decode batch's values would copy its whole cache in every layer.
+    normalise = rows == 1
+    block_mask = mask if not isinstance(mask, mx.array) or mask.shape[-2] == 1 else mask[..., start:stop, :]
+    softmax = functools.partial(_softmax_in_place, scores, (batch, kv_heads, group, rows, visible), block_mask,
+                                heads, normalise)
+    pending = getattr(_pending, "softmaxes", None)
+    if pending is None:
+        mx.eval(scores)
+        softmax()
+    else:
+        pending.append((scores, softmax))
+    if normalise:
+        out = scores @ _float32(values[:, :, :visible])
+    else:
+        ones = mx.ones((*values.shape[:2], visible, 1), dtype=mx.float32)
+        weighted = scores @ mx.concatenate([_float32(values[:, :, :visible]), ones], axis=-1)
+        # Every row that sees a key has a normaliser >= 1 (its largest score gives exp(0)); fully masked rows give 0.
+        out = weighted[..., :dim] / mx.maximum(weighted[..., dim:], 1.0)
+    return out.reshape(batch, heads, rows, dim).astype(queries.dtype)
+
+
+def _softmax_in_place(scores: mx.array, layout: tuple[int, ...], mask: Any, heads: int, normalise: bool) -> None:
+    """Turns the evaluated `scores` into softmax numerators (or, `normalise`, probabilities) in their own buffer.
+
+    The buffer is the evaluated product's: fresh, contiguous and ours alone, and the product with the
+    values reads it next. (Setting `shape` raises rather than silently copying.)
+    """
     grid = np.asarray(scores)
-    grid.shape = (batch, kv_heads, group, rows, visible)
-    if causal:
+    grid.shape = layout  # (batch, kv heads, group, rows, visible keys)
+    rows, visible = layout[3], layout[4]
+    if isinstance(mask, str):
         np.copyto(grid[..., visible - rows:], -np.inf, where=np.triu(np.ones((rows, rows), dtype=bool), k=1))
     elif mask is not None:
-        _apply_mask(grid, mask if mask.shape[-2] == 1 else mask[..., start:stop, :], heads, kv_heads)
-    if kv_heads >= 2 and grid.size >= SPLIT_SCORES:  # the other core takes the second half of the heads
+        _apply_mask(grid, mask, heads, layout[1])
+    if layout[1] >= 2 and grid.size >= SPLIT_SCORES:  # the other core takes the second half of the heads
         in_two(_exponentiate, grid[:, :1], grid[:, 1:])
     else:
         _exponentiate(grid)
-    ones = mx.ones((*values.shape[:2], visible, 1), dtype=mx.float32)
-    weighted = scores @ mx.concatenate([_float32(values[:, :, :visible]), ones], axis=-1)
-    # Every row that sees a key has a normaliser >= 1 (its largest score gives exp(0)); a fully masked row gives 0.
-    out = weighted[..., :dim] / mx.maximum(weighted[..., dim:], 1.0)
-    return out.reshape(batch, heads, rows, dim).astype(queries.dtype)
+    if normalise:  # every row that sees a key sums to >= 1 (its largest score gives exp(0)); fully masked: 0
+        grid /= np.maximum(grid.sum(axis=-1, keepdims=True), 1.0)
+
+
+@contextlib.contextmanager
+def evaluated_together() -> Iterator[None]:
+    """Evaluates the scores of the attentions built inside in one go, on leaving, then their softmaxes.
+
+    Why: each NumPy softmax needs its scores evaluated first, and each evaluation stops the
+    forward pass while the rest of it is built in Python. A fused step (`fused_forward`)
+    computes two attentions per layer, its decode rows' and its chunk's; one evaluation for
+    both halves the stops. Nothing built inside may be evaluated before leaving: its scores
+    are raw until then.
+    """
+    if getattr(_pending, "softmaxes", None) is not None:  # nested: the outer one evaluates
+        yield
+        return
+    _pending.softmaxes = softmaxes = []
+    try:
+        yield
+    finally:
+        _pending.softmaxes = None
+    if softmaxes:
+        mx.eval([scores for scores, _ in softmaxes])
+        for _, softmax in softmaxes:
+            softmax()
 
 
 def _exponentiate(grid: np.ndarray) -> None:

@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from engine_daemon.cpu.prefill_attention import evaluated_together
 from engine_daemon.cpu.prefill_scope import prefilling
 
 FUSABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
@@ -129,8 +130,12 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
         projected = {name: getattr(attn, name)(normed) for name in ("q_proj", "k_proj", "v_proj")}
         decode_part = {name: value[:rows] for name, value in projected.items()}
         chunk_part = {name: value[rows:] for name, value in projected.items()}
-        decode_out = _attention_core(attn, decode_part, (rows, 1, width), decode_mask, decode_c)
-        with prefilling():  # the chunk is a prompt's: its attention is computed as its own prefill's would be
+        # Both attentions through NumPy on the CPU, their scores evaluated in one go (`evaluated_together`):
+        # the chunk's as its own prefill's would be, and the decode rows' because this pass stops at every
+        # layer for the chunk's anyway (MLX's decode attention, with its scalar `exp`, was ~10 ms of a ~90 ms
+        # fused step on the ~85M bench model: that was a cost the streams paid only in steps with a chunk).
+        with prefilling(), evaluated_together():
+            decode_out = _attention_core(attn, decode_part, (rows, 1, width), decode_mask, decode_c)
             chunk_out = _attention_core(attn, chunk_part, (1, chunk_len, width), chunk_mask, chunk_c)
         if index == last:  # the chunk's KV is complete: its output would feed nothing
             decode_h = stacked[:rows] + attn.o_proj(decode_out.reshape(rows, -1))

@@ -33,7 +33,7 @@ from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from engine_daemon.scheduling import coalesce
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
-from engine_daemon.scheduling.prefill_pacer import ROW_TILE, PrefillPacer
+from engine_daemon.scheduling.prefill_pacer import ROW_TILE, PrefillPacer, StepPeriods
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class BatchScheduler(BaseScheduler):
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size,
                                   ratio=max(0.1, config.max_gap_ratio - 1.0), budget=config.step_token_budget or None,
                                   max_stall=config.max_stall_seconds or None, tile=ROW_TILE)
+        self.periods = StepPeriods()  # the pacer learns the gaps clients see, not the generator call alone
         self._prefill_progress: dict[int, int] = {}
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()
@@ -366,8 +367,10 @@ class BatchScheduler(BaseScheduler):
             self.sharing.clear()
             self._close_generator()
             return events
-        seconds, prompt_done = time.perf_counter() - started, self._prompt_tokens_done(progress)
-        self.pacer.observe(seconds, decoding, prompt_done, prefilling=len(self.by_uid) - decoding)
+        ended = time.perf_counter()
+        seconds, prompt_done = ended - started, self._prompt_tokens_done(progress)
+        self.pacer.observe(self.periods.measure(started, ended), decoding, prompt_done,
+                           prefilling=len(self.by_uid) - decoding)
         fused = getattr(generator, "fused_steps", 0) - fused_before
         self.stats.fused_prefill_steps += fused
         if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (`PrefillPacer`)

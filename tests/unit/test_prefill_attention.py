@@ -74,6 +74,36 @@ def test_additive_per_head_mask_matches_mlx() -> None:
                                                                                                    mask=mask))
 
 
+def test_decode_rows_of_a_left_padded_batch_match_mlx() -> None:
+    """A fused step's decode rows: one query per sequence over a batch cache whose rows start at different places."""
+    q, k, v = _inputs(4, 14, 2, 1, 600, dim=64)
+    keys, values = mx.concatenate([k, k], axis=2)[:, :, :600], mx.concatenate([v, v], axis=2)[:, :, :600]  # views
+    mask = create_causal_mask(1, offset=599, left_padding=mx.array([0, 50, 100, 599]))  # (4, 1, 1, 600) bool
+    _close(prefill_attention.attention(q, keys, values, 0.125, mask),
+           mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125, mask=mask))
+
+
+def test_attentions_evaluated_together_give_what_each_gives_alone() -> None:
+    """`evaluated_together` defers the softmaxes to its exit: built inside, the results are the same."""
+    decode = _inputs(4, 14, 2, 1, 300)
+    chunk = _inputs(1, 14, 2, 32, 332)
+    mask = create_causal_mask(1, offset=299, left_padding=mx.array([0, 7, 30, 2]))
+    alone = (prefill_attention.attention(*decode, 0.2, mask), prefill_attention.attention(*chunk, 0.2, "causal"))
+    with prefill_attention.evaluated_together():
+        together = (prefill_attention.attention(*decode, 0.2, mask), prefill_attention.attention(*chunk, 0.2, "causal"))
+    for got, want in zip(together, alone):
+        np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+def test_scores_left_raw_when_the_block_fails_are_never_exponentiated_later() -> None:
+    q, k, v = _inputs(1, 4, 2, 3, 3)
+    with pytest.raises(RuntimeError), prefill_attention.evaluated_together():
+        prefill_attention.attention(q, k, v, 0.2, "causal")
+        raise RuntimeError("a failed step")
+    _close(prefill_attention.attention(q, k, v, 0.2, "causal"),  # computed at once again: nothing left pending
+           mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal"))
+
+
 def test_only_prompt_attention_on_the_cpu_is_claimed() -> None:
     q, k, _ = _inputs(1, 4, 2, 3, 3)
     assert not prefill_attention.claims(q, k, None, "causal", None)  # a decode step or any call outside a prompt

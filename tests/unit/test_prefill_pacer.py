@@ -1,6 +1,6 @@
 """The pacer sizes prompt chunks from measured costs (the per-step token budget)."""
 
-from engine_daemon.scheduling.prefill_pacer import PrefillPacer
+from engine_daemon.scheduling.prefill_pacer import BETWEEN_STEPS_IDLE, PrefillPacer, StepPeriods
 
 
 def test_full_speed_when_nothing_decodes() -> None:
@@ -166,3 +166,11 @@ def test_a_paced_chunk_fills_whole_row_tiles_with_the_streams() -> None:
     # 36 rows -> 32, 41 rows stay (too far from a boundary), 60 rows -> 64; 2 streams: 38 rows stay
     assert [pacer._tiled(n, 4, 1) for n in (32, 37, 56)] + [pacer._tiled(36, 2, 1)] == [28, 37, 60, 36]
     assert pacer._tiled(5, 4, 1) == 5  # never below the minimum
+
+
+def test_a_step_period_includes_the_engine_work_since_the_previous_step() -> None:
+    periods = StepPeriods()
+    assert abs(periods.measure(10.000, 10.040) - 0.040) < 1e-9  # nothing before it: the step alone
+    assert abs(periods.measure(10.045, 10.085) - 0.045) < 1e-9  # 5 ms of sending and admitting since the last
+    idle = 10.085 + BETWEEN_STEPS_IDLE + 0.5  # the engine waited for work: that wait is nobody's gap
+    assert abs(periods.measure(idle, idle + 0.040) - 0.040) < 1e-9
