@@ -163,8 +163,8 @@ def test_a_paced_chunk_fills_whole_row_tiles_with_the_streams() -> None:
     pacer.observe(0.100 + 0.150, decoding=4, prompt_tokens=40)  # dearer: 3.75 ms a token -> 40 tokens
     assert pacer.chunk(4, 1) == 44  # 44 rows -> 48
     assert pacer.chunk(4, 2) == 20  # two prompts share a pass: untiled
-    # 36 rows -> 32, 41 rows stay (too far from a boundary), 60 rows -> 64; 2 streams: 38 rows stay
-    assert [pacer._tiled(n, 4, 1) for n in (32, 37, 56)] + [pacer._tiled(36, 2, 1)] == [28, 37, 60, 36]
+    # 36 rows -> 32, 41 rows -> 32 (a partial tile costs the whole one), 60 rows -> 64; 2 streams: 38 rows -> 32
+    assert [pacer._tiled(n, 4, 1) for n in (32, 37, 56)] + [pacer._tiled(36, 2, 1)] == [28, 28, 60, 30]
     assert pacer._tiled(5, 4, 1) == 5  # never below the minimum
 
 
