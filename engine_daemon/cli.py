@@ -64,6 +64,13 @@ def _size(value: str | None) -> int | None:
     return int(text)
 
 
+def _numpy_path_flag(parser: argparse.ArgumentParser, flag: str, env: str, what: str) -> None:
+    """A `numpy`/`mlx` choice for one of the CPU's NumPy paths (`prefill_attention`, `prefill_swiglu`)."""
+    parser.add_argument(flag, choices=["numpy", "mlx"], default=os.environ.get(env, "numpy"),
+                        help=f"{what} Results equal MLX's to float rounding, not bitwise; 'mlx' keeps MLX's; "
+                             f"no effect on a GPU. [{env}] (default: %(default)s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="engined",
@@ -165,21 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "MLX streams so all cores work during prefill; outputs are bitwise unchanged. "
                              "1 turns it off; no effect on a GPU. [MLX_ENGINE_CPU_PARALLEL_OPS] "
                              "(default: the CPU count, at most 8: %(default)s)")
-    parser.add_argument("--cpu-prefill-attention", choices=["numpy", "mlx"],
-                        default=os.environ.get("MLX_ENGINE_CPU_PREFILL_ATTENTION", "numpy"),
-                        help="on the CPU, compute prompts' attention with the softmax's exp in NumPy (SIMD), which "
-                             "MLX's x86 build runs one element at a time: ~3-4x faster attention, ~25%% faster "
-                             "prefill of a 1,500-token prompt; results equal MLX's to float rounding, not bitwise. "
-                             "'mlx' keeps MLX's; plain decode steps always do (a step carrying a prompt chunk "
-                             "computes its decode rows this way too); no effect on a GPU. "
-                             "[MLX_ENGINE_CPU_PREFILL_ATTENTION] (default: %(default)s)")
-    parser.add_argument("--cpu-prefill-swiglu", choices=["numpy", "mlx"],
-                        default=os.environ.get("MLX_ENGINE_CPU_PREFILL_SWIGLU", "numpy"),
-                        help="on the CPU, compute prompts' SwiGLU gate (silu(gate) * up) in NumPy (SIMD exp): "
-                             "~8x faster than MLX's x86 kernel, a prefill ~10%% faster and a step carrying a "
-                             "prompt chunk beside running streams ~13%% cheaper; results equal MLX's to float "
-                             "rounding, not bitwise. 'mlx' keeps MLX's; decode steps always do; no effect on a GPU. "
-                             "[MLX_ENGINE_CPU_PREFILL_SWIGLU] (default: %(default)s)")
+    _numpy_path_flag(parser, "--cpu-prefill-attention", "MLX_ENGINE_CPU_PREFILL_ATTENTION",
+                     "on the CPU, compute prompts' attention with the softmax's exp in NumPy (SIMD), which MLX's "
+                     "x86 build runs one element at a time: ~3-4x faster attention, ~25%% faster prefill of a "
+                     "1,500-token prompt. Plain decode steps always use MLX's (a step carrying a prompt chunk "
+                     "computes its decode rows this way too).")
+    _numpy_path_flag(parser, "--cpu-prefill-swiglu", "MLX_ENGINE_CPU_PREFILL_SWIGLU",
+                     "on the CPU, compute prompts' SwiGLU gate (silu(gate) * up) in NumPy (SIMD exp): ~8x faster "
+                     "than MLX's x86 kernel, a prefill ~10%% faster and a step carrying a prompt chunk beside "
+                     "running streams ~13%% cheaper. Plain decode steps always use MLX's.")
     parser.add_argument("--max-queued", type=int, default=int(os.environ.get("MLX_ENGINE_MAX_QUEUED", "256")),
                         help="requests waiting to start before new ones get 429. [MLX_ENGINE_MAX_QUEUED] "
                              "(default: %(default)s)")
