@@ -30,7 +30,8 @@ def add_scheduling_flags(parser: argparse.ArgumentParser) -> None:
                         default=float(os.environ.get("MLX_ENGINE_MAX_GAP_RATIO", "2.5")),
                         help="with an automatic token budget, a step that also prefills costs at most this many "
                              "decode steps, so running streams' inter-token gaps stay within it while a prompt "
-                             "arrives. [MLX_ENGINE_MAX_GAP_RATIO] (default: %(default)s)")
+                             "arrives (steps are timed as clients see them: with the engine's work between two). "
+                             "[MLX_ENGINE_MAX_GAP_RATIO] (default: %(default)s)")
     parser.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction,
                         default=os.environ.get("MLX_ENGINE_FUSED_PREFILL", "1") != "0",
                         help="run a lone prompt's chunk inside the decode step's forward pass (llama, qwen2, "

@@ -50,7 +50,8 @@ FULL_SPEED_MINIMUM = 64
 SAMPLE_DECODE = 0
 # Rows a BLAS or GPU matrix kernel computes at once: a product over 16k rows costs what one over 16k - 4 does
 # (OpenBLAS's AVX-512 sgemm, ~85M bench model's MLP: 48 rows 3.43 ms, 44 rows 4.16 ms, 36 rows 3.50 ms). Measured
-# on the CPU only; on a GPU a snap moves a chunk by at most 4 tokens. A fused chunk shares its rows with the streams.
+# on the CPU only; on a GPU a snap moves a chunk by less than one tile, little beside the hundreds of tokens a GPU
+# step takes. A fused chunk shares its rows with the streams.
 ROW_TILE = 16
 
 
