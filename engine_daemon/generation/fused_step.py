@@ -17,7 +17,8 @@ model's own attention module; every projection (q, k, v, o) and the MLP, which h
 all of the layer's weights, run once over the decode rows and the chunk stacked
 together (`_projected` hands the attention module the stacked projections' rows).
 Every row sees the same operations as in two separate passes, so greedy output is
-the same up to the float rounding of a larger matrix product.
+the same up to float rounding: of a larger matrix product, and on the CPU of the NumPy
+softmax and SwiGLU that the whole pass takes (`prefill_scope`), its decode rows included.
 
 Only models whose layers have exactly that shape, with full attention in every
 layer and no pipeline split, are fused (`fusable`); anything else keeps the two passes.
