@@ -35,8 +35,11 @@ async def streamed_turn(base: str, model: str, messages: list[dict], max_tokens:
     """TTFT, usage and text of one streamed chat turn (`extra`: more body fields; ours by default)."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **(NO_PENALTY if extra is None else extra)}
-    started, ttft, usage, text = time.perf_counter(), None, None, []
+    ttft, usage, text = None, None, []
     async with httpx.AsyncClient(timeout=1800) as http:
+        # The clock starts once the client exists: making one (its TLS context) costs 20-80 ms of client CPU,
+        # more while a server computes on every core, and an agent keeps its client between turns.
+        started = time.perf_counter()
         async with http.stream("POST", f"{base}/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line.endswith("[DONE]"):

@@ -10,9 +10,11 @@ copying inside one decode step: the running streams' longest gap of the whole pr
 
 `join_caches` builds the same arrays (same padding, same offsets, same buffer length)
 with one zero-filled allocation and two slice writes per tensor, and spreads the layers
-over two CPU streams so both cores copy: ~25 ms for the same join, evaluated at once so
-it lands in the joining step and not in the next one. Caches it does not know
-(quantized, rotating, pending right padding) keep mlx-lm's path.
+over two CPU streams so both cores copy: ~25 ms for the same join, started at once
+(`mx.async_eval`) so it runs right behind the joining step's pass and not inside the
+next one, without holding up the tokens that step hands back (a newcomer whose last
+chunk ended in the joining step gets its first token from them). Caches it does not
+know (quantized, rotating, pending right padding) keep mlx-lm's path.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def join_caches(running: list[Any], joining: list[Any]) -> list[Any]:
         a.left_padding = mx.concatenate([a.left_padding + (end - a._idx), b.left_padding + (end - b._idx)])
         a.offset = mx.concatenate([a.offset, b.offset])
         a.keys, a.values, a._idx = keys, values, end
-    # Copy now, in the step where the newcomer joins, rather than lazily inside the next decode step:
+    # Copy now, behind the step where the newcomer joins, rather than lazily inside the next decode step:
     # that step already pays for the newcomer's long rows, and two costs in one step make one long gap.
-    mx.eval([(c.keys, c.values) for c in running])
+    mx.async_eval([(c.keys, c.values) for c in running])
     return running

@@ -15,9 +15,22 @@ so the prompt token neither ends the request nor counts against `max_tokens`;
 `start_generating` gives the row its real matcher once that step is done. The newcomer's
 first token arrives one decode step later than on mlx-lm's path, and the cache, tokens,
 samplers and logits processors are exactly what mlx-lm's path gives.
+
+`joined_with_logits` is the other way to skip that pass: when the prompt's last chunk,
+its last token included, rode in a decode step's forward pass (`fused_forward` with
+`chunk_last_logits`), that pass already computed the logits mlx-lm's constructor would
+compute. The `GenerationBatch` is built on mlx-lm's path with those logits standing in
+for the forward pass, so the first token is sampled as mlx-lm samples it (sampler,
+logits processors, token context). `first_token_now` then hands that token back at
+once, in the step where the prefill ended, instead of with the next step's tokens
+(mlx-lm's pipeline returns a step's input tokens): the next decode step outputs it a
+second time, which is dropped, so the row's matcher is `NEVER_MATCHES` and its count
+one lower until then, and `start_generating` puts back the matcher that has seen it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
@@ -53,7 +66,60 @@ def deferred_generation(batch: PromptProcessingBatch, tokens: list[list[int]]) -
     return generation
 
 
-def start_generating(batch: GenerationBatch, uid: int) -> None:
-    """The row's pending prompt token was computed: from now on its outputs are generated tokens."""
+def start_generating(batch: GenerationBatch, uid: int, matcher: Any = None) -> None:
+    """The row's pending output was dropped: from now on its outputs are generated tokens.
+
+    `matcher`: the stop-sequence matcher to go on with (one that has seen the first token,
+    `first_token_now`); a fresh one after a deferred join's prompt token.
+    """
     row = batch.uids.index(uid)
-    batch._matchers[row] = batch.stop_sequences[row].matcher()
+    batch._matchers[row] = matcher if matcher is not None else batch.stop_sequences[row].matcher()
+
+
+def first_token_now(generation: GenerationBatch) -> tuple[GenerationBatch.Response, Any]:
+    """The first token of a one-row batch fresh from `joined_with_logits`, as `GenerationBatch.next` would give it.
+
+    Returns the response and, when the row goes on, the matcher `start_generating` must
+    restore once the next decode step's repeat of the token is dropped (None when the
+    first token ends the request: the row must not join the decode batch then).
+    """
+    token_array, logprobs = generation._next_tokens, generation._next_logprobs[0]
+    mx.eval(token_array, logprobs)
+    token = int(token_array.item())
+    generation._num_tokens[0] += 1
+    finish = "length" if generation._num_tokens[0] >= generation.max_tokens[0] else None
+    matcher = generation._matchers[0]
+    if matcher.advance(token):
+        finish = "stop"
+    uid = generation.uids[0]
+    if finish is not None:
+        return GenerationBatch.Response(uid, token, logprobs, finish, generation.extract_cache(0),
+                                        generation.tokens[0]), None
+    generation._num_tokens[0] -= 1  # the repeat counts it again
+    generation._matchers[0] = NEVER_MATCHES
+    return GenerationBatch.Response(uid, token, logprobs, None, None, None), matcher
+
+
+class _ComputedLogits:
+    """Stands in for the model in a `GenerationBatch`'s first step: logits a fused pass already computed."""
+
+    def __init__(self, logits: mx.array):
+        self.logits = logits
+
+    def __call__(self, _inputs: mx.array, cache: object = None) -> mx.array:
+        return self.logits
+
+
+def joined_with_logits(batch: PromptProcessingBatch, last_tokens: list[int], logits: mx.array) -> GenerationBatch:
+    """`batch.generate` for prompts whose KV holds every prompt token, the last one's `logits` (B, 1, vocab) known.
+
+    The caller has recorded every token but the last in `batch.tokens`, as mlx-lm's
+    `generate` has by then; the first step appends the last one, as it would.
+    """
+    generation = GenerationBatch(_ComputedLogits(logits), batch.uids, mx.array(last_tokens), batch.prompt_cache,
+                                 batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
+                                 batch.stop_sequences, batch.max_tokens)
+    generation.model = batch.model
+    batch.uids, batch.prompt_cache, batch.tokens, batch.samplers = [], [], [], []
+    batch.logits_processors, batch.max_tokens, batch.stop_sequences = [], [], []
+    return generation

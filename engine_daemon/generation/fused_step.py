@@ -106,11 +106,13 @@ def fusable(model: Any) -> bool:
 
 
 def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
-                  chunk_inputs: mx.array, chunk_cache: list[Any]) -> mx.array:
+                  chunk_inputs: mx.array, chunk_cache: list[Any], chunk_last_logits: bool = False) -> mx.array:
     """Logits of the decode rows (B, 1, vocab); the chunk's KV lands in `chunk_cache`.
 
-    `decode_inputs` is (B, 1), `chunk_inputs` is (1, C). Logits for the chunk are not
-    computed: a prefill chunk only fills its cache (as mlx-lm's prompt loop does).
+    `decode_inputs` is (B, 1), `chunk_inputs` is (1, C). A chunk in the middle of its
+    prompt only fills its cache (as mlx-lm's prompt loop does): no logits. A chunk that
+    ends its prompt (`chunk_last_logits`) adds one row, B + 1, the logits of its last
+    token, from which the prompt's first token is sampled (`joined_with_logits`).
     """
     switch = getattr(model, "switch", None)
     if switch is not None:  # an adapter binding: its adapter must be active for this pass
@@ -138,17 +140,41 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
         with prefilling(), evaluated_together():
             decode_out = _attention_core(attn, decode_part, (rows, 1, width), decode_mask, decode_c)
             chunk_out = _attention_core(attn, chunk_part, (1, chunk_len, width), chunk_mask, chunk_c)
-        if index == last:  # the chunk's KV is complete: its output would feed nothing
-            decode_h = stacked[:rows] + attn.o_proj(decode_out.reshape(rows, -1))
+        if index == last:  # the chunk's KV is complete: only its last row's output can still feed anything
+            kept, outputs = stacked[:rows], decode_out.reshape(rows, -1)
+            if chunk_last_logits:
+                kept = mx.concatenate([kept, stacked[-1:]], axis=0)
+                outputs = mx.concatenate([outputs, chunk_out.reshape(chunk_len, -1)[-1:]], axis=0)
+            decode_h = kept + attn.o_proj(outputs)
             decode_h = decode_h + layer.mlp(layer.post_attention_layernorm(decode_h))
             break
         mixed = mx.concatenate([decode_out.reshape(rows, -1), chunk_out.reshape(chunk_len, -1)], axis=0)
         stacked = stacked + attn.o_proj(mixed)
         with prefilling():  # mostly the chunk's rows: its SwiGLU is computed as its own prefill's would be
             stacked = stacked + layer.mlp(layer.post_attention_layernorm(stacked))
-    out = body.norm(decode_h.reshape(rows, 1, width))
+    return _logits(net, body.norm(decode_h.reshape(decode_h.shape[0], 1, width)))
+
+
+def prompt_end_logits(model: Any, chunk_inputs: mx.array, chunk_cache: list[Any]) -> mx.array:
+    """The forward over a prompt's last chunk (1, C), its last token included: that token's logits (1, 1, vocab).
+
+    mlx-lm's prompt loop computes no logits and leaves the last token to a pass of its
+    own; this computes the chunk as that loop does (`prefilling`) and the output head for
+    the one row that needs it, so the first token can be sampled in the same step.
+    """
+    switch = getattr(model, "switch", None)
+    if switch is not None:
+        switch.activate(model.weights)
+    net = network(model)
+    with prefilling():
+        hidden = net.model(chunk_inputs, cache=chunk_cache)
+    return _logits(net, hidden[:, -1:, :])
+
+
+def _logits(net: nn.Module, normed: mx.array) -> mx.array:
+    """The output head of a llama-family model over final-normed hidden states."""
     if getattr(net, "args", None) is not None and getattr(net.args, "tie_word_embeddings", False):
-        return body.embed_tokens.as_linear(out)
+        return net.model.embed_tokens.as_linear(normed)
     if hasattr(net, "lm_head"):
-        return net.lm_head(out)
-    return body.embed_tokens.as_linear(out)
+        return net.lm_head(normed)
+    return net.model.embed_tokens.as_linear(normed)

@@ -56,6 +56,7 @@ class GroupedGenerator:
         self._prefill_step_size = config.prefill_step_size
         self.lane: SpeculativeLane | None = None
         self.fused_steps = 0  # steps whose prefill chunk rode in the decode pass (StallFreeBatchGenerator)
+        self.first_tokens_at_prefill_end = 0  # first tokens handed back by their prompt's last chunk (ditto)
         # The base group first, and closed last: BatchGenerator restores Metal's wired limit on close,
         # so the first one made must be the last one closed.
         self._group(None)
@@ -137,9 +138,10 @@ class GroupedGenerator:
         for key, generator in list(self._groups.items()):
             if not self._live.get(key):
                 continue
-            fused_before = generator.fused_steps
+            fused_before, early_before = generator.fused_steps, generator.first_tokens_at_prefill_end
             group_progress, group_responses = generator.next()
             self.fused_steps += generator.fused_steps - fused_before
+            self.first_tokens_at_prefill_end += generator.first_tokens_at_prefill_end - early_before
             progress += [dataclasses.replace(p, uid=self._global[(key, p.uid)]) for p in group_progress
                          if (key, p.uid) in self._global]
             for response in group_responses:

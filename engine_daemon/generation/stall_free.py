@@ -17,9 +17,18 @@ batch only records the chunk (`_ChunkRecorded`).
 
 The step where a prefilled prompt joins the running streams is the other place a
 gap can open, so that step is made cheap too: the newcomer's KV is joined to the
-batch's in one copy per tensor on two CPU streams (`cache_join`), and a prompt that
-was paced over several steps joins without a forward pass of its own, its last
-prompt token computed in the next decode step with the others (`deferred_join`).
+batch's in one copy per tensor on two CPU streams (`cache_join`), and the prompt
+never pays a forward pass of its own for its last token. mlx-lm holds that token
+back for a pass of its own in the next step, whose sampled token the step after
+hands back. Here, when the rest of a lone prompt fits the step's chunk, the last
+token rides in that chunk (in the fused pass beside streams, in the chunk's own pass
+when nothing decodes), its logits give the first token (`joined_with_logits`) and
+that same step hands it back (`first_token_now`): two steps sooner. A conversation's
+next turn (a short prompt after a long cached prefix) is then one step from its
+arrival to its first token, not three. When the last chunk cannot be taken that way
+(several prompts prefilled together), a prompt paced over several steps joins
+deferred instead, its last token computed in the next decode step with the others
+(`deferred_join`).
 """
 
 from __future__ import annotations
@@ -32,8 +41,13 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
 from engine_daemon.generation.cache_join import join_caches, joinable
-from engine_daemon.generation.deferred_join import deferred_generation, start_generating
-from engine_daemon.generation.fused_step import fusable, fused_forward
+from engine_daemon.generation.deferred_join import (
+    deferred_generation,
+    first_token_now,
+    joined_with_logits,
+    start_generating,
+)
+from engine_daemon.generation.fused_step import fusable, fused_forward, prompt_end_logits
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +59,21 @@ NEXT_TURN_NEW = 256
 class _FusedDecode:
     """Stands in for the model in the decode batch's call: runs the fused pass."""
 
-    def __init__(self, model: Any, chunk: list[int], chunk_cache: list[Any]):
+    def __init__(self, model: Any, chunk: list[int], chunk_cache: list[Any], ends_prompt: bool = False):
         self.model, self.chunk, self.chunk_cache = model, chunk, chunk_cache
+        self.ends_prompt = ends_prompt
+        self.prompt_logits: mx.array | None = None  # the chunk's last token's, when it ends its prompt
         self.used = False
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         self.used = True
-        return fused_forward(self.model, inputs, cache, mx.array([self.chunk]), self.chunk_cache)
+        logits = fused_forward(self.model, inputs, cache, mx.array([self.chunk]), self.chunk_cache,
+                               chunk_last_logits=self.ends_prompt)
+        if not self.ends_prompt:
+            return logits
+        rows = inputs.shape[0]
+        self.prompt_logits = logits[rows:]
+        return logits[:rows]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -129,7 +151,8 @@ class StallFreeBatchGenerator(BatchGenerator):
     prefills next turns one at a time and returns first tokens before others' prefill.
     """
 
-    def __init__(self, model: Any, *args: Any, fuse: bool = True, defer_join: bool = True, **kwargs: Any):
+    def __init__(self, model: Any, *args: Any, fuse: bool = True, defer_join: bool = True,
+                 first_token_from_last_chunk: bool = True, **kwargs: Any):
         super().__init__(model, *args, **kwargs)
         self._prompt_batch.split = types.MethodType(self._split_prompts, self._prompt_batch)
         self._generation_batch.extend = types.MethodType(_extend, self._generation_batch)
@@ -137,7 +160,12 @@ class StallFreeBatchGenerator(BatchGenerator):
         self.fused_steps = 0
         self.defer_join = defer_join
         self.deferred_joins = 0
-        self._pending: set[int] = set()  # rows whose next output is their own last prompt token (deferred_join)
+        self.first_token_from_last_chunk = first_token_from_last_chunk
+        self.first_tokens_at_prefill_end = 0  # prompts whose first token came from their last chunk (`_step_ending`)
+        # Rows whose next output is dropped (their own last prompt token, or a first token already handed back)
+        # -> the stop-sequence matcher to go on with (`start_generating`; None: a fresh one).
+        self._pending: dict[int, Any] = {}
+        self._repeating: dict[int, Any] = {}  # first tokens handed back this step: pending from the next
         self._steps_beside_streams: dict[int, int] = {}  # prompt uid -> steps it spent prefilling while others decoded
         self._first_tokens_due: set[int] = set()  # joined last step: their first token is returned this step
         self.held_prefill_steps = 0
@@ -192,7 +220,7 @@ class StallFreeBatchGenerator(BatchGenerator):
 
     def _generate_deferred(self, batch: PromptProcessingBatch, tokens: list[list[int]]) -> GenerationBatch:
         generation = deferred_generation(batch, tokens)
-        self._pending.update(generation.uids)
+        self._pending.update(dict.fromkeys(generation.uids))
         self.deferred_joins += len(generation.uids)
         return generation
 
@@ -206,14 +234,16 @@ class StallFreeBatchGenerator(BatchGenerator):
             # A pending row cannot finish on its prompt token (no matcher, count from -1); should it
             # anyway, its response is passed on so the request still ends.
             if response.uid in self._pending and response.finish_reason is None:
-                start_generating(self._generation_batch, response.uid)
+                start_generating(self._generation_batch, response.uid, self._pending[response.uid])
             else:
                 kept.append(response)
-            self._pending.discard(response.uid)
+            self._pending.pop(response.uid, None)
         return prompt_responses, kept
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
-        self._pending.difference_update(uids)
+        for uid in uids:
+            self._pending.pop(uid, None)
+            self._repeating.pop(uid, None)
         self._first_tokens_due.difference_update(uids)  # a removed row holds no prefill back
         self._turns.difference_update(uids)
         for uid in uids:
@@ -223,8 +253,8 @@ class StallFreeBatchGenerator(BatchGenerator):
     def extract_cache(self, uids: Any) -> Any:
         return _materialized(super().extract_cache(uids))
 
-    def _fusable_chunk(self) -> list[int] | None:
-        """The chunk this step will prefill, when it can ride in the decode pass; else None."""
+    def _fusable_chunk(self) -> tuple[list[int], bool] | None:
+        """The chunk this step will prefill when it can ride in the decode pass, and whether it ends the prompt."""
         admits = bool(self._unprocessed_sequences) and self.prefill_batch_size > len(self._prompt_batch)
         if not self.fuse or admits or len(self._currently_processing) != 1:
             return None  # a prompt joins the prompt batch this step, or several are prefilled
@@ -232,10 +262,26 @@ class StallFreeBatchGenerator(BatchGenerator):
         if generating == 0 or generating >= self.completion_batch_size:
             return None
         segments = self._currently_processing[0][0]
-        if not segments or (len(segments) == 1 and len(segments[0]) == 1):
-            return None  # the prompt turns into a stream this step: nothing to prefill
+        if not segments:
+            return None
+        if self._ends_in_this_chunk(segments):
+            return [token for segment in segments for token in segment], True
+        if len(segments) == 1 and len(segments[0]) == 1:
+            return None  # the prompt turns into a stream this step on mlx-lm's path: nothing to prefill
         chunk = list(segments[0][: self.prefill_step_size])
-        return chunk or None
+        return (chunk, False) if chunk else None
+
+    def _ends_in_this_chunk(self, segments: list[list[int]]) -> bool:
+        """Whether the rest of the prompt, its last token included, fits this step's chunk.
+
+        mlx-lm keeps the last token as a segment of its own (`insert_segments`); the rest
+        before it is one segment once earlier segments are done.
+        """
+        if not self.first_token_from_last_chunk:
+            return False
+        if len(segments) == 1:
+            return len(segments[0]) == 1
+        return len(segments) == 2 and len(segments[1]) == 1 and len(segments[0]) + 1 <= self.prefill_step_size
 
     def _joining_this_step(self) -> list[int]:
         """Prompts whose prefill is done: they move to the decode batch in this step."""
@@ -276,7 +322,10 @@ class StallFreeBatchGenerator(BatchGenerator):
             if len(self._generation_batch) > 0:  # prompts that took a chunk beside running streams
                 for uid in self._prompt_batch.uids:
                     self._steps_beside_streams[uid] = self._steps_beside_streams.get(uid, 0) + 1
-        return self._drop_pending_outputs(result)
+        result = self._drop_pending_outputs(result)
+        self._pending.update(self._repeating)
+        self._repeating.clear()
+        return result
 
     def _admit_lone_prompt(self) -> None:
         """Admits a lone waiting prompt before the step, as mlx-lm's `_next` would within it.
@@ -284,9 +333,11 @@ class StallFreeBatchGenerator(BatchGenerator):
         mlx-lm moves a waiting prompt into the prompt batch in the middle of a step, so its
         first chunk could not ride in the decode pass (`_fusable_chunk` needs the prompt batch
         settled before the step) and costs a weight read of its own: the newcomer's first step
-        beside running streams would be its dearest. Admitting it first makes that step fusable.
+        beside running streams would be its dearest. Admitting it first makes that step fusable,
+        and with nothing decoding lets a prompt that fits one chunk hand back its first token
+        from that chunk's step (`_lone_prompt_end`).
         """
-        if not (self.fuse and self._unprocessed_sequences and len(self._generation_batch) > 0):
+        if not (self.fuse and self._unprocessed_sequences):
             return
         if self._currently_processing or len(self._prompt_batch):
             return
@@ -296,9 +347,13 @@ class StallFreeBatchGenerator(BatchGenerator):
 
     def _step_fused_when_possible(self) -> Any:
         self._admit_lone_prompt()
-        chunk = self._fusable_chunk()
-        if chunk is None:
-            return super()._next()
+        planned = self._fusable_chunk()
+        if planned is None:
+            lone = self._lone_prompt_end()
+            return super()._next() if lone is None else self._step_ending(lone)
+        chunk, ends_prompt = planned
+        if ends_prompt:
+            return self._step_ending(chunk)
         decode, prompt = self._generation_batch, self._prompt_batch
         fused = _FusedDecode(self.model, chunk, prompt.prompt_cache)
         recorded = _ChunkRecorded(prompt, chunk)
@@ -312,3 +367,53 @@ class StallFreeBatchGenerator(BatchGenerator):
             raise RuntimeError("fused prefill chunk was not computed")
         self.fused_steps += 1
         return result
+
+    def _lone_prompt_end(self) -> list[int] | None:
+        """The rest of a lone prompt, last token included, when nothing decodes and it fits this step's chunk."""
+        admits = bool(self._unprocessed_sequences) and self.prefill_batch_size > len(self._prompt_batch)
+        if not self.fuse or admits or len(self._currently_processing) != 1 or len(self._generation_batch) > 0:
+            return None
+        segments = self._currently_processing[0][0]
+        if not segments or not self._ends_in_this_chunk(segments):
+            return None
+        return [token for segment in segments for token in segment]
+
+    def _step_ending(self, chunk: list[int]) -> Any:
+        """A step whose chunk is the rest of the lone prompt: its first token comes back from this step.
+
+        The prompt leaves the prompt batch before the step. Beside running streams, the
+        fused pass fills its KV and computes its last token's logits while mlx-lm's `_next`
+        only decodes (admitting nobody: the next prompt is admitted before the next step,
+        where its first chunk can ride in the pass); with nothing decoding, the chunk's own
+        pass does (`prompt_end_logits`). Either way the prompt joins as mlx-lm's split
+        would have joined it a step later, with the same progress response, and its first
+        token is handed back now (`first_token_now`), two steps sooner than mlx-lm's path.
+        """
+        uid, (_segments, _done, total) = self._prompt_batch.uids[0], self._currently_processing.pop()
+        self._steps_beside_streams.pop(uid, None)
+        moved = _split(self._prompt_batch, [0])
+        if len(self._generation_batch) == 0:
+            prompt_responses, generation_responses = [], []
+            logits = prompt_end_logits(self.model, mx.array([chunk]), moved.prompt_cache)
+        else:
+            fused = _FusedDecode(self.model, chunk, moved.prompt_cache, ends_prompt=True)
+            decode, admission = self._generation_batch, self.prefill_batch_size
+            decode.model, self.prefill_batch_size = fused, 0
+            try:
+                prompt_responses, generation_responses = super()._next()
+            finally:
+                decode.model, self.prefill_batch_size = self.model, admission
+            if fused.prompt_logits is None:  # cannot happen while _fusable_chunk matches mlx-lm's _next
+                raise RuntimeError("fused prefill chunk ending its prompt was not computed")
+            logits = fused.prompt_logits
+            self.fused_steps += 1
+        moved.tokens[0] += chunk[:-1]  # what the KV holds before the first step appends the last token
+        generation = joined_with_logits(moved, chunk[-1:], logits)
+        first, matcher = first_token_now(generation)
+        if first.finish_reason is None:
+            self._generation_batch.extend(generation)
+            self._repeating[uid] = matcher
+        prompt_responses.append(PromptProcessingBatch.Response(uid, (total, total), True, True))
+        generation_responses.append(first)
+        self.first_tokens_at_prefill_end += 1
+        return prompt_responses, generation_responses

@@ -50,6 +50,8 @@ class SchedulerStats:
     # size the token budget gave a prompt while others decoded (PrefillPacer).
     fused_prefill_steps: int = 0
     prefill_chunk_tokens: int = 0
+    # Prompts whose first token came back from the step of their last chunk (`StallFreeBatchGenerator._step_ending`).
+    first_tokens_at_prefill_end: int = 0
     # Requests taken while an idle engine waited for companions of the one that woke it (`--coalesce-ms`).
     coalesce_waits: int = 0
     coalesced_requests: int = 0
@@ -247,6 +249,9 @@ class BaseScheduler:
     # -- output ---------------------------------------------------------------------
     def token_event(self, request: EngineRequest, token: int | None, logprobs: Any = None) -> Event:
         """DELTAS item for one sampled token (None: the generation ended with no new token)."""
+        if request.seq == 0 and log.isEnabledFor(logging.DEBUG):  # the engine's share of a client's TTFT
+            log.debug("rid=%s first token %.1f ms after the engine got it", request.rid,
+                      (time.monotonic() - request.arrived) * 1000)
         delta = consume_token(request, token)
         item: dict[str, Any] = {"rid": request.rid, "seq": request.seq, "text": delta.text}
         if delta.reasoning:

@@ -345,6 +345,7 @@ class BatchScheduler(BaseScheduler):
         if decoding and len(self.by_uid) > decoding and chunk:
             self.stats.prefill_chunk_tokens = generator.prefill_step_size
         fused_before = getattr(generator, "fused_steps", 0)
+        early_before = getattr(generator, "first_tokens_at_prefill_end", 0)
         if self.lockstep is not None:
             self.lockstep.before_step(generator.prefill_step_size)  # a failed broadcast raises: the group fails
         started = time.perf_counter()
@@ -373,6 +374,7 @@ class BatchScheduler(BaseScheduler):
                            prefilling=len(self.by_uid) - decoding)
         fused = getattr(generator, "fused_steps", 0) - fused_before
         self.stats.fused_prefill_steps += fused
+        self.stats.first_tokens_at_prefill_end += getattr(generator, "first_tokens_at_prefill_end", 0) - early_before
         if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (`PrefillPacer`)
             log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s)", seconds * 1000, decoding,
                       prompt_done, generator.prefill_step_size, ", fused" if fused else "")

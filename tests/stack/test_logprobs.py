@@ -29,7 +29,10 @@ def test_logprobs_shape_and_agreement(frontend: Frontend, model_id: str) -> None
     chunks = list(client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=10, temperature=0,
                                                  logprobs=True, top_logprobs=3, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # The same values to float rounding: the second request finds the first's prompt cached, so its first token's
+    # logits come from a one-token pass where the first's came from the prompt's own (its last chunk's) pass.
+    assert all(math.isclose(a.logprob, b.logprob, rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(streamed, content))
 
     plain = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=10, temperature=0)
     assert plain.choices[0].logprobs is None

@@ -1,4 +1,5 @@
-"""A conversation's next turn is prefilled in one step beside a running stream (`PrefillPacer.turn_chunk`).
+"""A conversation's next turn is prefilled in one step beside a running stream (`PrefillPacer.turn_chunk`), and
+that step hands back its first token (`StallFreeBatchGenerator._step_ending`).
 
 `--max-gap-ratio 1.01` makes the pacer give a prompt beside a stream its smallest chunk, so a
 fresh prompt of the same length (the control) goes in many small steps; the next turn (a short
@@ -36,6 +37,12 @@ def _chunks_beside_streams(log_path: Path, offset: int) -> list[int]:
     return [tokens for decoding, tokens in steps if decoding >= 1 and tokens > 1]
 
 
+def _early_first_tokens(frontend: Frontend) -> int:
+    """The engine's count of first tokens handed back by their prompt's last chunk (`/stats`)."""
+    stats = httpx.get(f"{frontend.base_url}/stats", timeout=10).json()
+    return stats.get("engine", stats)["first_tokens_at_prefill_end"]
+
+
 def test_a_next_turn_goes_in_one_step_and_a_fresh_prompt_is_paced(stack: tuple[Frontend, Path], model_id: str) -> None:
     frontend, log_path = stack
     url = f"{frontend.base_url}/v1/chat/completions"
@@ -63,9 +70,12 @@ def test_a_next_turn_goes_in_one_step_and_a_fresh_prompt_is_paced(stack: tuple[F
     try:
         assert streaming.wait(120), "the running stream never produced a token"
         offset = len(log_path.read_text())
+        early_before = _early_first_tokens(frontend)
         turn = httpx.post(url, timeout=120, json={"model": model_id, "max_tokens": 2, "temperature": 0,
                                                   "messages": history + [{"role": "user", "content": new_text}]})
         assert turn.status_code == 200
+        # Its first token came back from that step, not from a step of its own after it.
+        assert _early_first_tokens(frontend) == early_before + 1
         usage = turn.json()["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 256
         turn_new = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
@@ -78,6 +88,7 @@ def test_a_next_turn_goes_in_one_step_and_a_fresh_prompt_is_paced(stack: tuple[F
     finally:
         done.set()
         runner.join(300)
-    # The turn's new tokens but its last (computed as it joins the stream) in one step; the control in several.
-    assert turn_chunks == [turn_new - 1], f"the next turn ({turn_new} new tokens) was split: {turn_chunks}"
+    # The turn's new tokens, its last included (whose logits give its first token), in one step; the control in
+    # several.
+    assert turn_chunks == [turn_new], f"the next turn ({turn_new} new tokens) was split: {turn_chunks}"
     assert len(fresh_chunks) >= 2, f"the control was not paced: {fresh_chunks}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -24,21 +25,29 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def run(generator: BatchGenerator, prompts: list[list[int]], late: list[int], steps_before_late: int,
-        max_tokens: int) -> tuple[dict[int, list[int]], BatchGenerator]:
-    """Greedy tokens per uid: `prompts` start together, `late` joins after some decode steps."""
+        streams_max_tokens: int, first_token_steps: dict[int, int] | None = None,
+        **late_options: Any) -> tuple[dict[int, list[int]], BatchGenerator]:
+    """Greedy tokens per uid: `prompts` start together, `late` joins after some decode steps.
+
+    `first_token_steps` gets, per uid, how many steps after its insertion its first token came back.
+    """
     out: dict[int, list[int]] = {}
-    uids = generator.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+    uids = generator.insert(prompts, max_tokens=[streams_max_tokens] * len(prompts))
+    inserted = {uid: 0 for uid in uids}
     for uid in uids:
         out[uid] = []
     step = 0
     live = set(uids)
     while live:
         if step == steps_before_late:
-            (late_uid,) = generator.insert([late], max_tokens=[8])
-            out[late_uid] = []
+            options = {"max_tokens": [8], **late_options}
+            (late_uid,) = generator.insert([late], **options)
+            out[late_uid], inserted[late_uid] = [], step
             live.add(late_uid)
         _, responses = generator.next()
         for response in responses:
+            if not out[response.uid] and first_token_steps is not None:
+                first_token_steps[response.uid] = step + 1 - inserted[response.uid]
             out[response.uid].append(response.token)
             if response.finish_reason is not None:
                 live.discard(response.uid)
@@ -87,13 +96,15 @@ def test_deferred_join_gives_the_same_greedy_tokens(model) -> None:
     prompts = [[(5 * i + j) % 2000 + 3 for j in range(4 + 2 * i)] for i in range(3)]
     late = [(11 * j) % 2000 + 3 for j in range(70)]
     plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 2, 30)
-    deferred_out, deferred = run(StallFreeBatchGenerator(model, prefill_step_size=16), prompts, late, 2, 30)
+    unended = {"first_token_from_last_chunk": False}  # else the last chunk hands back the first token
+    deferred_out, deferred = run(StallFreeBatchGenerator(model, prefill_step_size=16, **unended), prompts, late, 2, 30)
     assert deferred.deferred_joins == 1  # the late prompt (5 chunks beside the streams) joined deferred
     assert deferred_out == plain  # max_tokens (8 for the late one) and every token as mlx-lm's path
-    immediate, undeferred = run(StallFreeBatchGenerator(model, prefill_step_size=16, defer_join=False), prompts,
-                                late, 2, 30)
+    immediate, undeferred = run(StallFreeBatchGenerator(model, prefill_step_size=16, defer_join=False,
+                                                        first_token_from_last_chunk=False), prompts, late, 2, 30)
     assert undeferred.deferred_joins == 0 and immediate == plain
-    short, one_chunk = run(StallFreeBatchGenerator(model, prefill_step_size=128), prompts, late, 2, 30)
+    short, one_chunk = run(StallFreeBatchGenerator(model, prefill_step_size=128, first_token_from_last_chunk=False),
+                           prompts, late, 2, 30)
     assert one_chunk.deferred_joins == 0 and short == plain  # prefilled in one step: joins on mlx-lm's path
 
 
@@ -103,7 +114,7 @@ def test_deferred_join_honours_stop_sequences(model) -> None:
     late = [(3 * j) % 2000 + 3 for j in range(40)]
     plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 2, 20)
     late_tokens = plain[1]
-    generator = StallFreeBatchGenerator(model, prefill_step_size=16)
+    generator = StallFreeBatchGenerator(model, prefill_step_size=16, first_token_from_last_chunk=False)
     out: dict[int, list[int]] = {}
     (first,) = generator.insert([prompts[0]], max_tokens=[20])
     out[first] = []
@@ -183,9 +194,13 @@ def test_next_turns_are_prefilled_one_at_a_time(model) -> None:
         return out, widest
 
     plain_out, plain_widest = run_turns(BatchGenerator(model, prefill_step_size=64))
-    ours_out, ours_widest = run_turns(StallFreeBatchGenerator(model, prefill_step_size=64))
-    assert plain_widest == 3 and ours_widest == 1
+    ours = StallFreeBatchGenerator(model, prefill_step_size=64)
+    ours_out, ours_widest = run_turns(ours)
+    # Each turn is admitted alone and leaves in its one step, handing back its first token (`_lone_prompt_end`).
+    assert plain_widest == 3 and ours_widest <= 1 and ours.first_tokens_at_prefill_end == 3
     assert ours_out == plain_out
+    unended = StallFreeBatchGenerator(model, prefill_step_size=64, first_token_from_last_chunk=False)
+    assert run_turns(unended) == (plain_out, 1)
 
 
 def test_a_next_turn_is_reported_while_it_waits_or_prefills(model) -> None:
@@ -209,3 +224,105 @@ def test_a_next_turn_is_reported_while_it_waits_or_prefills(model) -> None:
     fresh = StallFreeBatchGenerator(model, prefill_step_size=8)
     fresh.insert([turn], max_tokens=[3])
     assert not fresh.prefilling_turn()
+
+
+def test_a_prompt_ending_in_a_fused_step_streams_two_steps_sooner(model) -> None:
+    """Its last token rides in the decode pass with the rest of its last chunk; that step hands back its first token."""
+    prompts = [[(5 * i + j) % 2000 + 3 for j in range(4 + 2 * i)] for i in range(3)]
+    late = [(11 * j) % 2000 + 3 for j in range(70)]
+    plain_steps: dict[int, int] = {}
+    ended_steps: dict[int, int] = {}
+    # Inserted at step 3: at step 2 the first prompts' first tokens are due, and that step prefills nothing.
+    plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 3, 30, plain_steps)
+    ended, generator = run(StallFreeBatchGenerator(model, prefill_step_size=16), prompts, late, 3, 30, ended_steps)
+    assert ended == plain  # every token once, max_tokens (8 for the late one) included
+    assert generator.first_tokens_at_prefill_end == 1 and generator.deferred_joins == 0
+    late_uid = max(plain)
+    # mlx-lm: 5 chunks, a step for the last token's own pass, a step to hand its token back; here the 5 chunks.
+    assert ended_steps[late_uid] == plain_steps[late_uid] - 2 == -(-(len(late) - 1) // 16)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_first_token_handed_back_early_counts_once(model, max_tokens: int) -> None:
+    """max_tokens 1 ends the request at its early first token (it never joins the decode batch); 2 at the next."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]  # prefilled together: mlx-lm's path
+    late = [(3 * j) % 2000 + 3 for j in range(40)]
+    plain, _ = run(BatchGenerator(model, prefill_step_size=64), prompts, late, 2, 10, max_tokens=[max_tokens])
+    ended, generator = run(StallFreeBatchGenerator(model, prefill_step_size=64), prompts, late, 2, 10,
+                           max_tokens=[max_tokens])
+    assert ended == plain and len(ended[2]) == max_tokens
+    assert generator.first_tokens_at_prefill_end == 1
+    assert len(generator._generation_batch) == 0 and not generator._pending
+
+
+def test_a_first_token_handed_back_early_can_end_on_a_stop_sequence(model) -> None:
+    """The matcher that saw the early first token goes on: a stop sequence spanning it still fires."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]  # prefilled together: mlx-lm's path
+    late = [(3 * j) % 2000 + 3 for j in range(40)]
+    plain, _ = run(BatchGenerator(model, prefill_step_size=64), prompts, late, 2, 20)
+    expected = plain[2]
+    stops = StopSequences([expected[0:3]])
+    ended, generator = run(StallFreeBatchGenerator(model, prefill_step_size=64), prompts, late, 2, 20,
+                           stop_sequences=[stops])
+    assert generator.first_tokens_at_prefill_end == 1
+    matcher, cut = StopSequences([expected[0:3]]).matcher(), []
+    for token in expected:
+        cut.append(token)
+        if matcher.advance(token):
+            break
+    assert ended[2] == cut and len(cut) == 3
+
+
+def test_a_lone_prompt_hands_back_its_first_token_from_its_last_chunk(model) -> None:
+    """Nothing decoding: the last chunk's own pass gives the logits; the same tokens, two steps sooner."""
+    prompt = [(13 * j) % 2000 + 3 for j in range(40)]
+
+    def steps_to_first(generator: BatchGenerator) -> tuple[list[int], int]:
+        (uid,) = generator.insert([prompt], max_tokens=[6])
+        out, steps = [], 0
+        while len(out) < 6:
+            steps += 1
+            out += [r.token for r in generator.next()[1] if r.uid == uid]
+            if out and steps_to_first.first is None:
+                steps_to_first.first = steps
+        first, steps_to_first.first = steps_to_first.first, None
+        return out, first
+
+    steps_to_first.first = None
+    plain, plain_first = steps_to_first(BatchGenerator(model, prefill_step_size=16))
+    generator = StallFreeBatchGenerator(model, prefill_step_size=16)
+    ours, ours_first = steps_to_first(generator)
+    assert ours == plain and ours_first == plain_first - 2 == 3
+    assert generator.first_tokens_at_prefill_end == 1 and generator.fused_steps == 0
+
+
+def test_a_prompt_ending_in_a_fused_step_keeps_its_logits_processors(model) -> None:
+    """Its logits processors see the whole prompt, last token included, as on mlx-lm's path."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    late = [(7 * j) % 500 + 3 for j in range(40)]
+
+    def echo_last(context: mx.array, logits: mx.array) -> mx.array:
+        """Picks the context's last token: the prompt's own last token for the first one generated."""
+        return logits + 1e4 * (mx.arange(logits.shape[-1]) == context[-1])
+
+    plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 2, 20, logits_processors=[[echo_last]])
+    ended, generator = run(StallFreeBatchGenerator(model, prefill_step_size=16), prompts, late, 2, 20,
+                           logits_processors=[[echo_last]])
+    assert generator.first_tokens_at_prefill_end == 1
+    assert ended == plain and ended[max(ended)] == [late[-1]] * 8
+
+
+def test_a_next_turn_of_one_new_token_ends_in_the_decode_pass(model) -> None:
+    """A prompt all cached but its last token: that token rides in a decode step instead of a pass of its own."""
+    history = [(5 * j) % 2000 + 3 for j in range(120)]
+    cache = make_prompt_cache(model)
+    model(mx.array([history]), cache=cache)
+    mx.eval([c.state for c in cache])
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+
+    def with_turn(generator: BatchGenerator) -> dict[int, list[int]]:
+        return run(generator, prompts, [42], 3, 12, caches=[copy.deepcopy(cache)], all_tokens=[history])[0]
+
+    generator = StallFreeBatchGenerator(model, prefill_step_size=16)
+    assert with_turn(generator) == with_turn(BatchGenerator(model, prefill_step_size=16))
+    assert generator.first_tokens_at_prefill_end == 1 and generator.fused_steps == 1
