@@ -393,6 +393,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         """
         uid, (_segments, _done, total) = self._prompt_batch.uids[0], self._currently_processing.pop()
         self._steps_beside_streams.pop(uid, None)
+        self._first_tokens_due.discard(uid)  # counted as joining (its rest was its last token): handed back now
         moved = _split(self._prompt_batch, [0])
         if len(self._generation_batch) == 0:
             prompt_responses, generation_responses = [], []

@@ -326,3 +326,29 @@ def test_a_next_turn_of_one_new_token_ends_in_the_decode_pass(model) -> None:
     generator = StallFreeBatchGenerator(model, prefill_step_size=16)
     assert with_turn(generator) == with_turn(BatchGenerator(model, prefill_step_size=16))
     assert generator.first_tokens_at_prefill_end == 1 and generator.fused_steps == 1
+
+
+def test_a_prompt_handing_back_its_first_token_holds_no_later_prefill(model) -> None:
+    """A prompt whose last chunk was exactly the step's chunk ends with its last token alone, in a fused step that
+    hands back its first token: the next prompt's prefill is not then held for that token."""
+    first, second = [(7 * j) % 2000 + 3 for j in range(17)], [(11 * j) % 2000 + 3 for j in range(30)]
+
+    def run_prompts(generator: BatchGenerator) -> dict[int, list[int]]:
+        (stream,) = generator.insert([[5, 6, 7, 8]], max_tokens=[24])
+        out: dict[int, list[int]] = {stream: []}
+        live, step = {stream}, 0
+        while live:
+            if step in (3, 5):  # the first: one 16-token chunk, then its last token; the second right after
+                (uid,) = generator.insert([first if step == 3 else second], max_tokens=[4])
+                out[uid] = []
+                live.add(uid)
+            for response in generator.next()[1]:
+                out[response.uid].append(response.token)
+                if response.finish_reason is not None:
+                    live.discard(response.uid)
+            step += 1
+        return out
+
+    ours = StallFreeBatchGenerator(model, prefill_step_size=16)
+    assert run_prompts(ours) == run_prompts(BatchGenerator(model, prefill_step_size=16))
+    assert ours.first_tokens_at_prefill_end == 3 and ours.held_prefill_steps == 0
