@@ -46,6 +46,12 @@ class _NeverMatches:
 NEVER_MATCHES = _NeverMatches()
 
 
+def emptied(batch: PromptProcessingBatch) -> None:
+    """Leaves `batch` with no sequences: every one of them went to a `GenerationBatch` (as mlx-lm's `generate` does)."""
+    batch.uids, batch.prompt_cache, batch.tokens, batch.samplers = [], [], [], []
+    batch.logits_processors, batch.max_tokens, batch.stop_sequences = [], [], []
+
+
 def deferred_generation(batch: PromptProcessingBatch, tokens: list[list[int]]) -> GenerationBatch:
     """`batch.generate(tokens)` without the forward pass: each row's last token waits for the next decode step."""
     if any(len(t) > 1 for t in tokens):
@@ -61,8 +67,7 @@ def deferred_generation(batch: PromptProcessingBatch, tokens: list[list[int]]) -
     generation._next_logprobs = [mx.zeros((1,)) for _ in uids]  # the pending rows' output is dropped
     generation._num_tokens = [-1] * len(uids)  # the pending prompt token must not count as generated
     generation._matchers = [NEVER_MATCHES] * len(uids)
-    batch.uids, batch.prompt_cache, batch.tokens, batch.samplers = [], [], [], []
-    batch.logits_processors, batch.max_tokens, batch.stop_sequences = [], [], []
+    emptied(batch)
     return generation
 
 
@@ -120,6 +125,5 @@ def joined_with_logits(batch: PromptProcessingBatch, last_tokens: list[int], log
                                  batch.tokens, batch.samplers, batch.fallback_sampler, batch.logits_processors,
                                  batch.stop_sequences, batch.max_tokens)
     generation.model = batch.model
-    batch.uids, batch.prompt_cache, batch.tokens, batch.samplers = [], [], [], []
-    batch.logits_processors, batch.max_tokens, batch.stop_sequences = [], [], []
+    emptied(batch)
     return generation

@@ -114,10 +114,7 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
     ends its prompt (`chunk_last_logits`) adds one row, B + 1, the logits of its last
     token, from which the prompt's first token is sampled (`joined_with_logits`).
     """
-    switch = getattr(model, "switch", None)
-    if switch is not None:  # an adapter binding: its adapter must be active for this pass
-        switch.activate(model.weights)
-    net = network(model)
+    net = _activated(model)
     body = net.model
     decode_h = body.embed_tokens(decode_inputs)
     chunk_h = body.embed_tokens(chunk_inputs)
@@ -162,13 +159,18 @@ def prompt_end_logits(model: Any, chunk_inputs: mx.array, chunk_cache: list[Any]
     own; this computes the chunk as that loop does (`prefilling`) and the output head for
     the one row that needs it, so the first token can be sampled in the same step.
     """
-    switch = getattr(model, "switch", None)
-    if switch is not None:
-        switch.activate(model.weights)
-    net = network(model)
+    net = _activated(model)
     with prefilling():
         hidden = net.model(chunk_inputs, cache=chunk_cache)
     return _logits(net, hidden[:, -1:, :])
+
+
+def _activated(model: Any) -> nn.Module:
+    """`network(model)`, with the adapter of an adapter binding (`BoundModel`) made active for the pass."""
+    switch = getattr(model, "switch", None)
+    if switch is not None:
+        switch.activate(model.weights)
+    return network(model)
 
 
 def _logits(net: nn.Module, normed: mx.array) -> mx.array:

@@ -43,6 +43,7 @@ from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBat
 from engine_daemon.generation.cache_join import join_caches, joinable
 from engine_daemon.generation.deferred_join import (
     deferred_generation,
+    emptied,
     first_token_now,
     joined_with_logits,
     start_generating,
@@ -54,6 +55,11 @@ log = logging.getLogger(__name__)
 # A conversation's next turn: at least this many tokens cached, at most this many new (`_admission_limit`).
 NEXT_TURN_CACHED = 256
 NEXT_TURN_NEW = 256
+
+
+def _rest(segments: list[list[int]]) -> list[int]:
+    """A prompt's tokens still to prefill, its held-back last token included."""
+    return [token for segment in segments for token in segment]
 
 
 class _FusedDecode:
@@ -113,8 +119,7 @@ def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessing
         return PromptProcessingBatch.split(batch, indices)
     moved = PromptProcessingBatch.__new__(PromptProcessingBatch)
     moved.__dict__.update(batch.__dict__)
-    batch.uids, batch.prompt_cache, batch.tokens, batch.samplers = [], [], [], []
-    batch.logits_processors, batch.max_tokens, batch.stop_sequences = [], [], []
+    emptied(batch)
     return moved
 
 
@@ -257,8 +262,7 @@ class StallFreeBatchGenerator(BatchGenerator):
 
     def _fusable_chunk(self) -> tuple[list[int], bool] | None:
         """The chunk this step will prefill when it can ride in the decode pass, and whether it ends the prompt."""
-        admits = bool(self._unprocessed_sequences) and self.prefill_batch_size > len(self._prompt_batch)
-        if not self.fuse or admits or len(self._currently_processing) != 1:
+        if not self.fuse or self._admits() or len(self._currently_processing) != 1:
             return None  # a prompt joins the prompt batch this step, or several are prefilled
         generating = len(self._generation_batch)
         if generating == 0 or generating >= self.completion_batch_size:
@@ -267,11 +271,15 @@ class StallFreeBatchGenerator(BatchGenerator):
         if not segments:
             return None
         if self._ends_in_this_chunk(segments):
-            return [token for segment in segments for token in segment], True
+            return _rest(segments), True
         if len(segments) == 1 and len(segments[0]) == 1:
             return None  # the prompt turns into a stream this step on mlx-lm's path: nothing to prefill
         chunk = list(segments[0][: self.prefill_step_size])
         return (chunk, False) if chunk else None
+
+    def _admits(self) -> bool:
+        """Whether mlx-lm's `_next` will move a waiting prompt into the prompt batch during this step."""
+        return bool(self._unprocessed_sequences) and self.prefill_batch_size > len(self._prompt_batch)
 
     def _ends_in_this_chunk(self, segments: list[list[int]]) -> bool:
         """Whether the rest of the prompt, its last token included, fits this step's chunk.
@@ -372,13 +380,10 @@ class StallFreeBatchGenerator(BatchGenerator):
 
     def _lone_prompt_end(self) -> list[int] | None:
         """The rest of a lone prompt, last token included, when nothing decodes and it fits this step's chunk."""
-        admits = bool(self._unprocessed_sequences) and self.prefill_batch_size > len(self._prompt_batch)
-        if not self.fuse or admits or len(self._currently_processing) != 1 or len(self._generation_batch) > 0:
+        if not self.fuse or self._admits() or len(self._currently_processing) != 1 or len(self._generation_batch):
             return None
         segments = self._currently_processing[0][0]
-        if not segments or not self._ends_in_this_chunk(segments):
-            return None
-        return [token for segment in segments for token in segment]
+        return _rest(segments) if segments and self._ends_in_this_chunk(segments) else None
 
     def _step_ending(self, chunk: list[int]) -> Any:
         """A step whose chunk is the rest of the lone prompt: its first token comes back from this step.
