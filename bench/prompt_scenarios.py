@@ -60,11 +60,13 @@ async def long_prompt_trials(base: str, model: str, extra: dict, args: argparse.
 
 
 async def long_prompt(base: str, model: str, extra: dict, decode_tokens: int, steady_s: float,
-                      long_words: int, trial: int = 0) -> dict:
+                      long_words: int, trial: int = 0, keep_times: bool = False) -> dict:
     """Gaps of 4 running streams while a long prompt prefills, and that prompt's TTFT vs alone.
 
     The alone TTFT is the mean of a same-length prompt sent before the streams start and one sent
     after they end (fresh text each, so no cache helps), which halves the drift between them.
+    `keep_times` adds the streams' chunk arrival times and the newcomer's send and first-token
+    times, on the wall clock (`time.time`) that the engine's log lines use (`long_prompt_gaps.py`).
     """
     url = f"{base}/chat/completions"
     seed = 10 * trial
@@ -96,7 +98,15 @@ async def long_prompt(base: str, model: str, extra: dict, decode_tokens: int, st
             "gap_ratio": max(during) / median, "gaps_during": len(during),
             "ttft_s": newcomer.ttft, "alone_ttft_s": alone_ttft, "alone_ttfts_s": [before.ttft, after.ttft],
             "ttft_ratio": newcomer.ttft / alone_ttft,
-            "streams_ok": all(s.ok for s in streams) and newcomer.ok and before.ok and after.ok}
+            "streams_ok": all(s.ok for s in streams) and newcomer.ok and before.ok and after.ok,
+            **(_wall_times(streams, started, first) if keep_times else {})}
+
+
+def _wall_times(streams: list, started: float, first: float) -> dict:
+    """The trial's `perf_counter` instants on the wall clock, to be joined with the engine's log."""
+    offset = time.time() - time.perf_counter()
+    return {"newcomer_sent": started + offset, "newcomer_first": first + offset,
+            "stream_chunk_times": [[t + offset for t in stream.chunk_times] for stream in streams]}
 
 
 async def agent_turns(base: str, model: str, extra: dict, conversations: int = 4, turns: int = 3,
