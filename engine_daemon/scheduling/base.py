@@ -305,3 +305,6 @@ class BaseScheduler:
 
     def step(self) -> list[Event]:
         raise NotImplementedError
+
+    def after_publish(self) -> None:
+        """Work of the last step that its tokens need not wait for: run once they are sent (`MlxWorker`)."""

@@ -144,6 +144,7 @@ class MlxWorker(threading.Thread):
                     self.status.busy_since = self.status.busy_since or time.monotonic()
                     events += self.aux_jobs.tick(self._decode_seconds())
                 self._publish(outbox, events)
+                self._after_publish()
                 self._update_status()
                 self._unload_if_idle()
                 self.status.busy_since = 0.0
@@ -180,6 +181,13 @@ class MlxWorker(threading.Thread):
                 return self.group.failed_events(exc)
             log.exception("scheduler step failed: failing every request in flight")
             return self.scheduler.fail_all(500, "engine_error", "The engine hit an internal error")
+
+    def _after_publish(self) -> None:
+        """The scheduler's deferred work of the step just sent (`BaseScheduler.after_publish`), kept off the tokens."""
+        try:
+            self.scheduler.after_publish()
+        except Exception:
+            log.exception("work after a step failed")  # a prefix not shared costs a prefill, never the requests
 
     def _attach_group(self) -> None:
         current = self.models.current
