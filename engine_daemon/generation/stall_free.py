@@ -40,7 +40,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
 
-from engine_daemon.generation.cache_join import join_caches, joinable
+from engine_daemon.generation.cache_join import join_caches, joinable, own_kv
 from engine_daemon.generation.deferred_join import (
     deferred_generation,
     emptied,
@@ -178,6 +178,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         self.held_prefill_steps = 0
         self.prompt_concurrency = self.prefill_batch_size
         self._turns: set[int] = set()  # uids whose short prompt continues a long cached prefix (`_admission_limit`)
+        self._ended: dict[int, list[Any]] = {}  # prompts that joined in the last step -> their own caches (`own_kv`)
 
     def insert_segments(self, segments: Any, max_tokens: Any = None, caches: Any = None, all_tokens: Any = None,
                         *args: Any, **kwargs: Any) -> list[int]:
@@ -251,6 +252,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         for uid in uids:
             self._pending.pop(uid, None)
             self._repeating.pop(uid, None)
+            self._ended.pop(uid, None)  # a finished row's KV holds its generated tokens too: mlx-lm's extract
         self._first_tokens_due.difference_update(uids)  # a removed row holds no prefill back
         self._turns.difference_update(uids)
         for uid in uids:
@@ -258,7 +260,22 @@ class StallFreeBatchGenerator(BatchGenerator):
         return super().remove(uids, return_prompt_caches=return_prompt_caches)  # extracts via extract_cache
 
     def extract_cache(self, uids: Any) -> Any:
-        return _materialized(super().extract_cache(uids))
+        """Copies of running rows' KV; a prompt that joined in the last step's from its own cache (`own_kv`).
+
+        That copy is left lazy: started now (`_materialized`), it waited 10-24 ms behind the join's
+        copy (MLX bounds the work in flight) between two of the running streams' tokens, and a slice
+        of the prompt's own buffers holds up no in-place write of the batch's. Unless the batch took
+        those buffers over (nothing else decoded): then it is started now, as any other row's.
+        """
+        batch = self._generation_batch
+        started, lazy = {}, {}
+        for uid in uids:
+            kv = own_kv(self._ended[uid]) if uid in self._ended and uid in batch.uids else None
+            if kv is not None:
+                adopted = bool(batch.prompt_cache) and batch.prompt_cache[0] is self._ended[uid][0]
+                (started if adopted else lazy)[uid] = (kv, batch.tokens[batch.uids.index(uid)])
+        rest = [uid for uid in uids if uid not in started and uid not in lazy]
+        return {**lazy, **_materialized({**started, **(super().extract_cache(rest) if rest else {})})}
 
     def _fusable_chunk(self) -> tuple[list[int], bool] | None:
         """The chunk this step will prefill when it can ride in the decode pass, and whether it ends the prompt."""
@@ -315,6 +332,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         return bool(joining or self._first_tokens_due)
 
     def _next(self) -> Any:
+        self._ended.clear()
         self.prefill_batch_size = self._admission_limit()
         self._turns.intersection_update(self._prompt_batch.uids + [seq[0] for seq in self._unprocessed_sequences])
         joining = self._joining_this_step()
@@ -419,6 +437,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         generation = joined_with_logits(moved, chunk[-1:], logits)
         first, matcher = first_token_now(generation)
         if first.finish_reason is None:
+            self._ended[uid] = list(generation.prompt_cache)  # before the join replaces them
             self._generation_batch.extend(generation)
             self._repeating[uid] = matcher
         prompt_responses.append(PromptProcessingBatch.Response(uid, (total, total), True, True))

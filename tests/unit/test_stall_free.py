@@ -352,3 +352,25 @@ def test_a_prompt_handing_back_its_first_token_holds_no_later_prefill(model) -> 
     ours = StallFreeBatchGenerator(model, prefill_step_size=16)
     assert run_prompts(ours) == run_prompts(BatchGenerator(model, prefill_step_size=16))
     assert ours.first_tokens_at_prefill_end == 3 and ours.held_prefill_steps == 0
+
+
+@pytest.mark.parametrize("streams", [3, 0])
+def test_a_prompt_shared_the_step_it_joined_gives_the_joined_batchs_kv(model, streams: int) -> None:
+    """`extract_cache` right after a prompt joined takes its own cache (`own_kv`): the KV mlx-lm's extract gives."""
+    generator = StallFreeBatchGenerator(model, prefill_step_size=16)
+    prompts = [[(5 * i + j) % 2000 + 3 for j in range(6 + 2 * i)] for i in range(streams)]
+    generator.insert(prompts, max_tokens=[40] * streams)
+    for _ in range(3):
+        generator.next()
+    late = [(11 * j) % 2000 + 3 for j in range(70)]
+    (late_uid,) = generator.insert([late], max_tokens=[8])
+    while not any(response.uid == late_uid for response in generator.next()[1]):
+        pass
+    assert late_uid in generator._ended  # it joined in this step: its own cache is at hand
+    ours = generator.extract_cache([late_uid])[late_uid][0]
+    theirs = BatchGenerator.extract_cache(generator, [late_uid])[late_uid][0]
+    assert [c.offset for c in ours] == [c.offset for c in theirs] == [len(late)] * len(ours)
+    for own, joined in zip(ours, theirs):
+        assert mx.array_equal(own.keys, joined.keys).item() and mx.array_equal(own.values, joined.values).item()
+    generator.next()
+    assert not generator._ended  # only the step it joined in: later its KV holds generated tokens too
