@@ -174,3 +174,17 @@ def test_a_step_period_includes_the_engine_work_since_the_previous_step() -> Non
     assert abs(periods.measure(10.045, 10.085) - 0.045) < 1e-9  # 5 ms of sending and admitting since the last
     idle = 10.085 + BETWEEN_STEPS_IDLE + 0.5  # the engine waited for work: that wait is nobody's gap
     assert abs(periods.measure(idle, idle + 0.040) - 0.040) < 1e-9
+
+
+def test_a_prompts_first_steps_are_believed_as_they_come() -> None:
+    """The first chunk's step looks dear per token (the pass's fixed cost): the second step's rate is taken at once."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=0.3, first=32)
+    pacer.observe(0.100, decoding=4, prompt_tokens=0)
+    pacer.observe(0.100 + 0.120, decoding=4, prompt_tokens=32)  # 3.75 ms a token: 150 ms buy 40
+    assert pacer.chunk(4, 1) == 40
+    pacer.observe(0.100 + 0.100, decoding=4, prompt_tokens=40)  # 2.5 ms a token: 60
+    assert pacer.chunk(4, 1) == 60
+    pacer.observe(0.100 + 0.120, decoding=4, prompt_tokens=60)  # 2 ms a token, but three rates now: their median
+    assert pacer.chunk(4, 1) == 60
+    pacer.observe(0.100 + 0.120, decoding=4, prompt_tokens=80)  # 1.5 ms: the median (2 ms) is grown to gently
+    assert pacer.chunk(4, 1) == 64
