@@ -62,7 +62,7 @@ def joined(trial: dict, steps: list[tuple[float, float, int, int]], worst: int =
             if earlier < first and later > sent:
                 a, b = step_before(earlier), step_before(later)
                 gaps.append({"gap_ms": (later - earlier) * 1000, "engine_period_ms": (ends[b] - ends[a]) * 1000,
-                             "ended_after_newcomer_ms": (later - sent) * 1000,
+                             "ended_after_newcomer_ms": (later - sent) * 1000, "arrived_at": later,
                              "newcomer_ttft_ms": (first - sent) * 1000,
                              "delays_ms": [(earlier - ends[a]) * 1000, (later - ends[b]) * 1000],
                              "step_prompt_tokens": steps[b][3]})
