@@ -83,11 +83,12 @@ def own_kv(caches: list[Any]) -> list[KVCache] | None:
     """A lone prompt's KV from its own caches, as `BatchKVCache.extract` would give it from the joined batch.
 
     Why: sharing a prompt's KV the step it joined (`PrefillSharing`) took it out of the joined
-    batch, and mlx-lm's extract evaluates the batch's padding in every layer, each time waiting
-    for the stream's queued work: 16-17 ms on the ~85M CPU model after a 1,500-token prompt
-    joined four streams, between two of their tokens. The prompt's own cache holds the same KV
-    (`join_caches` copied it from there), so the copy starts without waiting for anything.
-    None when these are not one-row `BatchKVCache`s.
+    batch, whose new buffers are still being written (`join_caches`): mlx-lm's extract stops to
+    evaluate the batch's padding in every layer, and the copy started behind the join's waited
+    for it (15.8-16.9 ms on the ~85M CPU model after a 1,500-token prompt joined four streams,
+    between two of their tokens). The prompt's own cache holds the same KV, the join's source,
+    and a lazy slice of it holds up no in-place write of the batch's buffers
+    (`StallFreeBatchGenerator.extract_cache`). None when these are not one-row `BatchKVCache`s.
     """
     if not caches or any(type(c) is not BatchKVCache or c.keys is None or c.keys.shape[0] != 1 for c in caches):
         return None
