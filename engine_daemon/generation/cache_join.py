@@ -93,8 +93,8 @@ def own_kv(caches: list[Any]) -> list[KVCache] | None:
     if not caches or any(type(c) is not BatchKVCache or c.keys is None or c.keys.shape[0] != 1 for c in caches):
         return None
     extracted = []
+    padding = int(caches[0].left_padding.tolist()[0])  # every layer's is the same; evaluated since the first chunk
     for cache in caches:
-        padding = int(cache.left_padding.tolist()[0])  # evaluated when the prompt's first chunk was masked
         own = KVCache()
         own.keys = mx.contiguous(cache.keys[:, :, padding:cache._idx])
         own.values = mx.contiguous(cache.values[:, :, padding:cache._idx])
