@@ -1,4 +1,4 @@
-"""Joining a newcomer's KV to the running batch's in one copy per tensor, on two CPU streams.
+"""Joining a newcomer's KV to the running batch's in one copy per tensor, on two CPU streams (on a CPU).
 
 When a prompt's prefill ends, mlx-lm moves it into the decode batch with
 `BatchKVCache.extend`: every layer's keys and values of the running streams and the
@@ -29,6 +29,9 @@ _local = threading.local()  # MLX streams belong to the thread that made them (`
 
 
 def _copy_streams() -> list[Any]:
+    """Two CPU streams on the CPU (both cores copy); the device's own stream on a GPU, where one copies fastest."""
+    if mx.default_device() != mx.cpu:
+        return [mx.default_stream(mx.default_device())]
     streams = getattr(_local, "streams", None)
     if streams is None:
         streams = _local.streams = [mx.new_stream(mx.cpu) for _ in range(2)]
