@@ -81,6 +81,111 @@ class StepPeriods:
         return ended - started + (between if between is not None and 0 <= between < self.idle else 0.0)
 
 
+class CostFloor:
+    """Whether a prompt's steps cost a floor that small chunks cannot get under, and the chunks to take then.
+
+    Why: where a step is bound by dispatching its kernels rather than by computing (small models
+    on a GPU), a chunk of 512 tokens beside running streams costs little more than one of 32
+    (H100, MLX CUDA, 0.5B-shaped float32 bench model, in process: 21 ms for 60 tokens, 30 ms for
+    508, against an 11 ms decode step). Sized by their cost per token, the chunks shrink towards
+    the minimum whenever a step is over the target, and every step pays the floor again: a
+    1,500-token prompt beside 4 streams went in 12-108-token chunks and its first token came
+    11-15x later than alone, its steps still 5.7-6.9x the streams' gap.
+
+    So the prompt's steps are fitted as `floor + per_token * tokens` (least squares over the
+    cheapest step of each chunk size, from a size's second step on: a size's first step also
+    compiles its kernels there, 1.5-5x its later ones), once the sizes span 2x. A floor is taken
+    to be there when a chunk of at most `first` tokens did under half the floor's worth of work;
+    on a CPU a chunk's cost grows with its tokens (compute-bound from ~32 rows) and its paced
+    chunks are larger than `first` (44-76 tokens on the bench models), so the fit, which a long
+    prompt's context growth skews towards a floor (a 188-token chunk, a 352 ms step beside 45 ms
+    decode steps on the ~85M model when that condition was missing), decides nothing there. With
+    a floor, the chunk is the largest that meets the target, or, when that would do less work
+    than the floor costs, one whose work equals the floor: half of each step for the prompt, in
+    as few steps as that allows. It grows at most 4x a step; the pacing by cost per token takes
+    over again once the fitted floor falls under a quarter of the target. When the pacing stays
+    at one small chunk size for three steps far from the target (no second size to fit
+    against), twice the chunk is tried once.
+    """
+
+    GROWTH = 4
+    SPAN = 2.0  # the steps' sizes must span this much for a fit
+    SIZES = 8  # chunk sizes remembered
+
+    def __init__(self, small: int) -> None:
+        self.small = small  # a chunk this small that costs the whole target is the floor's sign (`first`)
+        # This prompt's latest step cost per chunk size beside streams (a pacer stuck at one size keeps the others).
+        self._steps: dict[int, float] = {}
+        self.floor: float | None = None  # the fitted cost of a step's prompt work at zero tokens, when it is large
+        self._per_token = 0.0
+        self._target = 0.0
+        self._first_seen = False
+        self._previous: tuple[int, float] = (0, 0.0)
+        self._run = 0  # steps in a row of the latest chunk size
+        self._tried: set[int] = set()  # chunk sizes stepped at least once (since the engine started)
+        self._probe: int | None = None  # a chunk to try: twice a small one the pacing stayed at
+
+    def reset(self) -> None:
+        self._steps.clear()
+        self.floor, self._first_seen, self._previous, self._run, self._probe = None, False, (0, 0.0), 0, None
+
+    def observe(self, tokens: int, seconds: float, target: float) -> None:
+        """Learns from a lone prompt's step beside streams: `seconds` its prompt work took, `target` its budget."""
+        # The same small chunk three times, far from the target (under half: the pacing is stuck on its way up;
+        # over it: no size meets it): no other size on record to fit against, so twice the chunk is tried.
+        self._run = self._run + 1 if tokens == self._previous[0] else 1
+        far = seconds <= target / 2 or seconds >= target
+        self._probe = 2 * tokens if self._run >= 3 and tokens <= self.small and far else None
+        self._previous = (tokens, seconds)
+        if not self._first_seen:  # a prompt's first step carries one-off costs (on the 0.5B CPU model, ~1.5x its rate)
+            self._first_seen = True
+            return
+        # The cheapest step of each size from its second on: a step is only ever slowed (a collection, a neighbour),
+        # and a size's first step also compiles its kernels (MLX CUDA, H100: 1.5-5x its later steps).
+        if tokens not in self._tried:
+            self._tried.add(tokens)
+            return
+        seconds = min(seconds, self._steps.pop(tokens, seconds))
+        self._steps[tokens] = seconds
+        if len(self._steps) > self.SIZES:
+            del self._steps[next(iter(self._steps))]  # the oldest size
+        fitted = _line(list(self._steps.items()), self.SPAN)
+        if fitted is None:
+            return
+        floor, self._per_token = fitted
+        self._target = target
+        smallest = min(self._steps)
+        # A small chunk (at most `first`) whose own work is under half the fitted floor: the floor sets its cost
+        # (and the floor is no more than what that chunk's step cost: a line, not a stray intercept).
+        starts = (smallest <= self.small and target / 4 <= floor <= 1.25 * self._steps[smallest]
+                  and self._per_token * smallest <= floor / 2)
+        if starts or (self.floor is not None and floor >= target / 4):
+            self.floor = floor
+        else:
+            self.floor = None
+
+    def chunk(self, cap: int) -> int | None:
+        """The next chunk while a floor is on or probed for (None: pace by cost per token)."""
+        if self.floor is None:
+            return None if self._probe is None else min(cap, self._probe)
+        largest = max(self._steps)
+        if self._per_token <= 0:
+            return min(cap, self.GROWTH * largest)
+        # The largest chunk that meets the target, or (the floor over half the target) one whose work equals the floor.
+        sized = max(self._target - self.floor, self.floor) / self._per_token
+        return max(1, round(min(cap, self.GROWTH * largest, sized)))
+
+
+def _line(points: list[tuple[int, float]], span: float) -> tuple[float, float] | None:
+    """Least-squares (intercept, slope) of seconds over tokens; None unless the tokens span `span`x."""
+    xs = [x for x, _ in points]
+    if len(points) < 2 or max(xs) < span * min(xs):
+        return None
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(y for _, y in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - slope * mean_x, slope
+
+
 class PrefillPacer:
     def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.5,
                  smoothing: float = 0.3, budget: int | None = None, first: int = 32, window: int = 48,
@@ -109,6 +214,7 @@ class PrefillPacer:
         # Seconds per prompt token of recent full-speed steps (whole step over its prompt tokens): sizes
         # the burst steps that `max_stall` bounds.
         self.full_speed_seconds_per_token: float | None = None
+        self._floor = CostFloor(first)  # a prompt's step cost that does not grow with its tokens (a GPU's)
 
     @property
     def decode_seconds(self) -> float | None:
@@ -144,6 +250,9 @@ class PrefillPacer:
             # the target would be a multiple of another count's step (a 1-stream warm-up sized chunks
             # beside three long streams at 8 tokens: every fused step then looked dear per token).
             return SAMPLE_DECODE
+        floor_chunk = self._floor.chunk(min(self.maximum, self._burst_chunk(1))) if prefilling == 1 else None
+        if floor_chunk is not None:
+            return self._tiled(max(self.minimum, floor_chunk), decoding, prefilling)
         target, rate = self.target_seconds(), self.seconds_per_token
         if target is None or rate is None:
             return self._share(self.first, prefilling)
@@ -163,6 +272,7 @@ class PrefillPacer:
                 # long prompt after a burst at 19-token chunks, regrown 30% a step.
                 self.seconds_per_token = None
                 self._recent_rates.clear()
+                self._floor.reset()
             if streams:
                 # The median of recent decode steps: one slow step (a collection, a neighbour's
                 # burst) must not widen every gap that follows.
@@ -182,7 +292,9 @@ class PrefillPacer:
         decode_seconds = self.decode_seconds_for(streams)
         if decode_seconds is None:
             return  # cannot tell the prefill's share of this step yet
-        self._recent_rates.append(max(step_seconds - decode_seconds, 1e-6) / prompt_tokens)
+        prompt_seconds = max(step_seconds - decode_seconds, 1e-6)
+        self._floor.observe(prompt_tokens, prompt_seconds, self.ratio * decode_seconds)
+        self._recent_rates.append(prompt_seconds / prompt_tokens)
         # The median of the last three steps' rates (the latest until there are three): one slow
         # step (a collection, a neighbour taking a core) says nothing about the next chunk's cost,
         # and believed at once it shrank the chunk for the several steps the gentle regrowth took;

@@ -1,5 +1,7 @@
 """The pacer sizes prompt chunks from measured costs (the per-step token budget)."""
 
+import statistics
+
 from engine_daemon.scheduling.prefill_pacer import BETWEEN_STEPS_IDLE, PrefillPacer, StepPeriods
 
 
@@ -186,5 +188,52 @@ def test_a_prompts_first_steps_are_believed_as_they_come() -> None:
     assert pacer.chunk(4, 1) == 60
     pacer.observe(0.100 + 0.120, decoding=4, prompt_tokens=60)  # 2 ms a token, but three rates now: their median
     assert pacer.chunk(4, 1) == 60
-    pacer.observe(0.100 + 0.120, decoding=4, prompt_tokens=80)  # 1.5 ms: the median (2 ms) is grown to gently
-    assert pacer.chunk(4, 1) == 64
+    pacer.observe(0.100 + 0.120, decoding=4, prompt_tokens=75)  # 1.6 ms: the median (2 ms) is grown to gently
+    assert pacer.chunk(4, 1) == 64 and pacer._floor.floor is None
+
+
+def _prefill(pacer: PrefillPacer, decode: float, cost, tokens: int = 1536, streams: int = 4) -> list[int]:
+    """The chunks a `tokens`-long prompt is prefilled in beside `streams` when a step's prompt work costs `cost(c)`."""
+    pacer.observe(decode, decoding=streams, prompt_tokens=0)
+    chunks, done = [], 0
+    while done < tokens:
+        chunk = min(pacer.chunk(streams, 1), tokens - done)
+        pacer.observe(decode + cost(chunk), decoding=streams, prompt_tokens=chunk)
+        chunks.append(chunk)
+        done += chunk
+    return chunks
+
+
+def test_a_step_cost_that_does_not_grow_with_tokens_grows_the_chunk() -> None:
+    """A GPU's dispatch-bound step: 15 ms whatever the chunk, over a 12 ms target. Cut down, chunks never met it."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, first=32, max_stall=1.0)
+    pacer.observe(0.030, decoding=0, prompt_tokens=1500)  # a prompt alone: 20 us per token at full speed
+    chunks = _prefill(pacer, 0.008, lambda c: 0.015 + 0.00001 * c)
+    assert len(chunks) <= 16, chunks  # cut towards the minimum it took 181 steps, each paying the 15 ms
+    assert max(chunks) >= 512 and min(chunks[:3]) >= 16, chunks
+
+
+def test_the_floor_stops_growing_where_the_prompts_work_equals_it() -> None:
+    """A 10 ms floor over an 8 ms target, 0.1 ms a token: chunks settle at 100, the prompt's work equal to the floor."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.0, first=32, max_stall=1.0)
+    pacer.observe(0.030, decoding=0, prompt_tokens=1500)
+    chunks = _prefill(pacer, 0.008, lambda c: 0.010 + 0.0001 * c, tokens=4000)
+    assert 95 <= statistics.median(chunks[-10:]) <= 105, chunks
+
+
+def test_a_cost_per_token_never_looks_like_a_floor() -> None:
+    """A CPU's compute-bound chunks (2 ms a token, +-20% from step to step): paced by the target throughout."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, first=32, max_stall=1.0)
+    noise = iter([1.2, 0.8, 1.0, 1.2, 0.8, 1.2, 1.0, 0.8] * 20)
+    chunks = _prefill(pacer, 0.100, lambda c: 0.002 * c * next(noise))
+    assert max(chunks) <= 100 and pacer._floor.floor is None, chunks
+
+
+def test_one_slow_step_is_not_a_floor() -> None:
+    """A slow first step (twice its cost) halves the next chunk; the two do not fit a floor over the target."""
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, smoothing=1.0, first=32)
+    pacer.observe(0.100, decoding=1, prompt_tokens=0)
+    pacer.observe(0.100 + 0.320, decoding=1, prompt_tokens=32)  # 5 ms a token, but 10 this once
+    assert pacer.chunk(1, 1) == 15
+    pacer.observe(0.100 + 0.075, decoding=1, prompt_tokens=15)  # 5 ms a token
+    assert pacer._floor.floor is None and pacer.chunk(1, 1) == 30
