@@ -76,6 +76,9 @@ async def long_prompt(base: str, model: str, extra: dict, decode_tokens: int, st
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
 
     async with httpx.AsyncClient(timeout=3600) as http:
+        # Four short streams first: a GPU compiles kernels for a batch's shapes the first time it meets them
+        # (MLX CUDA on a fresh H100: 2.5-7 s a step), which would eat the steady period below.
+        await asyncio.gather(*(one_request(http, url, body(words(100, 400 + seed + i), 8)) for i in range(4)))
         before = await one_request(http, url, body(words(long_words, 97 + seed), 4))
         decoders = [asyncio.create_task(one_request(http, url, body(words(100, 500 + seed + i), decode_tokens)))
                     for i in range(4)]
@@ -92,6 +95,9 @@ async def long_prompt(base: str, model: str, extra: dict, decode_tokens: int, st
                 steady.append(b - a)
             elif a < first and b > started:
                 during.append(b - a)
+    if not steady or not during:
+        raise RuntimeError(f"the streams gave {len(steady)} gaps before the newcomer and {len(during)} during its "
+                           "prefill: lengthen --steady-seconds or --decode-tokens for this machine")
     median = statistics.median(steady)
     alone_ttft = (before.ttft + after.ttft) / 2
     return {"steady_gap_ms": median * 1000, "worst_gap_ms": max(during) * 1000,
