@@ -82,73 +82,68 @@ class StepPeriods:
 
 
 class CostFloor:
-    """Whether a prompt's steps cost a floor that small chunks cannot get under, and the chunks to take then.
+    """Whether a prompt's steps cost a floor over the target that no chunk size gets under, and the chunks then.
 
     Why: where a step is bound by dispatching its kernels rather than by computing (small models
     on a GPU), a chunk of 512 tokens beside running streams costs little more than one of 32
     (H100, MLX CUDA, 0.5B-shaped float32 bench model, in process: 21 ms for 60 tokens, 30 ms for
-    508, against an 11 ms decode step). Sized by their cost per token, the chunks shrink towards
-    the minimum whenever a step is over the target, and every step pays the floor again: a
-    1,500-token prompt beside 4 streams went in 12-108-token chunks and its first token came
-    11-15x later than alone, its steps still 5.7-6.9x the streams' gap.
+    508, against an 11 ms decode step), and on a machine that has not yet compiled a chunk size's
+    kernels any step may cost several decode steps. Sized by their cost per token, the chunks
+    shrink towards the minimum while every step stays over the target, and every step pays the
+    floor again: a 1,500-token prompt beside 4 streams went in 12-108-token chunks and its first
+    token came 11-15x later than alone, its steps still 5.7-6.9x the streams' gap.
 
-    So the prompt's steps are fitted as `floor + per_token * tokens` (least squares over the
-    cheapest step of each chunk size, from a size's second step on: a size's first step also
-    compiles its kernels there, 1.5-5x its later ones), once the sizes span 2x. A floor is taken
-    to be there when a chunk of at most `first` tokens did under half the floor's worth of work;
-    on a CPU a chunk's cost grows with its tokens (compute-bound from ~32 rows) and its paced
-    chunks are larger than `first` (44-76 tokens on the bench models), so the fit, which a long
-    prompt's context growth skews towards a floor (a 188-token chunk, a 352 ms step beside 45 ms
-    decode steps on the ~85M model when that condition was missing), decides nothing there. With
-    a floor, the chunk is the largest that meets the target, or, when that would do less work
-    than the floor costs, one whose work equals the floor: half of each step for the prompt, in
-    as few steps as that allows. It grows at most 4x a step; the pacing by cost per token takes
-    over again once the fitted floor falls under a quarter of the target. When the pacing stays
-    at one small chunk size for three steps far from the target (no second size to fit
-    against), twice the chunk is tried once.
+    So the steps of the prompt's latest 256 tokens are fitted as `floor + per_token * tokens`
+    (least squares over the cheapest step of each chunk size, once the sizes span 2x, which the
+    shrinking itself brings about). The floor is taken to be there when a chunk of at most
+    `first` tokens still cost the whole target, the fitted floor is at least half the target and
+    no more than 1.25x that step, and that chunk's own work is under half the floor. The chunk is
+    then sized for its work to equal the floor (`floor / per_token`; the largest meeting the
+    target if that is larger): half of each step goes to the prompt, in as few steps as that
+    allows, growing at most 4x a step. The pacing by cost per token takes over again once the
+    fitted floor falls under a quarter of the target.
+
+    On a CPU a chunk's cost grows with its tokens (compute-bound from ~32 rows). Fitted over a
+    whole prompt, the later chunks' higher cost per token (longer context) read as a floor (a
+    236-token chunk, a 413 ms step beside 50 ms decode steps on the ~85M model); over 256 tokens,
+    with the conditions above, the pacer's chunks on step costs modelled on the bench models'
+    are the ones it took without this class.
     """
 
     GROWTH = 4
     SPAN = 2.0  # the steps' sizes must span this much for a fit
-    SIZES = 8  # chunk sizes remembered
+    # The steps fitted: those of the prompt's latest 256 tokens. A long prompt's later steps cost more per token
+    # (longer context), and fitted over a whole prompt on a CPU that read as a floor.
+    WINDOW_TOKENS = 256
 
     def __init__(self, small: int) -> None:
-        self.small = small  # a chunk this small that costs the whole target is the floor's sign (`first`)
-        # This prompt's latest step cost per chunk size beside streams (a pacer stuck at one size keeps the others).
-        self._steps: dict[int, float] = {}
+        self.small = small  # a chunk this small that still costs the whole target is the floor's sign (`first`)
+        self._recent: deque[tuple[int, int, float]] = deque()  # (prompt tokens before it, tokens, seconds)
+        self._done = 0  # the prompt's tokens prefilled beside streams since `reset`
+        self._steps: dict[int, float] = {}  # the cheapest of the recent steps per chunk size
         self.floor: float | None = None  # the fitted cost of a step's prompt work at zero tokens, when it is large
         self._per_token = 0.0
         self._target = 0.0
         self._first_seen = False
-        self._previous: tuple[int, float] = (0, 0.0)
-        self._run = 0  # steps in a row of the latest chunk size
-        self._tried: set[int] = set()  # chunk sizes stepped at least once (since the engine started)
-        self._probe: int | None = None  # a chunk to try: twice a small one the pacing stayed at
 
     def reset(self) -> None:
+        self._recent.clear()
+        self._done = 0
         self._steps.clear()
-        self.floor, self._first_seen, self._previous, self._run, self._probe = None, False, (0, 0.0), 0, None
+        self.floor, self._first_seen = None, False
 
     def observe(self, tokens: int, seconds: float, target: float) -> None:
         """Learns from a lone prompt's step beside streams: `seconds` its prompt work took, `target` its budget."""
-        # The same small chunk three times, far from the target (under half: the pacing is stuck on its way up;
-        # over it: no size meets it): no other size on record to fit against, so twice the chunk is tried.
-        self._run = self._run + 1 if tokens == self._previous[0] else 1
-        far = seconds <= target / 2 or seconds >= target
-        self._probe = 2 * tokens if self._run >= 3 and tokens <= self.small and far else None
-        self._previous = (tokens, seconds)
+        done, self._done = self._done, self._done + tokens
         if not self._first_seen:  # a prompt's first step carries one-off costs (on the 0.5B CPU model, ~1.5x its rate)
             self._first_seen = True
             return
-        # The cheapest step of each size from its second on: a step is only ever slowed (a collection, a neighbour),
-        # and a size's first step also compiles its kernels (MLX CUDA, H100: 1.5-5x its later steps).
-        if tokens not in self._tried:
-            self._tried.add(tokens)
-            return
-        seconds = min(seconds, self._steps.pop(tokens, seconds))
-        self._steps[tokens] = seconds
-        if len(self._steps) > self.SIZES:
-            del self._steps[next(iter(self._steps))]  # the oldest size
+        self._recent.append((done, tokens, seconds))
+        while self._recent[0][0] < done - self.WINDOW_TOKENS:
+            self._recent.popleft()
+        self._steps = {}  # the cheapest step of each size: a step is only ever slowed (a collection, a compile)
+        for _, size, cost in self._recent:
+            self._steps[size] = min(cost, self._steps.get(size, cost))
         fitted = _line(list(self._steps.items()), self.SPAN)
         if fitted is None:
             return
@@ -157,17 +152,17 @@ class CostFloor:
         smallest = min(self._steps)
         # A small chunk (at most `first`) whose own work is under half the fitted floor: the floor sets its cost
         # (and the floor is no more than what that chunk's step cost: a line, not a stray intercept).
-        starts = (smallest <= self.small and target / 4 <= floor <= 1.25 * self._steps[smallest]
-                  and self._per_token * smallest <= floor / 2)
+        starts = (smallest <= self.small and self._steps[smallest] >= target
+                  and target / 2 <= floor <= 1.25 * self._steps[smallest] and self._per_token * smallest <= floor / 2)
         if starts or (self.floor is not None and floor >= target / 4):
             self.floor = floor
         else:
             self.floor = None
 
     def chunk(self, cap: int) -> int | None:
-        """The next chunk while a floor is on or probed for (None: pace by cost per token)."""
+        """The next chunk while a floor is on (None: pace by cost per token)."""
         if self.floor is None:
-            return None if self._probe is None else min(cap, self._probe)
+            return None
         largest = max(self._steps)
         if self._per_token <= 0:
             return min(cap, self.GROWTH * largest)
