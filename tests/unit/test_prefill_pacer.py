@@ -1,5 +1,6 @@
 """The pacer sizes prompt chunks from measured costs (the per-step token budget)."""
 
+import random
 import statistics
 
 from engine_daemon.scheduling.prefill_pacer import BETWEEN_STEPS_IDLE, PrefillPacer, StepPeriods
@@ -237,3 +238,27 @@ def test_one_slow_step_is_not_a_floor() -> None:
     assert pacer.chunk(1, 1) == 15
     pacer.observe(0.100 + 0.075, decoding=1, prompt_tokens=15)  # 5 ms a token
     assert pacer._floor.floor is None and pacer.chunk(1, 1) == 30
+
+
+def test_a_long_prompts_dearer_later_chunks_are_not_a_floor() -> None:
+    """On a CPU a token costs more the longer the context: small late chunks must not read as a floor.
+
+    Fitted over a whole prompt, the late 28-token chunks (as dear as early 60-token ones) gave a
+    floor, and the next chunk was 236 tokens: a 413 ms step beside 50 ms decode steps (~85M model).
+    """
+    for seed in range(6):
+        noise = random.Random(seed)
+        pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=1.5, first=32, max_stall=1.0, tile=16)
+        pacer.observe(2.0, decoding=0, prompt_tokens=1536)
+        done = [0]
+
+        def cost(chunk: int) -> float:  # 0.9 ms a token at context 0, 2.5 ms at 1,536, +-20%
+            seconds = (0.0009 + 0.0016 * done[0] / 1536) * chunk * noise.uniform(0.85, 1.25)
+            done[0] += chunk
+            return seconds
+
+        for _ in range(3):  # prompt after prompt on one pacer, as in the engine
+            done[0] = 0
+            chunks = _prefill(pacer, 0.0475, cost)
+            pacer.observe(0.0475, decoding=4, prompt_tokens=0, prefilling=0)
+            assert max(chunks) <= 92, (seed, chunks)
