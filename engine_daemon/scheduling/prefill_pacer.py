@@ -16,7 +16,10 @@ the pacer steers by the most recent steps' cost per token rather than a fit over
 the whole prompt: a late chunk of a long prompt gets fewer tokens than an early one.
 (Remembering the cost per stretch of context position, so that the next prompt
 starts from what its first positions cost, was tried and measured worse: rates
-learned from small chunks carry their step's fixed cost into other prompts.)
+learned from small chunks carry their step's fixed cost into other prompts.) Where
+that cost is a floor rather than a rate (a GPU's dispatch-bound steps: a chunk of 512
+tokens costs about what one of 32 does, both over the target), `CostFloor` sizes the
+chunks instead of letting them shrink to the minimum.
 
 The operator can fix the budget instead (`--step-token-budget`: decode tokens
 first, the rest to prefill) or fix the chunk (`--interleave-prefill-tokens`).
