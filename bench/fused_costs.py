@@ -39,6 +39,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from stack import bench_model  # noqa: E402
 
+from engine_daemon.scheduling.prefill_pacer import least_squares_line  # noqa: E402
+
 STREAMS, STREAM_CONTEXT, VOCAB_SAMPLE, ROW_TILE = 4, 600, 30000, 16
 
 
@@ -129,7 +131,7 @@ def main() -> int:
             a, f = ms[f"A{c}@{length}"], ms[f"F{c}@{length}"]
             rows.append({"chunk": c, "alone_ms": a, "fused_ms": f})
             print(f"{length:5d} {c:4d} {a:7.1f} {f:7.1f} {f - a:7.1f} {f / d:5.2f}")
-        base, per_token = _fit([r["chunk"] for r in rows], [r["fused_ms"] for r in rows])
+        base, per_token = least_squares_line([r["chunk"] for r in rows], [r["fused_ms"] for r in rows])
         alone_per_token = ms[f"large@{length}"]
         bound = {}
         for ratio in (float(v) for v in args.ratios.split(",")):
@@ -156,13 +158,6 @@ def main() -> int:
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     return 0
-
-
-def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
-    """Least-squares line y = base + slope * x."""
-    mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return mean_y - slope * mean_x, slope
 
 
 def _spread(fused_step, decode_step, repeats: int) -> dict:

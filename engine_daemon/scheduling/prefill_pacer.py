@@ -179,8 +179,13 @@ def _line(points: list[tuple[int, float]], span: float) -> tuple[float, float] |
     xs = [x for x, _ in points]
     if len(points) < 2 or max(xs) < span * min(xs):
         return None
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(y for _, y in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x in xs)
+    return least_squares_line(xs, [y for _, y in points])
+
+
+def least_squares_line(xs: list[int] | list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (xs, ys); the xs must not all be equal."""
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
     return mean_y - slope * mean_x, slope
 
 
