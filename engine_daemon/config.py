@@ -33,7 +33,7 @@ class SchedulerConfig:
     # Tokens per step (decode first, the rest prefill) while others decode; 0 = sized from step costs.
     step_token_budget: int = 0
     # The budget's target: a step with prefill costs at most this many decode steps (--max-gap-ratio).
-    max_gap_ratio: float = 2.5
+    max_gap_ratio: float = 3.0
     # Full-speed prefill steps (nobody streams, or more prompts wait than streams run) last about this long, so
     # streams get a token and new requests start between them (--max-stall-seconds); 0: one chunk per prompt a step.
     max_stall_seconds: float = 1.0

@@ -58,7 +58,7 @@ class BatchScheduler(BaseScheduler):
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size,
                                   ratio=max(0.1, config.max_gap_ratio - 1.0), budget=config.step_token_budget or None,
-                                  max_stall=config.max_stall_seconds or None, tile=ROW_TILE)
+                                  max_stall=config.max_stall_seconds or None, tile=ROW_TILE, spread=True)
         self.periods = StepPeriods()  # the pacer learns the gaps clients see, not the generator call alone
         self._prefill_progress: dict[int, int] = {}
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
@@ -378,8 +378,10 @@ class BatchScheduler(BaseScheduler):
         self.stats.fused_prefill_steps += fused
         self.stats.first_tokens_at_prefill_end += getattr(generator, "first_tokens_at_prefill_end", 0) - early_before
         if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (`PrefillPacer`)
-            log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s)", seconds * 1000, decoding,
-                      prompt_done, generator.prefill_step_size, ", fused" if fused else "")
+            target = self.pacer.target_seconds()
+            log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s; prefill target %s)", seconds * 1000,
+                      decoding, prompt_done, generator.prefill_step_size, ", fused" if fused else "",
+                      "-" if target is None else f"{target * 1000:.0f} ms")
         if not decoding:
             self.prompt_cache.observe_prefill(prompt_done, seconds)
         if self.models.current.kind == "text" and self.lockstep is None:

@@ -27,10 +27,12 @@ def add_scheduling_flags(parser: argparse.ArgumentParser) -> None:
                              "the rest for prompt chunks (stall-free batching); 0 sizes it from measured step "
                              "costs to meet --max-gap-ratio. [MLX_ENGINE_STEP_TOKEN_BUDGET] (default: %(default)s)")
     parser.add_argument("--max-gap-ratio", type=float,
-                        default=float(os.environ.get("MLX_ENGINE_MAX_GAP_RATIO", "2.5")),
+                        default=float(os.environ.get("MLX_ENGINE_MAX_GAP_RATIO", "3.0")),
                         help="with an automatic token budget, a step that also prefills costs at most this many "
                              "decode steps, so running streams' inter-token gaps stay within it while a prompt "
-                             "arrives (steps are timed as clients see them: with the engine's work between two). "
+                             "arrives (steps are timed as clients see them: with the engine's work between two; "
+                             "steps are planned below it by how much dearer than planned this machine's steps "
+                             "come out, its 90th percentile). "
                              "[MLX_ENGINE_MAX_GAP_RATIO] (default: %(default)s)")
     parser.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction,
                         default=os.environ.get("MLX_ENGINE_FUSED_PREFILL", "1") != "0",

@@ -6,7 +6,11 @@ budget is sized from measured step costs so that a step carrying prefill costs a
 most `ratio` decode steps more than one without: running streams' inter-token
 gaps stay within `1 + ratio` times their steady value (`--max-gap-ratio`), and
 the waiting prompt gets the largest chunks that allows, so its first token is not
-delayed more than the gap target forces. When the chunk rides in the decode pass
+delayed more than the gap target forces. The target bounds the worst gap, so in
+the engine a step is planned below it by how much dearer than planned this
+machine's steps come out (`StepSpread`), and a chunk grows at most
+`GROWTH_PER_STEP` times from one step to the next (a rate learnt from one noisy
+step must not size a chunk several times the last). When the chunk rides in the decode pass
 (`StallFreeBatchGenerator`), a chunk of n tokens adds about `b*n` seconds to the
 step; otherwise `a + b*n` (`a`: reading the weights once more). The pacer learns
 that cost from the steps it has seen, so both cases, and a fast accelerator
@@ -60,6 +64,13 @@ ROW_TILE = 16
 
 # Engine time between two steps beyond which it is taken as idle, not as work the streams waited through.
 BETWEEN_STEPS_IDLE = 0.025
+# `StepSpread`: the quantile of steps' cost over their plan that a step is planned to leave room for, the steps it
+# is taken over, how many it needs, and the most room it leaves (one neighbour's burst must not halve the chunks).
+SPREAD_QUANTILE, SPREAD_WINDOW, SPREAD_SAMPLES, MOST_SPREAD = 0.9, 40, 8, 1.5
+# With `StepSpread`, a lone prompt's paced chunk is at most this many times its previous one (or one tile more): a rate
+# learnt from one or two noisy steps sized a 172-token third chunk after one of 76, a 3.5x step (~85M CPU model, 2-core
+# VM), and growing 1.5x, a 140-token one after 92 on the 0.5B model (3.5x: a larger chunk costs more per token).
+GROWTH_PER_STEP = 1.25
 
 
 class StepPeriods:
@@ -82,6 +93,43 @@ class StepPeriods:
         between = None if self._last_end is None else started - self._last_end
         self._last_end = ended
         return ended - started + (between if between is not None and 0 <= between < self.idle else 0.0)
+
+
+class StepSpread:
+    """How much dearer than planned a step that prefills comes out on this machine: the room a gap target leaves.
+
+    Why: the gap target bounds the streams' worst gap, not their median one, and the same
+    fused step repeated costs more some times than others (~85M CPU model on a 2-core VM, in
+    process: p50 163 ms, p90 210, max 233). Steps planned at the target's 2.5 decode steps
+    there came out at 1.7-3.6: the chunk is sized from the latest steps' cost per token, which
+    that noise also reaches. So the pacer records each lone prompt step's cost over its plan
+    (the decode step plus the learnt rate times its tokens) and plans the next at the target
+    divided by a high quantile of those (`SPREAD_QUANTILE` over the last `SPREAD_WINDOW`);
+    until `SPREAD_SAMPLES` are on record, decode-only steps' own quantile over their median
+    stands in. On a quiet machine the room is small and the chunks are as large as the target
+    allows; on a noisy one they shrink so that a dear step still meets it.
+    """
+
+    def __init__(self) -> None:
+        self._over_plan: deque[float] = deque(maxlen=SPREAD_WINDOW)
+
+    def observe(self, seconds: float, planned: float) -> None:
+        self._over_plan.append(seconds / planned)
+
+    def factor(self, decode_steps: deque[float] | None) -> float:
+        """The room a step's plan leaves under the target: at least 1, at most `MOST_SPREAD`."""
+        if len(self._over_plan) >= SPREAD_SAMPLES:
+            spread = _quantile(self._over_plan, SPREAD_QUANTILE)
+        elif decode_steps is not None and len(decode_steps) >= SPREAD_SAMPLES:
+            spread = _quantile(decode_steps, SPREAD_QUANTILE) / statistics.median(decode_steps)
+        else:
+            spread = 1.0
+        return min(MOST_SPREAD, max(1.0, spread))
+
+
+def _quantile(values: deque[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 class CostFloor:
@@ -192,8 +240,10 @@ def least_squares_line(xs: list[int] | list[float], ys: list[float]) -> tuple[fl
 class PrefillPacer:
     def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.5,
                  smoothing: float = 0.3, budget: int | None = None, first: int = 32, window: int = 48,
-                 max_stall: float | None = None, first_burst: int = 256, tile: int = 1):
+                 max_stall: float | None = None, first_burst: int = 256, tile: int = 1, spread: bool = False):
         self.fixed = fixed
+        # `StepSpread`: `ratio` bounds the worst step, not the planned one (the engine's; unit tests plan exactly).
+        self.spread = StepSpread() if spread else None
         self.tile = tile  # `ROW_TILE` in the engine; 1 sizes chunks by time alone
         self.max_stall = max_stall
         self.first_burst = first_burst
@@ -218,6 +268,7 @@ class PrefillPacer:
         # the burst steps that `max_stall` bounds.
         self.full_speed_seconds_per_token: float | None = None
         self._floor = CostFloor(first)  # a prompt's step cost that does not grow with its tokens (a GPU's)
+        self._last_chunk: int | None = None  # the lone prompt's latest paced chunk (`GROWTH_PER_STEP`)
 
     @property
     def decode_seconds(self) -> float | None:
@@ -232,8 +283,19 @@ class PrefillPacer:
         return statistics.median(self._decode_steps[nearest])
 
     def target_seconds(self) -> float | None:
-        """What prefill may add to a step: `ratio` decode steps (None until a decode step was seen)."""
-        return None if self.decode_seconds is None else self.ratio * self.decode_seconds
+        """What prefill may add to a step: `ratio` decode steps (None until a decode step was seen).
+
+        With `spread`, the whole step (decode and prefill) is planned at the target over the
+        machine's `StepSpread`, so a step that comes out that much dearer still meets it.
+        """
+        return None if self.decode_seconds is None else self._target_for(self._streams)
+
+    def _target_for(self, streams: int) -> float:
+        decode = self.decode_seconds_for(streams)
+        if self.spread is None:
+            return self.ratio * decode
+        factor = self.spread.factor(self._decode_steps.get(streams))
+        return max((1 + self.ratio) / factor - 1, self.ratio / (1 + self.ratio)) * decode
 
     def chunk(self, decoding: int, prefilling: int) -> int:
         """Prompt tokens each of the `prefilling` requests may process in the next step, while `decoding` stream."""
@@ -259,7 +321,11 @@ class PrefillPacer:
         target, rate = self.target_seconds(), self.seconds_per_token
         if target is None or rate is None:
             return self._share(self.first, prefilling)
-        return self._tiled(self._share(target / rate, prefilling), decoding, prefilling)
+        tokens = target / rate
+        if self.spread is not None and self._last_chunk and prefilling == 1:
+            # At least a tile more: a smaller step up would snap back to the same chunk (`_tiled`) for good.
+            tokens = min(tokens, max(GROWTH_PER_STEP * self._last_chunk, self._last_chunk + self.tile))
+        return self._tiled(self._share(tokens, prefilling), decoding, prefilling)
 
     def observe(self, step_seconds: float, decoding: int, prompt_tokens: int, prefilling: int = 1) -> None:
         """Learns from one finished step: its time, how many streams it decoded, how many prompt tokens
@@ -275,6 +341,7 @@ class PrefillPacer:
                 # long prompt after a burst at 19-token chunks, regrown 30% a step.
                 self.seconds_per_token = None
                 self._recent_rates.clear()
+                self._last_chunk = None
                 self._floor.reset()
             if streams:
                 # The median of recent decode steps: one slow step (a collection, a neighbour's
@@ -296,8 +363,11 @@ class PrefillPacer:
         if decode_seconds is None:
             return  # cannot tell the prefill's share of this step yet
         prompt_seconds = max(step_seconds - decode_seconds, 1e-6)
-        self._floor.observe(prompt_tokens, prompt_seconds, self.ratio * decode_seconds)
+        if self.spread is not None and self.seconds_per_token is not None:
+            self.spread.observe(step_seconds, decode_seconds + self.seconds_per_token * prompt_tokens)
+        self._floor.observe(prompt_tokens, prompt_seconds, self._target_for(streams))
         self._recent_rates.append(prompt_seconds / prompt_tokens)
+        self._last_chunk = prompt_tokens
         # The median of the last three steps' rates (the latest until there are three): one slow
         # step (a collection, a neighbour taking a core) says nothing about the next chunk's cost,
         # and believed at once it shrank the chunk for the several steps the gentle regrowth took;
