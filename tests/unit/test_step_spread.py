@@ -52,7 +52,7 @@ def test_a_noisy_machine_keeps_most_steps_within_the_target() -> None:
             outcome[spread] = (max(gaps), sum(gap > 3.0 for gap in gaps), len(gaps))
         (plain_worst, plain_over, plain_steps), (worst, over, count) = outcome[False], outcome[True]
         assert plain_over >= plain_steps // 3 and plain_worst > 3.1, (seed, outcome)
-        assert over <= 3 and worst <= 3.2 and worst < plain_worst, (seed, outcome)
+        assert over * 6 <= count and worst <= 3.2 and worst < plain_worst, (seed, outcome)
 
 
 def test_a_chunk_grows_at_most_by_a_factor_a_step() -> None:
