@@ -262,7 +262,11 @@ def test_speech_is_mlx_audios_generate(client: openai.OpenAI, models: dict[str, 
                                for r in tts.generate(text=text, max_tokens=TTS_TOKENS)])
     served = np.frombuffer(audio.content, dtype="<i2")
     assert served.size == expected.size
-    assert np.array_equal(served, (np.clip(expected, -1, 1) * 32767).astype("<i2"))
+    # The engine decodes in slices (`ChunkedDecode`): equal to the one-call decode to float32 rounding (bit for bit
+    # on an Intel CI machine, ~1e-7 apart on an AMD EPYC one), so a sample may truncate to the next 16-bit step.
+    reference = (np.clip(expected, -1, 1) * 32767).astype("<i2")
+    apart = np.abs(served.astype(np.int32) - reference.astype(np.int32))
+    assert apart.max() <= 1 and np.mean(apart == 0) > 0.99
 
 
 @pytest.mark.parametrize("fmt", list(CONTAINERS))

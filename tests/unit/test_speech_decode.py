@@ -2,9 +2,11 @@
 
 Real mlx-audio Soprano decoder (random weights through the real loader). Each slice decodes at
 most its budget of tokens plus `receptive_field` tokens of context on each side, and the samples
-kept equal the one-call decode (plus Soprano generate's trim): on CPU they are bit-identical
-(measured 0.0), so the bound is 1e-9 absolute, tight enough that one token of context too few
-(measured ~3e-8 off) fails.
+kept equal the one-call decode (plus Soprano generate's trim) to float32 rounding: bit-identical
+on an Intel CI machine, up to 1.4e-7 apart on an AMD EPYC one. So the bound is 1e-6 absolute.
+Measured on the AMD machine, largest difference by context: 4 tokens (the config's) 1.4e-7;
+3 (what the decoder's convolutions and ISTFT reach) 1.4e-7; 2: 3.3e-5; 1: 0.11. A slice with
+less context than the decoder reaches therefore fails.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def test_sliced_decode_equals_one_call(model: Any, tokens: int, budget: int) -> 
         model.decoder = original
     sliced = np.concatenate(parts)
     assert sliced.shape == whole.shape
-    assert np.abs(sliced - whole).max() <= 1e-9  # bit-identical on CPU; 3 tokens of context: ~3e-8 off
+    assert np.abs(sliced - whole).max() <= 1e-6  # float32 rounding (module docstring); 2 tokens of context: 3.3e-5
     context = model.config.decoder_config.receptive_field
     step = max(MIN_DECODE_TOKENS, budget)
     assert len(counting.calls) == -(-tokens // step)
