@@ -54,6 +54,7 @@ class GroupedGenerator:
         self._global: dict[tuple[str | None, int], int] = {}
         self._uids = itertools.count()
         self._prefill_step_size = config.prefill_step_size
+        self._ending_chunk: int | None = None  # `StallFreeBatchGenerator.ending_chunk`, set each step
         self.lane: SpeculativeLane | None = None
         self.fused_steps = 0  # steps whose prefill chunk rode in the decode pass (StallFreeBatchGenerator)
         self.first_tokens_at_prefill_end = 0  # first tokens handed back by their prompt's last chunk (ditto)
@@ -71,6 +72,16 @@ class GroupedGenerator:
         self._prefill_step_size = value
         for generator in self._groups.values():
             generator.prefill_step_size = value
+
+    @property
+    def ending_chunk(self) -> int | None:
+        return self._ending_chunk
+
+    @ending_chunk.setter
+    def ending_chunk(self, value: int | None) -> None:
+        self._ending_chunk = value
+        for generator in self._groups.values():
+            generator.ending_chunk = value
 
     def insert(self, prompts: list[list[int]], max_tokens: list[int], caches: list[Any], all_tokens: list[list[int]],
                samplers: list[Any], logits_processors: list[list[Any]], stop_sequences: list[StopSequences],
@@ -177,6 +188,7 @@ class GroupedGenerator:
                 completion_batch_size=config.decode_concurrency, prefill_batch_size=config.prompt_concurrency,
                 prefill_step_size=self._prefill_step_size, max_kv_size=config.max_kv_size, stream=self.stream,
                 fuse=config.fused_prefill)
+            generator.ending_chunk = self._ending_chunk
             self._groups[adapter] = generator
             self._live[adapter] = set()
         return generator

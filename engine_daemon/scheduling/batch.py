@@ -64,7 +64,6 @@ class BatchScheduler(BaseScheduler):
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()
         self._ended_prefills: list[Any] = []  # the last step's progress, shared in `after_publish`
-        # --draft-model: lone requests decode speculatively (SpeculativeDecoder)
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)
         # Rank 0 of an engine group: every generator call is recorded and broadcast as a step plan (Lockstep).
@@ -343,7 +342,8 @@ class BatchScheduler(BaseScheduler):
             chunk = self.config.prefill_step_size if not decoding else max(chunk, self.pacer.minimum)
         elif decoding and not (self.pacer.fixed or self.pacer.budget) and generator.prefilling_turn():
             chunk = max(chunk, self.pacer.turn_chunk())  # a next turn goes in one step (`PrefillPacer.turn_chunk`)
-        generator.prefill_step_size = chunk
+        ending = None if self.lockstep else self.pacer.ending_chunk()  # a group's followers end prompts by chunk alone
+        generator.prefill_step_size, generator.ending_chunk = chunk, ending
         if decoding and len(self.by_uid) > decoding and chunk:
             self.stats.prefill_chunk_tokens = generator.prefill_step_size
         fused_before = getattr(generator, "fused_steps", 0)
@@ -372,11 +372,12 @@ class BatchScheduler(BaseScheduler):
             return events
         ended = time.perf_counter()
         seconds, prompt_done = ended - started, self._prompt_tokens_done(progress)
+        early = getattr(generator, "first_tokens_at_prefill_end", 0) - early_before
         self.pacer.observe(self.periods.measure(started, ended), decoding, prompt_done,
-                           prefilling=len(self.by_uid) - decoding)
+                           prefilling=len(self.by_uid) - decoding, ended=early > 0)
         fused = getattr(generator, "fused_steps", 0) - fused_before
         self.stats.fused_prefill_steps += fused
-        self.stats.first_tokens_at_prefill_end += getattr(generator, "first_tokens_at_prefill_end", 0) - early_before
+        self.stats.first_tokens_at_prefill_end += early
         if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (`PrefillPacer`)
             target = self.pacer.target_seconds()
             log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s; prefill target %s)", seconds * 1000,

@@ -242,6 +242,23 @@ def test_a_prompt_ending_in_a_fused_step_streams_two_steps_sooner(model) -> None
     assert ended_steps[late_uid] == plain_steps[late_uid] - 2 == -(-(len(late) - 1) // 16)
 
 
+def test_an_ending_chunk_limit_ends_the_prompt_in_a_step_of_its_own(model) -> None:
+    """`ending_chunk` (room for the join): a rest over it is prefilled first, then the last token ends the prompt."""
+    prompts = [[(5 * i + j) % 2000 + 3 for j in range(4 + 2 * i)] for i in range(3)]
+    late = [(11 * j) % 2000 + 3 for j in range(70)]
+    plain_steps: dict[int, int] = {}
+    limited_steps: dict[int, int] = {}
+    plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 3, 30, plain_steps)
+    limited = StallFreeBatchGenerator(model, prefill_step_size=16)
+    limited.ending_chunk = 2
+    ended, generator = run(limited, prompts, late, 3, 30, limited_steps)
+    assert ended == plain
+    assert generator.first_tokens_at_prefill_end == 1 and generator.deferred_joins == 0
+    late_uid = max(plain)
+    # 4 chunks of 16, the rest of 5 (over the limit of 2) on its own, then the last token's step hands back its token.
+    assert limited_steps[late_uid] == plain_steps[late_uid] - 1 == 6
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2])
 def test_a_first_token_handed_back_early_counts_once(model, max_tokens: int) -> None:
     """max_tokens 1 ends the request at its early first token (it never joins the decode batch); 2 at the next."""
