@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from stack import bench_model  # noqa: E402
 
-from engine_daemon.scheduling.prefill_pacer import least_squares_line  # noqa: E402
+from engine_daemon.scheduling.cost_floor import least_squares_line  # noqa: E402
 
 STREAMS, STREAM_CONTEXT, VOCAB_SAMPLE, ROW_TILE = 4, 600, 30000, 16
 

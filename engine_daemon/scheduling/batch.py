@@ -58,7 +58,8 @@ class BatchScheduler(BaseScheduler):
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size,
                                   ratio=max(0.1, config.max_gap_ratio - 1.0), budget=config.step_token_budget or None,
-                                  max_stall=config.max_stall_seconds or None, tile=ROW_TILE, spread=True)
+                                  max_stall=config.max_stall_seconds or None, tile=ROW_TILE, spread=True,
+                                  ttft_ratio=config.max_ttft_ratio or None)
         self.periods = StepPeriods()  # the pacer learns the gaps clients see, not the generator call alone
         self._prefill_progress: dict[int, int] = {}
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
@@ -66,8 +67,7 @@ class BatchScheduler(BaseScheduler):
         self._ended_prefills: list[Any] = []  # the last step's progress, shared in `after_publish`
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)
-        # Rank 0 of an engine group: every generator call is recorded and broadcast as a step plan (Lockstep).
-        # Its prompt cache is then a `PlannedPrefixCache` (GroupLeader.attach); no prefill sharing in a group.
+        # Rank 0 of a group broadcasts each generator call (Lockstep; no prefill sharing there, GroupLeader.attach).
         self.lockstep: Lockstep | None = None
 
     # -- counts ---------------------------------------------------------------------
@@ -379,10 +379,9 @@ class BatchScheduler(BaseScheduler):
         self.stats.fused_prefill_steps += fused
         self.stats.first_tokens_at_prefill_end += early
         if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (`PrefillPacer`)
-            target = self.pacer.target_seconds()
             log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s; prefill target %s)", seconds * 1000,
                       decoding, prompt_done, generator.prefill_step_size, ", fused" if fused else "",
-                      "-" if target is None else f"{target * 1000:.0f} ms")
+                      self.pacer.describe_target())
         if not decoding:
             self.prompt_cache.observe_prefill(prompt_done, seconds)
         if self.models.current.kind == "text" and self.lockstep is None:

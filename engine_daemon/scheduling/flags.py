@@ -34,6 +34,13 @@ def add_scheduling_flags(parser: argparse.ArgumentParser) -> None:
                              "steps are planned below it by how much dearer than planned this machine's steps "
                              "come out, its 90th percentile). "
                              "[MLX_ENGINE_MAX_GAP_RATIO] (default: %(default)s)")
+    parser.add_argument("--max-ttft-ratio", type=float,
+                        default=float(os.environ.get("MLX_ENGINE_MAX_TTFT_RATIO", "1.5")),
+                        help="with an automatic token budget, a prompt prefilled beside running streams should get "
+                             "its first token within this many times what a full-speed prefill takes; where that "
+                             "leaves room, its steps are planned further under --max-gap-ratio (both targets equally "
+                             "far off), and where it does not, --max-gap-ratio holds. 0 plans at --max-gap-ratio. "
+                             "[MLX_ENGINE_MAX_TTFT_RATIO] (default: %(default)s)")
     parser.add_argument("--fused-prefill", action=argparse.BooleanOptionalAction,
                         default=os.environ.get("MLX_ENGINE_FUSED_PREFILL", "1") != "0",
                         help="run a lone prompt's chunk inside the decode step's forward pass (llama, qwen2, "
@@ -61,6 +68,7 @@ def scheduling_config(args: argparse.Namespace) -> dict[str, Any]:
             "interleave_prefill_tokens": args.interleave_prefill_tokens,
             "step_token_budget": args.step_token_budget,
             "max_gap_ratio": args.max_gap_ratio,
+            "max_ttft_ratio": max(0.0, args.max_ttft_ratio),
             "max_stall_seconds": max(0.0, args.max_stall_seconds),
             "coalesce_seconds": max(0.0, args.coalesce_ms) / 1000,
             "fused_prefill": args.fused_prefill,

@@ -10,7 +10,9 @@ delayed more than the gap target forces. The target bounds the worst gap, so in
 the engine a step is planned below it by how much dearer than planned this
 machine's steps come out (`StepSpread`), and a chunk grows at most
 `GROWTH_PER_STEP` times from one step to the next (a rate learnt from one noisy
-step must not size a chunk several times the last). When the chunk rides in the decode pass
+step must not size a chunk several times the last). Where the newcomer's own TTFT target
+(`--max-ttft-ratio`) leaves room, its steps are planned further under the gap target, where
+the two are equally far off (`balanced_prefill_seconds`). When the chunk rides in the decode pass
 (`StallFreeBatchGenerator`), a chunk of n tokens adds about `b*n` seconds to the
 step; otherwise `a + b*n` (`a`: reading the weights once more). The pacer learns
 that cost from the steps it has seen, so both cases, and a fast accelerator
@@ -49,6 +51,9 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+
+from engine_daemon.scheduling.cost_floor import CostFloor
+from engine_daemon.scheduling.ttft_balance import AloneCosts, balanced_prefill_seconds
 
 # Prompt tokens a step needs before its time per token says what full-speed prefill costs (fewer: the
 # step's fixed cost dominates); also the smallest chunk a full-speed step gives each prompt.
@@ -126,122 +131,28 @@ class StepSpread:
             spread = 1.0
         return min(MOST_SPREAD, max(1.0, spread))
 
+    def mean(self) -> float:
+        """How much dearer than planned a step comes out on average (1 until `SPREAD_SAMPLES`): what a prompt's
+        steps take in all, where `factor` bounds the worst of them."""
+        if len(self._over_plan) < SPREAD_SAMPLES:
+            return 1.0
+        return min(MOST_SPREAD, max(1.0, statistics.fmean(self._over_plan)))
+
 
 def _quantile(values: deque[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class CostFloor:
-    """Whether a prompt's steps cost a floor over the target that no chunk size gets under, and the chunks then.
-
-    Why: where a step is bound by dispatching its kernels rather than by computing (small models
-    on a GPU), a chunk of 512 tokens beside running streams costs little more than one of 32
-    (H100, MLX CUDA, 0.5B-shaped float32 bench model, in process: 21 ms for 60 tokens, 30 ms for
-    508, against an 11 ms decode step), and on a machine that has not yet compiled a chunk size's
-    kernels any step may cost several decode steps. Sized by their cost per token, the chunks
-    shrink towards the minimum while every step stays over the target, and every step pays the
-    floor again: a 1,500-token prompt beside 4 streams went in 12-108-token chunks and its first
-    token came 11-15x later than alone, its steps still 5.7-6.9x the streams' gap.
-
-    So the steps of the prompt's latest 256 tokens are fitted as `floor + per_token * tokens`
-    (least squares over the cheapest step of each chunk size, once the sizes span 2x, which the
-    shrinking itself brings about). The floor is taken to be there when a chunk of at most
-    `first` tokens still cost the whole target, the fitted floor is at least half the target and
-    no more than 1.25x that step, and that chunk's own work is under half the floor. The chunk is
-    then sized for its work to equal the floor (`floor / per_token`; the largest meeting the
-    target if that is larger): half of each step goes to the prompt, in as few steps as that
-    allows, growing at most 4x a step. The pacing by cost per token takes over again once the
-    fitted floor falls under a quarter of the target.
-
-    On a CPU a chunk's cost grows with its tokens (compute-bound from ~32 rows). Fitted over a
-    whole prompt, the later chunks' higher cost per token (longer context) read as a floor (a
-    236-token chunk, a 413 ms step beside 50 ms decode steps on the ~85M model); over 256 tokens,
-    with the conditions above, the pacer's chunks on step costs modelled on the bench models'
-    are the ones it took without this class.
-    """
-
-    GROWTH = 4
-    SPAN = 2.0  # the steps' sizes must span this much for a fit
-    # The steps fitted: those of the prompt's latest 256 tokens. A long prompt's later steps cost more per token
-    # (longer context), and fitted over a whole prompt on a CPU that read as a floor.
-    WINDOW_TOKENS = 256
-
-    def __init__(self, small: int) -> None:
-        self.small = small  # a chunk this small that still costs the whole target is the floor's sign (`first`)
-        self._recent: deque[tuple[int, int, float]] = deque()  # (prompt tokens before it, tokens, seconds)
-        self._done = 0  # the prompt's tokens prefilled beside streams since `reset`
-        self._steps: dict[int, float] = {}  # the cheapest of the recent steps per chunk size
-        self.floor: float | None = None  # the fitted cost of a step's prompt work at zero tokens, when it is large
-        self._per_token = 0.0
-        self._target = 0.0
-        self._first_seen = False
-
-    def reset(self) -> None:
-        self._recent.clear()
-        self._done = 0
-        self._steps.clear()
-        self.floor, self._first_seen = None, False
-
-    def observe(self, tokens: int, seconds: float, target: float) -> None:
-        """Learns from a lone prompt's step beside streams: `seconds` its prompt work took, `target` its budget."""
-        done, self._done = self._done, self._done + tokens
-        if not self._first_seen:  # a prompt's first step carries one-off costs (on the 0.5B CPU model, ~1.5x its rate)
-            self._first_seen = True
-            return
-        self._recent.append((done, tokens, seconds))
-        while self._recent[0][0] < done - self.WINDOW_TOKENS:
-            self._recent.popleft()
-        self._steps = {}  # the cheapest step of each size: a step is only ever slowed (a collection, a compile)
-        for _, size, cost in self._recent:
-            self._steps[size] = min(cost, self._steps.get(size, cost))
-        fitted = _line(list(self._steps.items()), self.SPAN)
-        if fitted is None:
-            return
-        floor, self._per_token = fitted
-        self._target = target
-        smallest = min(self._steps)
-        # A small chunk (at most `first`) whose own work is under half the fitted floor: the floor sets its cost
-        # (and the floor is no more than what that chunk's step cost: a line, not a stray intercept).
-        starts = (smallest <= self.small and self._steps[smallest] >= target
-                  and target / 2 <= floor <= 1.25 * self._steps[smallest] and self._per_token * smallest <= floor / 2)
-        if starts or (self.floor is not None and floor >= target / 4):
-            self.floor = floor
-        else:
-            self.floor = None
-
-    def chunk(self, cap: int) -> int | None:
-        """The next chunk while a floor is on (None: pace by cost per token)."""
-        if self.floor is None:
-            return None
-        largest = max(self._steps)
-        if self._per_token <= 0:
-            return min(cap, self.GROWTH * largest)
-        # The largest chunk that meets the target, or (the floor over half the target) one whose work equals the floor.
-        sized = max(self._target - self.floor, self.floor) / self._per_token
-        return max(1, round(min(cap, self.GROWTH * largest, sized)))
-
-
-def _line(points: list[tuple[int, float]], span: float) -> tuple[float, float] | None:
-    """Least-squares (intercept, slope) of seconds over tokens; None unless the tokens span `span`x."""
-    xs = [x for x, _ in points]
-    if len(points) < 2 or max(xs) < span * min(xs):
-        return None
-    return least_squares_line(xs, [y for _, y in points])
-
-
-def least_squares_line(xs: list[int] | list[float], ys: list[float]) -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line through (xs, ys); the xs must not all be equal."""
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return mean_y - slope * mean_x, slope
-
-
 class PrefillPacer:
     def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.5,
                  smoothing: float = 0.3, budget: int | None = None, first: int = 32, window: int = 48,
-                 max_stall: float | None = None, first_burst: int = 256, tile: int = 1, spread: bool = False):
+                 max_stall: float | None = None, first_burst: int = 256, tile: int = 1, spread: bool = False,
+                 ttft_ratio: float | None = None):
         self.fixed = fixed
+        # With `spread`: a lone prompt's steps go under the gap target as far as its TTFT target allows
+        # (`balanced_prefill_seconds`; the engine's `--max-ttft-ratio`, over a full-speed prefill).
+        self.ttft_ratio = ttft_ratio
         # `StepSpread`: `ratio` bounds the worst step, not the planned one (the engine's; unit tests plan exactly).
         self.spread = StepSpread() if spread else None
         self.tile = tile  # `ROW_TILE` in the engine; 1 sizes chunks by time alone
@@ -258,6 +169,8 @@ class PrefillPacer:
         # then to re-measure), so a single running median would size chunks from another batch.
         self._decode_steps: dict[int, deque[float]] = {}
         self._streams = 0  # streams decoding in the step being sized (set by `chunk`)
+        self._prefilling = 0  # prompts prefilling in that step
+        self.balanced = False  # the latest lone prompt's target is under the gap plan (`balanced_prefill_seconds`)
         # Seconds a prompt token added to the most recent steps that prefilled (smoothed). A
         # step's fixed cost makes a small chunk look dear per token; sizing the next chunk from
         # it still converges on the size whose whole cost meets the target (n' = T*n/(a+b*n)).
@@ -266,6 +179,8 @@ class PrefillPacer:
         # Seconds per prompt token of recent full-speed steps (whole step over its prompt tokens): sizes
         # the burst steps that `max_stall` bounds.
         self.full_speed_seconds_per_token: float | None = None
+        self.alone = AloneCosts()  # a lone prompt's full-speed steps by position: its TTFT target's reference
+        self._paced_done = 0  # the lone prompt's tokens prefilled beside streams so far (its position in `alone`)
         self._floor = CostFloor(first)  # a prompt's step cost that does not grow with its tokens (a GPU's)
         self._last_chunk: int | None = None  # the lone prompt's latest paced chunk (`GROWTH_PER_STEP`)
         self.join_seconds: float | None = None  # what a step ending a prompt beside streams costs over its tokens
@@ -290,16 +205,34 @@ class PrefillPacer:
         """
         return None if self.decode_seconds is None else self._target_for(self._streams)
 
-    def _target_for(self, streams: int) -> float:
+    def describe_target(self) -> str:
+        """The target for the engine's step trace: seconds, decode steps, and whether the TTFT balance set it."""
+        target = self.target_seconds()
+        if target is None:
+            return "-"
+        return f"{target * 1000:.0f} ms, {target / self.decode_seconds:.2f} decode steps" + (
+            ", balanced" if self.balanced else "")
+
+    def _target_for(self, streams: int, balanced: bool = True) -> float:
+        """The target with `spread`; `balanced`: a lone prompt's, lowered where its TTFT target leaves room."""
         decode = self.decode_seconds_for(streams)
         if self.spread is None:
             return self.ratio * decode
         factor = self.spread.factor(self._decode_steps.get(streams))
-        return max((1 + self.ratio) / factor - 1, self.ratio / (1 + self.ratio)) * decode
+        least = self.ratio / (1 + self.ratio) * decode
+        target = max(((1 + self.ratio) / factor - 1) * decode, least)
+        if balanced and self._prefilling == 1 and self.seconds_per_token is not None:
+            paced = self.seconds_per_token * self.spread.mean()  # the plan's rate as steps come out on average
+            even = balanced_prefill_seconds(decode, paced, self.alone.rate_at(self._paced_done), 1 + self.ratio,
+                                            self.ttft_ratio, factor)
+            self.balanced = even is not None and even < target
+            if even is not None:
+                target = max(least, min(target, even))
+        return target
 
     def chunk(self, decoding: int, prefilling: int) -> int:
         """Prompt tokens each of the `prefilling` requests may process in the next step, while `decoding` stream."""
-        self._streams = decoding
+        self._streams, self._prefilling = decoding, prefilling
         if not decoding:
             # Nobody to stall, but whoever arrives next (an agent's next turn) waits for the step in
             # flight: full speed in steps of about `max_stall` (4.4 s steps held next turns that long).
@@ -337,6 +270,7 @@ class PrefillPacer:
             extra = max(0.0, step_seconds - decode - self.seconds_per_token * prompt_tokens)
             self.join_seconds = _moved_toward(self.join_seconds, extra, 0.5)
             return  # the join's cost is not the tokens': learnt as a rate it would shrink the next prompt's chunks
+        self.alone.observe(prompt_tokens, step_seconds, lone=not streams and prefilling == 1)
         if prompt_tokens >= FULL_SPEED_MINIMUM and streams < prefilling:  # a full-speed step
             self.full_speed_seconds_per_token = _moved_toward(self.full_speed_seconds_per_token,
                                                               step_seconds / prompt_tokens, 0.5)
@@ -349,6 +283,7 @@ class PrefillPacer:
                 self._recent_rates.clear()
                 self._last_chunk = None
                 self._floor.reset()
+                self._paced_done = 0
             if streams:
                 # The median of recent decode steps: one slow step (a collection, a neighbour's
                 # burst) must not widen every gap that follows.
@@ -356,6 +291,8 @@ class PrefillPacer:
             return
         if not streams:
             return  # a full-speed prefill says little about a chunk beside a decode step
+        if prefilling == 1:
+            self._paced_done += prompt_tokens
         if prompt_tokens < self.minimum:
             # A prompt's tail (its last token or few): the step's cost is the prompt joining the
             # streams, not tokens. Learnt as a rate it would read as tens of ms per token and start
@@ -371,7 +308,7 @@ class PrefillPacer:
         prompt_seconds = max(step_seconds - decode_seconds, 1e-6)
         if self.spread is not None and self.seconds_per_token is not None:
             self.spread.observe(step_seconds, decode_seconds + self.seconds_per_token * prompt_tokens)
-        self._floor.observe(prompt_tokens, prompt_seconds, self._target_for(streams))
+        self._floor.observe(prompt_tokens, prompt_seconds, self._target_for(streams, balanced=False))
         self._recent_rates.append(prompt_seconds / prompt_tokens)
         self._last_chunk = prompt_tokens
         # The median of the last three steps' rates (the latest until there are three): one slow
