@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -193,6 +194,35 @@ def answers_from_two_engines(socket_prefix: str, logs: list[Path], model: str, e
                                                    engine_args=engine_args))
                 for i, log in enumerate(logs)]
         return [ask(frontend, model, messages) for (_, frontend), messages in zip(ends, conversations)]
+
+
+@contextlib.contextmanager
+def stream_running(url: str, model_id: str, max_tokens: int) -> Iterator[None]:
+    """A streaming chat completion decoding in the background (EOS ignored) for the block's duration.
+
+    Entered once its first token arrived, so what the block sends is prefilled beside a running
+    stream; left once the stream was dropped or ended.
+    """
+    streaming, done = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        body = {"model": model_id, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": max_tokens,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url, json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if '"content"' in line:
+                    streaming.set()
+                if done.is_set():
+                    break
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    try:
+        assert streaming.wait(120), "the running stream never produced a token"
+        yield
+    finally:
+        done.set()
+        runner.join(300)
 
 
 def client_for(frontend: Frontend) -> openai.OpenAI:

@@ -9,14 +9,13 @@ prompt after a long cached prefix) still goes in one. Read from the engine's own
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import Frontend, running_stack
+from tests.helpers import Frontend, running_stack, stream_running
 
 STEP = re.compile(r"step [\d.]+ ms: (\d+) decoding, (\d+) prompt tokens")
 NEW_WORDS = 60  # the next turn's new text: ~120 tokens, under the 256 a next turn may add
@@ -53,22 +52,7 @@ def test_a_next_turn_goes_in_one_step_and_a_fresh_prompt_is_paced(stack: tuple[F
     history += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}]
     new_text = " ".join(f"more{j % 97}" for j in range(NEW_WORDS))
 
-    streaming, done = threading.Event(), threading.Event()
-
-    def stream() -> None:
-        body = {"model": model_id, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 3000,
-                "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url, json=body, timeout=300) as response:
-            for line in response.iter_lines():
-                if '"content"' in line:
-                    streaming.set()
-                if done.is_set():
-                    break
-
-    runner = threading.Thread(target=stream)
-    runner.start()
-    try:
-        assert streaming.wait(120), "the running stream never produced a token"
+    with stream_running(url, model_id, max_tokens=3000):
         offset = len(log_path.read_text())
         early_before = _early_first_tokens(frontend)
         turn = httpx.post(url, timeout=120, json={"model": model_id, "max_tokens": 2, "temperature": 0,
@@ -85,9 +69,6 @@ def test_a_next_turn_goes_in_one_step_and_a_fresh_prompt_is_paced(stack: tuple[F
                                                    "messages": [{"role": "user", "content": new_text + " fresh"}]})
         assert fresh.status_code == 200
         fresh_chunks = _chunks_beside_streams(log_path, offset)
-    finally:
-        done.set()
-        runner.join(300)
     # The turn's new tokens, its last included (whose logits give its first token), in one step; the control in
     # several.
     assert turn_chunks == [turn_new], f"the next turn ({turn_new} new tokens) was split: {turn_chunks}"

@@ -11,14 +11,13 @@ Read from the engine's own step trace.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import Frontend, running_stack
+from tests.helpers import Frontend, running_stack, stream_running
 
 PACED = re.compile(r"step [\d.]+ ms: (\d+) decoding, (\d+) prompt tokens \(chunk \d+(?:, fused)?; "
                    r"prefill target \d+ ms, ([\d.]+) decode steps(, balanced)?\)")
@@ -48,30 +47,12 @@ def test_a_newcomer_with_room_under_its_ttft_target_is_planned_under_the_gap_tar
         "messages": [{"role": "user", "content": " ".join(f"alone{j % 193}" for j in range(400))}]})
     assert alone.status_code == 200 and alone.json()["usage"]["prompt_tokens"] >= 512
 
-    streaming, done = threading.Event(), threading.Event()
-
-    def stream() -> None:
-        body = {"model": model_id, "messages": [{"role": "user", "content": "Go on."}], "max_tokens": 6000,
-                "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", url, json=body, timeout=300) as response:
-            for line in response.iter_lines():
-                if '"content"' in line:
-                    streaming.set()
-                if done.is_set():
-                    break
-
-    runner = threading.Thread(target=stream)
-    runner.start()
-    try:
-        assert streaming.wait(120), "the running stream never produced a token"
+    with stream_running(url, model_id, max_tokens=6000):
         offset = len(log_path.read_text())
         fresh = httpx.post(url, timeout=120, json={
             "model": model_id, "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "user", "content": " ".join(f"fresh{j % 181}" for j in range(400))}]})
         assert fresh.status_code == 200
         plans = _planned_beside_streams(log_path, offset)
-    finally:
-        done.set()
-        runner.join(300)
     assert len(plans) >= 3, f"the newcomer was not paced: {plans}"
     assert all(abs(plan - 2 / 3) < 0.011 and balanced for plan, balanced in plans), plans
