@@ -37,6 +37,8 @@ class SchedulerConfig:
     # A lone newcomer's TTFT target over a full-speed prefill: its steps go under the gap target as far as this
     # leaves room (--max-ttft-ratio; `balanced_prefill_seconds`); 0: steps planned at the gap target.
     max_ttft_ratio: float = 1.5
+    # A fused step running late cuts its chunk between two layers; the rest runs next step (`LayerCarry`).
+    layer_cuts: bool = True
     # Full-speed prefill steps (nobody streams, or more prompts wait than streams run) last about this long, so
     # streams get a token and new requests start between them (--max-stall-seconds); 0: one chunk per prompt a step.
     max_stall_seconds: float = 1.0

@@ -26,6 +26,7 @@ layer and no pipeline split, are fused (`fusable`); anything else keeps the two 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -34,6 +35,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from engine_daemon.cpu.prefill_attention import evaluated_together
 from engine_daemon.cpu.prefill_scope import prefilling
+from engine_daemon.generation.layer_carry import LayerCarry
 
 FUSABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -114,17 +116,44 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
     ends its prompt (`chunk_last_logits`) adds one row, B + 1, the logits of its last
     token, from which the prompt's first token is sampled (`joined_with_logits`).
     """
+    return fused_forward_carried(model, decode_inputs, decode_cache, chunk_inputs, chunk_cache,
+                                 chunk_last_logits)[0]
+
+
+def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: list[Any], chunk_inputs: mx.array,
+                          chunk_cache: list[Any], chunk_last_logits: bool = False, carry: LayerCarry | None = None,
+                          keep_going: Callable[[int], bool] | None = None,
+                          chunk_tokens: list[int] | None = None) -> tuple[mx.array, LayerCarry | None]:
+    """`fused_forward` that takes in a carried chunk and may cut its own chunk between layers (`LayerCarry`).
+
+    `carry`: rows of an earlier chunk that stopped before layer `carry.start`; they rejoin there,
+    before this chunk's rows (they are the positions just before them). `keep_going(index)`,
+    asked before each layer from the carry's (at least layer 1), says whether the chunk's rows go
+    on into that layer; when it says no, they leave the pass and come back as the returned
+    carry (`chunk_tokens`: the tokens this chunk's rows stand for). A chunk that ends its prompt
+    is never cut: its last row's logits are needed now.
+    """
     net = _activated(model)
     body = net.model
     decode_h = body.embed_tokens(decode_inputs)
-    chunk_h = body.embed_tokens(chunk_inputs)
     decode_mask = create_attention_mask(decode_h, decode_cache[0])
-    chunk_mask = create_attention_mask(chunk_h, chunk_cache[0])
     rows, width = decode_h.shape[0], decode_h.shape[-1]
-    chunk_len = chunk_h.shape[1]
-    stacked = mx.concatenate([decode_h.reshape(rows, width), chunk_h.reshape(chunk_len, width)], axis=0)
+    chunk_h = body.embed_tokens(chunk_inputs).reshape(-1, width)
+    stacked = mx.concatenate([decode_h.reshape(rows, width), chunk_h], axis=0)
+    carried_tokens = list(carry.tokens) if carry is not None else []
+    tokens = carried_tokens + list(chunk_tokens if chunk_tokens is not None else [])
+    first_cut = max(1, carry.start if carry is not None else 0)
+    masks: dict[tuple[int, int], Any] = {}
+    cut: LayerCarry | None = None
     last = len(body.layers) - 1
     for index, (layer, decode_c, chunk_c) in enumerate(zip(body.layers, decode_cache, chunk_cache)):
+        if carry is not None and index == carry.start:  # the carried rows rejoin, before this chunk's
+            stacked = mx.concatenate([stacked[:rows], carry.hidden, stacked[rows:]], axis=0)
+        if (cut is None and keep_going is not None and not chunk_last_logits and index >= first_cut
+                and stacked.shape[0] > rows and not keep_going(index)):
+            cut = LayerCarry(stacked[rows:], index, tokens)
+            stacked = stacked[:rows]
+        chunk_len = stacked.shape[0] - rows
         attn = layer.self_attn
         normed = layer.input_layernorm(stacked)
         projected = {name: getattr(attn, name)(normed) for name in ("q_proj", "k_proj", "v_proj")}
@@ -136,7 +165,9 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
         # fused step on the ~85M bench model: that was a cost the streams paid only in steps with a chunk).
         with prefilling(), evaluated_together():
             decode_out = _attention_core(attn, decode_part, (rows, 1, width), decode_mask, decode_c)
-            chunk_out = _attention_core(attn, chunk_part, (1, chunk_len, width), chunk_mask, chunk_c)
+            if chunk_len:
+                chunk_mask = _chunk_mask(masks, chunk_len, chunk_c, width)
+                chunk_out = _attention_core(attn, chunk_part, (1, chunk_len, width), chunk_mask, chunk_c)
         if index == last:  # the chunk's KV is complete: only its last row's output can still feed anything
             kept, outputs = stacked[:rows], decode_out.reshape(rows, -1)
             if chunk_last_logits:
@@ -145,11 +176,27 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
             decode_h = kept + attn.o_proj(outputs)
             decode_h = decode_h + layer.mlp(layer.post_attention_layernorm(decode_h))
             break
-        mixed = mx.concatenate([decode_out.reshape(rows, -1), chunk_out.reshape(chunk_len, -1)], axis=0)
+        mixed = decode_out.reshape(rows, -1)
+        if chunk_len:
+            mixed = mx.concatenate([mixed, chunk_out.reshape(chunk_len, -1)], axis=0)
         stacked = stacked + attn.o_proj(mixed)
         with prefilling():  # mostly the chunk's rows: its SwiGLU is computed as its own prefill's would be
             stacked = stacked + layer.mlp(layer.post_attention_layernorm(stacked))
-    return _logits(net, body.norm(decode_h.reshape(decode_h.shape[0], 1, width)))
+    return _logits(net, body.norm(decode_h.reshape(decode_h.shape[0], 1, width))), cut
+
+
+def _chunk_mask(masks: dict[tuple[int, int], Any], length: int, cache: Any, width: int) -> Any:
+    """The chunk's attention mask at a layer, from the layer's own cache (a carry leaves the first layers ahead).
+
+    Layers whose caches hold as many positions share one mask (`masks`, by rows and positions).
+    """
+    held = getattr(cache, "_idx", None)
+    if held is None:
+        held = getattr(cache, "offset", None)
+    key = (length, held if isinstance(held, int) else -1)
+    if key[1] < 0 or key not in masks:
+        masks[key] = create_attention_mask(_Shape((1, length, width)), cache)
+    return masks[key]
 
 
 def prompt_end_logits(model: Any, chunk_inputs: mx.array, chunk_cache: list[Any]) -> mx.array:

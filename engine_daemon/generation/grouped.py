@@ -55,6 +55,7 @@ class GroupedGenerator:
         self._uids = itertools.count()
         self._prefill_step_size = config.prefill_step_size
         self._ending_chunk: int | None = None  # `StallFreeBatchGenerator.ending_chunk`, set each step
+        self._layer_deadline: tuple[float, float] | None = None
         self.lane: SpeculativeLane | None = None
         self.fused_steps = 0  # steps whose prefill chunk rode in the decode pass (StallFreeBatchGenerator)
         self.first_tokens_at_prefill_end = 0  # first tokens handed back by their prompt's last chunk (ditto)
@@ -82,6 +83,32 @@ class GroupedGenerator:
         self._ending_chunk = value
         for generator in self._groups.values():
             generator.ending_chunk = value
+
+    @property
+    def layer_deadline(self) -> tuple[float, float] | None:
+        return self._layer_deadline
+
+    @layer_deadline.setter
+    def layer_deadline(self, value: tuple[float, float] | None) -> None:
+        """(bound, decode step) seconds for a chunk's cut between layers (`LayerDeadline`), set each step.
+
+        Only with one group stepping: each group's pass is its own step, and the bound is the whole step's.
+        """
+        self._layer_deadline = value
+        live = [key for key in self._groups if self._live.get(key)]
+        for key, generator in self._groups.items():
+            generator.carry.deadline = value if self.lane is None and live == [key] else None
+
+    def carry_counts(self) -> tuple[int, int]:
+        """Chunks cut between layers and carries rolled back, over every group (`CarryKeeper`)."""
+        return (sum(g.carry.cuts for g in self._groups.values()), sum(g.carry.rollbacks for g in self._groups.values()))
+
+    def last_cut(self) -> tuple[int | None, float | None]:
+        """Where the last step's chunk left its pass, and that step's prompt work in tokens (None: no fused step)."""
+        for generator in self._groups.values():
+            if generator.carry.last_work is not None:
+                return generator.carry.last_cut_layer, generator.carry.last_work
+        return None, None
 
     def insert(self, prompts: list[list[int]], max_tokens: list[int], caches: list[Any], all_tokens: list[list[int]],
                samplers: list[Any], logits_processors: list[list[Any]], stop_sequences: list[StopSequences],

@@ -13,7 +13,9 @@ and every model `fusable` rejects, runs mlx-lm's path unchanged.
 The chunk size is still `prefill_step_size`, set each step by the scheduler's
 token budget (`PrefillPacer`). A fused step keeps mlx-lm's pipelining: the chunk's
 KV is computed in the decode step's asynchronously evaluated graph, and the prompt
-batch only records the chunk (`_ChunkRecorded`).
+batch only records the chunk (`ChunkRecorded`). On the CPU, a chunk whose step runs past the
+scheduler's bound leaves the pass between two layers and finishes in the next fused step
+(`LayerCarry`); any other step rolls such a carry back first (`_settle_carry`).
 
 The step where a prefilled prompt joins the running streams is the other place a
 gap can open, so that step is made cheap too: the newcomer's KV is joined to the
@@ -34,6 +36,7 @@ deferred instead, its last token computed in the next decode step with the other
 from __future__ import annotations
 
 import logging
+import time
 import types
 from typing import Any
 
@@ -48,63 +51,22 @@ from engine_daemon.generation.deferred_join import (
     joined_with_logits,
     start_generating,
 )
-from engine_daemon.generation.fused_step import fusable, fused_forward, prompt_end_logits
+from engine_daemon.generation.fused_stand_ins import ChunkRecorded, FusedDecode
+from engine_daemon.generation.fused_step import fusable, network, prompt_end_logits
+from engine_daemon.generation.layer_carry import CarryKeeper
 
 log = logging.getLogger(__name__)
 
 # A conversation's next turn: at least this many tokens cached, at most this many new (`_admission_limit`).
 NEXT_TURN_CACHED = 256
 NEXT_TURN_NEW = 256
+# Rows a CPU matrix kernel computes at once (the pacer's `ROW_TILE`): a chunk shrunk for a carry keeps whole tiles.
+CHUNK_TILE = 16
 
 
 def _rest(segments: list[list[int]]) -> list[int]:
     """A prompt's tokens still to prefill, its held-back last token included."""
     return [token for segment in segments for token in segment]
-
-
-class _FusedDecode:
-    """Stands in for the model in the decode batch's call: runs the fused pass."""
-
-    def __init__(self, model: Any, chunk: list[int], chunk_cache: list[Any], ends_prompt: bool = False):
-        self.model, self.chunk, self.chunk_cache = model, chunk, chunk_cache
-        self.ends_prompt = ends_prompt
-        self.prompt_logits: mx.array | None = None  # the chunk's last token's, when it ends its prompt
-        self.used = False
-
-    def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        self.used = True
-        logits = fused_forward(self.model, inputs, cache, mx.array([self.chunk]), self.chunk_cache,
-                               chunk_last_logits=self.ends_prompt)
-        if not self.ends_prompt:
-            return logits
-        rows = inputs.shape[0]
-        self.prompt_logits = logits[rows:]
-        return logits[:rows]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-
-class _ChunkRecorded:
-    """Stands in for the prompt batch's `prompt` in a fused step: the chunk is already in the decode pass.
-
-    mlx-lm's `prompt` would run the model on the chunk, then wait for the chunk's KV
-    (`mx.eval`) and empty MLX's buffer cache. The fused pass computes that KV inside the
-    decode step's graph, which mlx-lm evaluates asynchronously; waiting for it here would
-    serialise every fused step with the building of the next one (the pipelining decode
-    steps have), and emptying the buffer cache would make the next step allocate afresh.
-    So only the bookkeeping remains: the prompt's token list gains the chunk.
-    """
-
-    def __init__(self, batch: PromptProcessingBatch, chunk: list[int]):
-        self.batch, self.chunk = batch, chunk
-        self.used = False
-
-    def __call__(self, tokens: list[list[int]]) -> None:
-        if len(tokens) != 1 or list(tokens[0]) != self.chunk:  # never silently skip a chunk nobody computed
-            raise RuntimeError(f"fused prefill expected its chunk of {len(self.chunk)} tokens, got {tokens!r:.80}")
-        self.batch.tokens[0] += tokens[0]
-        self.used = True
 
 
 def _split(batch: PromptProcessingBatch, indices: list[int]) -> PromptProcessingBatch:
@@ -179,6 +141,8 @@ class StallFreeBatchGenerator(BatchGenerator):
         self.prompt_concurrency = self.prefill_batch_size
         self._turns: set[int] = set()  # uids whose short prompt continues a long cached prefix (`_admission_limit`)
         self._ended: dict[int, list[Any]] = {}  # prompts that joined in the last step -> their own caches (`own_kv`)
+        self.carry = CarryKeeper(len(network(model).model.layers) if self.fuse else 0)  # a chunk cut between layers
+        self._step_started = 0.0
 
     def insert_segments(self, segments: Any, max_tokens: Any = None, caches: Any = None, all_tokens: Any = None,
                         *args: Any, **kwargs: Any) -> list[int]:
@@ -249,6 +213,8 @@ class StallFreeBatchGenerator(BatchGenerator):
         return prompt_responses, kept
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        if self.carry.uid in uids:
+            self._settle_carry(keep=False)
         for uid in uids:
             self._pending.pop(uid, None)
             self._repeating.pop(uid, None)
@@ -291,7 +257,7 @@ class StallFreeBatchGenerator(BatchGenerator):
             return _rest(segments), True
         if len(segments) == 1 and len(segments[0]) == 1:
             return None  # the prompt turns into a stream this step on mlx-lm's path: nothing to prefill
-        chunk = list(segments[0][: self.prefill_step_size])
+        chunk = list(segments[0][: self.carry.shrunk(self.prefill_step_size, generating, CHUNK_TILE)])
         return (chunk, False) if chunk else None
 
     def _admits(self) -> bool:
@@ -311,7 +277,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         if len(segments) == 1:
             return len(segments[0]) == 1
         ending = self.ending_chunk if self.ending_chunk is not None and len(self._generation_batch) else None
-        limit = self.prefill_step_size if ending is None else min(self.prefill_step_size, ending)
+        limit = self.carry.shrunk(self.prefill_step_size if ending is None else min(self.prefill_step_size, ending))
         return len(segments) == 2 and len(segments[1]) == 1 and len(segments[0]) + 1 <= limit
 
     def _joining_this_step(self) -> list[int]:
@@ -336,12 +302,16 @@ class StallFreeBatchGenerator(BatchGenerator):
         return bool(joining or self._first_tokens_due)
 
     def _next(self) -> Any:
+        self._step_started = time.perf_counter()
         self._ended.clear()
+        self.carry.new_step()
         self.prefill_batch_size = self._admission_limit()
         self._turns.intersection_update(self._prompt_batch.uids + [seq[0] for seq in self._unprocessed_sequences])
         joining = self._joining_this_step()
         hold = self._hold_prefill(joining)
         self._first_tokens_due = {uid for uid in joining if uid not in self._pending}
+        if not hold or self._admits():
+            self._settle_carry()
         if hold:
             chunk_size, self.prefill_step_size = self.prefill_step_size, 0
             try:
@@ -381,24 +351,37 @@ class StallFreeBatchGenerator(BatchGenerator):
         self._admit_lone_prompt()
         planned = self._fusable_chunk()
         if planned is None:
+            self._settle_carry(keep=False)
             lone = self._lone_prompt_end()
             return super()._next() if lone is None else self._step_ending(lone)
         chunk, ends_prompt = planned
         if ends_prompt:
             return self._step_ending(chunk)
         decode, prompt = self._generation_batch, self._prompt_batch
-        fused = _FusedDecode(self.model, chunk, prompt.prompt_cache)
-        recorded = _ChunkRecorded(prompt, chunk)
+        carry = self.carry.taken()
+        cuttable = len(self._currently_processing[0][0][0]) > len(chunk)  # its segment goes on after it
+        fused = FusedDecode(self.model, chunk, prompt.prompt_cache, carry=carry,
+                            keep_going=self.carry.keep_going(self._step_started) if cuttable else None)
+        recorded = ChunkRecorded(prompt, chunk)
         decode.model, prompt.prompt = fused, recorded
+        size, self.prefill_step_size = self.prefill_step_size, len(chunk)  # mlx-lm takes the chunk (carry: smaller)
         try:
             result = super()._next()
         finally:
-            decode.model = self.model
+            decode.model, self.prefill_step_size = self.model, size
             del prompt.prompt
         if not (fused.used and recorded.used):  # cannot happen while _fusable_chunk matches mlx-lm's _next
             raise RuntimeError("fused prefill chunk was not computed")
         self.fused_steps += 1
+        self.carry.stepped(prompt.uids[0], chunk, carry, fused.carried)
         return result
+
+    def _settle_carry(self, keep: bool = True) -> None:
+        """Rolls a carry back unless this step can take it on (`keep`: a fused step of the same lone prompt may)."""
+        survives = (keep and self._prompt_batch.uids == [self.carry.uid] and not self._admits()
+                    and len(self._generation_batch) > 0)
+        if self.carry.carry is not None and not survives:
+            self.carry.roll_back(self._prompt_batch, self._currently_processing)
 
     def _lone_prompt_end(self) -> list[int] | None:
         """The rest of a lone prompt, last token included, when nothing decodes and it fits this step's chunk."""
@@ -418,6 +401,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         would have joined it a step later, with the same progress response, and its first
         token is handed back now (`first_token_now`), two steps sooner than mlx-lm's path.
         """
+        carry = self.carry.taken()  # only beside streams (`_fusable_chunk`): nothing decoding rolled it back
         uid, (_segments, _done, total) = self._prompt_batch.uids[0], self._currently_processing.pop()
         self._steps_beside_streams.pop(uid, None)
         self._first_tokens_due.discard(uid)  # counted as joining (its rest was its last token): handed back now
@@ -426,7 +410,7 @@ class StallFreeBatchGenerator(BatchGenerator):
             prompt_responses, generation_responses = [], []
             logits = prompt_end_logits(self.model, mx.array([chunk]), moved.prompt_cache)
         else:
-            fused = _FusedDecode(self.model, chunk, moved.prompt_cache, ends_prompt=True)
+            fused = FusedDecode(self.model, chunk, moved.prompt_cache, ends_prompt=True, carry=carry)
             decode, admission = self._generation_batch, self.prefill_batch_size
             decode.model, self.prefill_batch_size = fused, 0
             try:

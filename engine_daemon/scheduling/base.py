@@ -52,6 +52,10 @@ class SchedulerStats:
     prefill_chunk_tokens: int = 0
     # Prompts whose first token came back from the step of their last chunk (`StallFreeBatchGenerator._step_ending`).
     first_tokens_at_prefill_end: int = 0
+    # Chunks that left a fused pass between two layers to keep their step within the gap target, and carries of
+    # such chunks rolled back (redone) because mlx-lm's own path took the prompt on (`LayerCarry`).
+    prefill_layer_cuts: int = 0
+    prefill_carry_rollbacks: int = 0
     # Requests taken while an idle engine waited for companions of the one that woke it (`--coalesce-ms`).
     coalesce_waits: int = 0
     coalesced_requests: int = 0

@@ -17,6 +17,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine_daemon.config import SchedulerConfig
+from engine_daemon.cpu import prefill_attention
 from engine_daemon.errors import RequestError, engine_failure
 from engine_daemon.generation import vision_batch
 from engine_daemon.generation.grouped import GroupedGenerator
@@ -35,6 +36,7 @@ from engine_daemon.scheduling import coalesce
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
 from engine_daemon.scheduling.prefill_pacer import ROW_TILE, PrefillPacer, StepPeriods
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
+from engine_daemon.scheduling.prompt_progress import PromptProgress
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +61,10 @@ class BatchScheduler(BaseScheduler):
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size,
                                   ratio=max(0.1, config.max_gap_ratio - 1.0), budget=config.step_token_budget or None,
                                   max_stall=config.max_stall_seconds or None, tile=ROW_TILE, spread=True,
-                                  ttft_ratio=config.max_ttft_ratio or None)
+                                  ttft_ratio=config.max_ttft_ratio or None,
+                                  cuts=config.layer_cuts and prefill_attention.enabled())
         self.periods = StepPeriods()  # the pacer learns the gaps clients see, not the generator call alone
-        self._prefill_progress: dict[int, int] = {}
+        self._prefill_progress = PromptProgress()
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()
         self._ended_prefills: list[Any] = []  # the last step's progress, shared in `after_publish`
@@ -320,7 +323,7 @@ class BatchScheduler(BaseScheduler):
         uids = [self.uid_of.pop(rid) for rid in rids if rid in self.uid_of]
         for uid in uids:
             del self.by_uid[uid]
-            self._prefill_progress.pop(uid, None)
+            self._prefill_progress.forget(uid)
         self.sharing.forget(uids)
         if uids:
             self.generator.remove(uids)
@@ -344,6 +347,8 @@ class BatchScheduler(BaseScheduler):
             chunk = max(chunk, self.pacer.turn_chunk())  # a next turn goes in one step (`PrefillPacer.turn_chunk`)
         ending = None if self.lockstep else self.pacer.ending_chunk()  # a group's followers end prompts by chunk alone
         generator.prefill_step_size, generator.ending_chunk = chunk, ending
+        if isinstance(generator, GroupedGenerator):  # a chunk's cut between layers goes by the clock: not in a group
+            generator.layer_deadline = None if self.lockstep else self.pacer.step_deadline()
         if decoding and len(self.by_uid) > decoding and chunk:
             self.stats.prefill_chunk_tokens = generator.prefill_step_size
         fused_before = getattr(generator, "fused_steps", 0)
@@ -371,16 +376,20 @@ class BatchScheduler(BaseScheduler):
             self._close_generator()
             return events
         ended = time.perf_counter()
-        seconds, prompt_done = ended - started, self._prompt_tokens_done(progress)
+        seconds, prompt_done = ended - started, self._prefill_progress.step_tokens(progress)
         early = getattr(generator, "first_tokens_at_prefill_end", 0) - early_before
-        self.pacer.observe(self.periods.measure(started, ended), decoding, prompt_done,
+        cut, work = generator.last_cut() if isinstance(generator, GroupedGenerator) else (None, None)
+        self.pacer.observe(self.periods.measure(started, ended), decoding, prompt_done if work is None else round(work),
                            prefilling=len(self.by_uid) - decoding, ended=early > 0)
+        if isinstance(generator, GroupedGenerator):  # chunks cut between layers (`LayerCarry`)
+            self.stats.prefill_layer_cuts, self.stats.prefill_carry_rollbacks = generator.carry_counts()
         fused = getattr(generator, "fused_steps", 0) - fused_before
         self.stats.fused_prefill_steps += fused
         self.stats.first_tokens_at_prefill_end += early
         if log.isEnabledFor(logging.DEBUG):  # the step trace behind inter-token gaps (`PrefillPacer`)
-            log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s; prefill target %s)", seconds * 1000,
+            log.debug("step %.1f ms: %d decoding, %d prompt tokens (chunk %d%s%s; prefill target %s)", seconds * 1000,
                       decoding, prompt_done, generator.prefill_step_size, ", fused" if fused else "",
+                      "" if cut is None else f", cut at layer {cut}, {work:.0f} tokens' work",
                       self.pacer.describe_target())
         if not decoding:
             self.prompt_cache.observe_prefill(prompt_done, seconds)
@@ -426,18 +435,6 @@ class BatchScheduler(BaseScheduler):
         ended, self._ended_prefills = self._ended_prefills, []
         if ended and self.generator is not None:
             self.sharing.publish(ended, self.by_uid, self.generator, self._remember)
-
-    def _prompt_tokens_done(self, progress: list[Any]) -> int:
-        """Prompt tokens the last step processed, from the generator's cumulative progress."""
-        done = 0
-        for response in progress:
-            processed = response.progress[0]
-            done += processed - self._prefill_progress.get(response.uid, 0)
-            if response.end_of_prompt:
-                self._prefill_progress.pop(response.uid, None)
-            else:
-                self._prefill_progress[response.uid] = processed
-        return done
 
     def _remember(self, tokens: list[int], cache: list[Any], adapter: str | None = None, uid: int = -1) -> None:
         """Keeps a finished request's KV for the next turn of its conversation (with the same adapter)."""

@@ -46,6 +46,12 @@ def add_scheduling_flags(parser: argparse.ArgumentParser) -> None:
                         help="run a lone prompt's chunk inside the decode step's forward pass (llama, qwen2, "
                              "qwen3, mistral), so streams and the newcomer share one read of the weights. "
                              "[MLX_ENGINE_FUSED_PREFILL=0 turns it off] (default: on)")
+    parser.add_argument("--layer-cuts", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get("MLX_ENGINE_LAYER_CUTS", "1") != "0",
+                        help="with an automatic token budget on the CPU, a fused step whose prefill runs late lets "
+                             "its chunk leave the pass after the layer it is in, so the streams' step ends within "
+                             "--max-gap-ratio; the rest of the chunk's layers run in the next step, nothing lost. "
+                             "[MLX_ENGINE_LAYER_CUTS=0 turns it off] (default: on)")
     parser.add_argument("--prompt-concurrency", type=int,
                         default=int(os.environ.get("MLX_ENGINE_PROMPT_CONCURRENCY", "8")),
                         help="most prompts prefilled together. [MLX_ENGINE_PROMPT_CONCURRENCY] (default: %(default)s)")
@@ -69,6 +75,7 @@ def scheduling_config(args: argparse.Namespace) -> dict[str, Any]:
             "step_token_budget": args.step_token_budget,
             "max_gap_ratio": args.max_gap_ratio,
             "max_ttft_ratio": max(0.0, args.max_ttft_ratio),
+            "layer_cuts": args.layer_cuts,
             "max_stall_seconds": max(0.0, args.max_stall_seconds),
             "coalesce_seconds": max(0.0, args.coalesce_ms) / 1000,
             "fused_prefill": args.fused_prefill,

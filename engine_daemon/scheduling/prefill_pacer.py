@@ -27,6 +27,14 @@ that cost is a floor rather than a rate (a GPU's dispatch-bound steps: a chunk o
 tokens costs about what one of 32 does, both over the target), `CostFloor` sizes the
 chunks instead of letting them shrink to the minimum.
 
+On the CPU a fused step stops at every layer, so it can also hold its bound by the clock
+(`step_deadline`, `LayerDeadline`): a chunk whose step runs late leaves the pass between two
+layers and finishes in the next step (`LayerCarry`). The worst gap is then the bound rather than
+the plan's tail, so with cuts a lone prompt's steps are planned at the bound for their mean cost
+(`StepSpread.mean`, where the tail would need its 90th percentile), its chunks are sized past that
+plan (`CUT_OVERSIZE`: the cut ends the step, the carry shrinks the next chunk) from its first step
+on (the latest full-speed prefill's cost per token), and the TTFT balance stays out.
+
 The operator can fix the budget instead (`--step-token-budget`: decode tokens
 first, the rest to prefill) or fix the chunk (`--interleave-prefill-tokens`).
 
@@ -76,6 +84,13 @@ SPREAD_QUANTILE, SPREAD_WINDOW, SPREAD_SAMPLES, MOST_SPREAD = 0.9, 40, 8, 1.5
 # learnt from one or two noisy steps sized a 172-token third chunk after one of 76, a 3.5x step (~85M CPU model, 2-core
 # VM), and growing 1.5x, a 140-token one after 92 on the 0.5B model (3.5x: a larger chunk costs more per token).
 GROWTH_PER_STEP = 1.25
+# `step_deadline`: the room a cut leaves under the gap target for what follows it in the step (the decode rows' last
+# layers, sampling, sending the tokens), each as noisy as the rest of the step.
+CUT_MARGIN = 1.15
+# With a deadline, a lone prompt's chunk is this much larger than its step's plan: the step then ends at the bound
+# whatever this step's pace, and no chunk ramps up a step at a time (each step of a ramp pays a decode step's weight
+# read for a fraction of the prompt tokens it could carry).
+CUT_OVERSIZE = 1.3
 
 
 class StepPeriods:
@@ -148,8 +163,9 @@ class PrefillPacer:
     def __init__(self, fixed: int | None, maximum: int, minimum: int = 8, ratio: float = 1.5,
                  smoothing: float = 0.3, budget: int | None = None, first: int = 32, window: int = 48,
                  max_stall: float | None = None, first_burst: int = 256, tile: int = 1, spread: bool = False,
-                 ttft_ratio: float | None = None):
+                 ttft_ratio: float | None = None, cuts: bool = False):
         self.fixed = fixed
+        self.cuts = cuts  # a lone prompt's chunk may leave its step's pass between layers (`step_deadline`)
         # With `spread`: a lone prompt's steps go under the gap target as far as its TTFT target allows
         # (`balanced_prefill_seconds`; the engine's `--max-ttft-ratio`, over a full-speed prefill).
         self.ttft_ratio = ttft_ratio
@@ -219,9 +235,15 @@ class PrefillPacer:
         if self.spread is None:
             return self.ratio * decode
         factor = self.spread.factor(self._decode_steps.get(streams))
+        cut = self.cuts and self._prefilling == 1
+        if cut:  # a late step is cut at its bound: plan for the mean step there
+            factor = self.spread.mean() * CUT_MARGIN
         least = self.ratio / (1 + self.ratio) * decode
         target = max(((1 + self.ratio) / factor - 1) * decode, least)
-        if balanced and self._prefilling == 1 and self.seconds_per_token is not None:
+        self.balanced = self.balanced and not balanced
+        # With a cut the bound holds the gap, so the newcomer gets the room (a paced token's cost relative to a
+        # full-speed one is local to its position, and balanced by it the ~85M model's early chunks went slow).
+        if balanced and not cut and self._prefilling == 1 and self.seconds_per_token is not None:
             paced = self.seconds_per_token * self.spread.mean()  # the plan's rate as steps come out on average
             even = balanced_prefill_seconds(decode, paced, self.alone.rate_at(self._paced_done), 1 + self.ratio,
                                             self.ttft_ratio, factor)
@@ -229,6 +251,17 @@ class PrefillPacer:
             if even is not None:
                 target = max(least, min(target, even))
         return target
+
+    def step_deadline(self) -> tuple[float, float] | None:
+        """(bound, decode step) seconds for the step being sized: its chunk leaves the pass where the step would
+        pass `bound` (`LayerDeadline`), the worst gap the target allows less `CUT_MARGIN`. None: no cut (the
+        operator fixed the chunk or the budget, or the step is not a lone prompt's beside streams)."""
+        decode = self.decode_seconds
+        if not self.cuts or self.fixed or self.budget or self.spread is None or decode is None:
+            return None
+        if self._prefilling != 1 or not self._streams:
+            return None
+        return (1 + self.ratio) * decode / CUT_MARGIN, decode
 
     def chunk(self, decoding: int, prefilling: int) -> int:
         """Prompt tokens each of the `prefilling` requests may process in the next step, while `decoding` stream."""
@@ -252,9 +285,14 @@ class PrefillPacer:
         if floor_chunk is not None:
             return self._tiled(max(self.minimum, floor_chunk), decoding, prefilling)
         target, rate = self.target_seconds(), self.seconds_per_token
+        cut = self.step_deadline() is not None
+        if rate is None and cut:
+            rate = self.alone.rate_at(self._paced_done)  # full speed: dearer than a paced token; the cut bounds it
         if target is None or rate is None:
             return self._share(self.first, prefilling)
         tokens = target / rate
+        if cut:  # the deadline ends the step at its bound, and what a cut leaves shrinks the next chunk
+            return self._tiled(self._share(tokens * CUT_OVERSIZE, prefilling), decoding, prefilling)
         if self.spread is not None and self._last_chunk and prefilling == 1:
             # At least a tile more: a smaller step up would snap back to the same chunk (`_tiled`) for good.
             tokens = min(tokens, max(GROWTH_PER_STEP * self._last_chunk, self._last_chunk + self.tile))

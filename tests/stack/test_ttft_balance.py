@@ -27,7 +27,7 @@ PACED = re.compile(r"step [\d.]+ ms: (\d+) decoding, (\d+) prompt tokens \(chunk
 def stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Frontend, Path]]:
     logs = tmp_path_factory.mktemp("balance-logs")
     with running_stack(f"ipc://{ipc_dir}/balance.sock", logs, model=str(tiny_model),
-                       engine_args=["--max-ttft-ratio", "1000"],
+                       engine_args=["--max-ttft-ratio", "1000", "--no-layer-cuts"],
                        env={"MLX_ENGINE_LOG_LEVEL": "DEBUG"}) as (_, frontend):
         yield frontend, logs / "engined.log"
 

@@ -1,0 +1,162 @@
+"""A prompt chunk cut between two layers of a fused step: the rest of its layers run in the next step.
+
+Why: the pacer sizes a chunk so that its step stays within the streams' gap target, but it
+can only predict the step's cost, and on a shared CPU the same step costs up to ~1.35x its
+median from one step to the next (~85M bench model, 2-core VM, in process, quiet). Planned
+far enough under the target to absorb that, the steps carry so little prompt that the
+newcomer's first token comes late (a paced token then costs the decode step's share too):
+both targets of the long-prompt row met only half the time. A fused step on the CPU stops at
+every layer anyway (the NumPy softmax needs its scores, `evaluated_together`), so it can look
+at the clock there: when the step is running late, the chunk's rows leave the pass after the
+layer they are in and the decode rows finish alone. The chunk's KV for the layers it passed
+is in the cache and its hidden state after them is kept (`LayerCarry`); the next fused step
+takes those rows in again at the layer where they stopped, beside its own new chunk (they
+are the positions just before it). No work is lost, and the step's worst case is the
+deadline rather than the prediction's tail, so steps can be planned nearer the target.
+
+While a carry is held the prompt's cache is ragged (the first layers hold more positions
+than the rest). Whatever needs it whole (mlx-lm's own prompt path, a second prompt batched
+in, the prompt's removal) first rolls the carry back (`roll_back`): the layers that hold its
+positions drop them again and its tokens go back in front of the prompt's rest, to be
+prefilled anew. Rare, and at most one chunk's partial work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+
+@dataclass
+class LayerCarry:
+    """A chunk's rows that left a fused pass before its last layer.
+
+    `hidden`: their hidden state (rows, width) after layer `start - 1`; `tokens`: the prompt
+    tokens they stand for, whose KV layers `0 .. start - 1` hold and the rest do not yet.
+    """
+
+    hidden: mx.array
+    start: int
+    tokens: list[int]
+
+    def remaining_fraction(self, layers: int) -> float:
+        """The carried rows' share of a whole chunk's work still to do, in tokens: what the next chunk leaves them."""
+        return len(self.tokens) * (layers - self.start) / layers
+
+
+def roll_back(carry: LayerCarry, cache: list[Any], batch_tokens: list[int], processing: list[Any]) -> None:
+    """Undoes a carry: its layers drop its positions, its tokens go back to the front of the prompt's rest.
+
+    `cache`: the prompt's per-layer caches (batch of one); `batch_tokens`: the prompt batch's token
+    list for it (it gained the carried tokens when their chunk was taken); `processing`: mlx-lm's
+    `[segments, done, total]` entry for the prompt.
+    """
+    count = len(carry.tokens)
+    for layer_cache in cache[: carry.start]:
+        layer_cache.trim(count)
+    del batch_tokens[len(batch_tokens) - count:]
+    segments = processing[0]
+    if segments:
+        segments[0] = list(carry.tokens) + list(segments[0])
+    else:
+        segments.append(list(carry.tokens))
+    processing[1] -= count
+
+
+class LayerDeadline:
+    """Whether a fused step's chunk goes on into the next layer or leaves the pass, by the clock.
+
+    `bound`: seconds the whole step may take from `started`; `decode_layer`: seconds one layer of
+    the decode rows alone takes (a decode step over the layers). Before layer `index` the
+    scores of layer `index - 1` are evaluated and its tail (output projection, MLP) is not:
+    about half a layer. The chunk goes on when that tail, one more layer with it, and the
+    decode rows' remaining layers alone still end within `bound`, each layer taken at this
+    step's own pace so far. Not in the first half of the layers: the time until then also
+    holds what the previous step left to evaluate (mlx-lm's pipelining), which a pace taken
+    over one or two layers would read as this step's (a 60-token chunk cut at layer 1 of 12).
+    """
+
+    def __init__(self, bound: float, decode_layer: float, layers: int, started: float | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.bound, self.decode_layer, self.layers = bound, decode_layer, layers
+        self.clock = clock
+        self.started = clock() if started is None else started
+        self.cut_at: int | None = None
+
+    def __call__(self, index: int) -> bool:
+        if index < self.layers // 2:
+            return True  # the step's time so far also holds the previous step's last work: too early to tell its pace
+        elapsed = self.clock() - self.started
+        per_layer = elapsed / max(0.5, index - 0.5)
+        projected = elapsed + 1.5 * per_layer + (self.layers - index - 1) * self.decode_layer
+        if projected <= self.bound:
+            return True
+        self.cut_at = index
+        return False
+
+
+class CarryKeeper:
+    """The carry of the one prompt a generator prefills beside streams, the step's deadline, and their counts.
+
+    `deadline`: (bound, decode step) seconds, set by the scheduler each step (None: chunks go
+    through every layer).
+    """
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self.deadline: tuple[float, float] | None = None
+        self.uid: int | None = None
+        self.carry: LayerCarry | None = None
+        self.cuts = self.rollbacks = 0
+        self.last_cut_layer: int | None = None  # where the last step's chunk left its pass (None: it did not)
+        self.last_work: float | None = None  # prompt tokens' worth of work in the last fused step
+
+    def new_step(self) -> None:
+        self.last_cut_layer = self.last_work = None
+
+    def shrunk(self, size: int, rows: int = 0, tile: int = 1) -> int:
+        """A chunk of `size` tokens less what the carried rows' remaining layers take of the step.
+
+        Snapped down so that the chunk and the `rows` decode rows fill whole `tile`s of a matrix
+        product (`ROW_TILE`: a partial tile costs what the whole one does), as the pacer's own chunk is.
+        """
+        if self.carry is None:
+            return size
+        chunk = max(1, size - round(self.carry.remaining_fraction(self.layers)))
+        snapped = chunk - (chunk + rows) % tile
+        return snapped if snapped >= tile else chunk
+
+    def keep_going(self, started: float) -> LayerDeadline | None:
+        """This step's `LayerDeadline` (the step began at `started`), when the scheduler set one."""
+        if self.deadline is None or not self.layers:
+            return None
+        bound, decode = self.deadline
+        return LayerDeadline(bound, decode / self.layers, self.layers, started=started)
+
+    def taken(self) -> LayerCarry | None:
+        """The carry, handed to the step that completes it."""
+        carry, self.carry, self.uid = self.carry, None, None
+        return carry
+
+    def stepped(self, uid: int, chunk: list[int], carry: LayerCarry | None, carried: LayerCarry | None) -> None:
+        """After a fused step: keeps the rows its cut left, and counts its work in prompt tokens."""
+        stop = carried.start if carried is not None else self.layers
+        work = len(chunk) * stop + (len(carry.tokens) * max(0, stop - carry.start) if carry is not None else 0)
+        self.last_work = work / max(1, self.layers)
+        self.uid, self.carry = (uid, carried) if carried is not None else (None, None)
+        if carried is not None:
+            self.cuts += 1
+            self.last_cut_layer = carried.start
+
+    def roll_back(self, batch: Any, processing: list[list[Any]]) -> None:
+        """Undoes the carry (`roll_back`) in mlx-lm's prompt batch, if its prompt is still there."""
+        uid, carry = self.uid, self.taken()
+        if carry is None or uid not in batch.uids:
+            return
+        index = batch.uids.index(uid)
+        roll_back(carry, batch.prompt_cache, batch.tokens[index], processing[index])
+        self.rollbacks += 1

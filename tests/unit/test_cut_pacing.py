@@ -1,0 +1,53 @@
+"""The pacer with cuts between layers (`PrefillPacer.step_deadline`): a bound per step, and chunks sized to reach it."""
+
+import pytest
+
+from engine_daemon.scheduling.prefill_pacer import CUT_MARGIN, CUT_OVERSIZE, PrefillPacer
+
+DECODE, STREAMS, ALONE_RATE = 0.1, 4, 0.003
+
+
+def _pacer(**options) -> PrefillPacer:
+    pacer = PrefillPacer(None, maximum=2048, minimum=8, ratio=2.0, first=32, spread=True, tile=16,
+                         ttft_ratio=1.5, **options)
+    for _ in range(4):  # a prompt prefilled alone at full speed: its cost per token, the reference
+        pacer.observe(ALONE_RATE * 300, decoding=0, prompt_tokens=300, prefilling=1)
+    for _ in range(12):
+        pacer.observe(DECODE, decoding=STREAMS, prompt_tokens=0)
+    return pacer
+
+
+def test_a_lone_prompt_beside_streams_gets_a_bound_under_the_gap_target() -> None:
+    pacer = _pacer(cuts=True)
+    pacer.chunk(STREAMS, 1)
+    assert pacer.step_deadline() == pytest.approx((3.0 * DECODE / CUT_MARGIN, DECODE))
+    pacer.chunk(STREAMS, 2)  # two prompts: mlx-lm's path, nothing to cut
+    assert pacer.step_deadline() is None
+    off = _pacer(cuts=False)
+    off.chunk(STREAMS, 1)
+    assert off.step_deadline() is None
+    fixed = _pacer(cuts=True)
+    fixed.fixed = 64  # the operator's --interleave-prefill-tokens
+    fixed.chunk(STREAMS, 1)
+    assert fixed.step_deadline() is None
+
+
+def test_the_first_chunk_is_sized_from_the_alone_rate_past_its_plan() -> None:
+    """No ramp from 32 tokens: the cut bounds a chunk too large for its step, and the carry shrinks the next."""
+    pacer = _pacer(cuts=True)
+    chunk = pacer.chunk(STREAMS, 1)
+    planned = (3.0 / CUT_MARGIN - 1) * DECODE / ALONE_RATE * CUT_OVERSIZE  # mean spread 1 until steps are seen
+    assert abs(chunk - planned) < 16 and (chunk + STREAMS) % 16 == 0
+    plain = _pacer(cuts=False).chunk(STREAMS, 1)
+    assert plain == 32 and chunk > 1.5 * plain
+
+
+def test_with_cuts_the_chunk_is_not_held_to_its_growth_and_the_ttft_balance_stays_out() -> None:
+    pacer = _pacer(cuts=True)
+    pacer.chunk(STREAMS, 1)
+    pacer.observe(DECODE + 0.0005 * 40, decoding=STREAMS, prompt_tokens=40)  # cheap tokens: 0.5 ms each
+    chunk = pacer.chunk(STREAMS, 1)
+    target = pacer.target_seconds()
+    assert chunk > 1.25 * 40 + 16  # `GROWTH_PER_STEP` would have held it near 56
+    assert abs(chunk - target / 0.0005 * CUT_OVERSIZE) <= 16 or chunk == pacer.maximum
+    assert not pacer.balanced  # a paced token at a sixth of a full-speed one would have planned far lower
