@@ -373,7 +373,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         if not (fused.used and recorded.used):  # cannot happen while _fusable_chunk matches mlx-lm's _next
             raise RuntimeError("fused prefill chunk was not computed")
         self.fused_steps += 1
-        self.carry.stepped(prompt.uids[0], chunk, carry, fused.carried)
+        self.carry.stepped(prompt.uids[0], chunk, carry, fused.carried, ended=time.perf_counter())
         return result
 
     def _settle_carry(self, keep: bool = True) -> None:
