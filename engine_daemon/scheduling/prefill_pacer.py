@@ -229,13 +229,14 @@ class PrefillPacer:
         return f"{target * 1000:.0f} ms, {target / self.decode_seconds:.2f} decode steps" + (
             ", balanced" if self.balanced else "")
 
-    def _target_for(self, streams: int, balanced: bool = True) -> float:
-        """The target with `spread`; `balanced`: a lone prompt's, lowered where its TTFT target leaves room."""
+    def _target_for(self, streams: int, balanced: bool = True, cut: bool | None = None) -> float:
+        """The target with `spread`; `balanced`: a lone prompt's, lowered where its TTFT target leaves room;
+        `cut`: whether a late step is cut at its bound (None: whenever a lone prompt's can be)."""
         decode = self.decode_seconds_for(streams)
         if self.spread is None:
             return self.ratio * decode
         factor = self.spread.factor(self._decode_steps.get(streams))
-        cut = self.cuts and self._prefilling == 1
+        cut = self.cuts and self._prefilling == 1 if cut is None else cut
         if cut:  # a late step is cut at its bound: plan for the mean step there
             factor = self.spread.mean() * CUT_MARGIN
         least = self.ratio / (1 + self.ratio) * decode
@@ -370,11 +371,16 @@ class PrefillPacer:
 
         That step also joins the prompt's KV to the streams' batch (118-193 ms, 0.4-0.6 decode steps, for
         1,500 tokens beside 4 streams on the 0.5B CPU model): it carries the target less that learnt cost.
+        With cuts between layers it is the one step no cut can end (its last token's logits are due), so it is
+        planned as steps without cuts are, under the target by the worst of the spread, and from the first
+        prompt on (two trials' worst gaps, 3.3-3.6 decode steps, were ending steps sized like cut ones).
         """
-        target, rate = self.target_seconds(), self.seconds_per_token
-        if self.join_seconds is None or target is None or not rate or self.fixed or self.budget:
+        rate, cut = self.seconds_per_token, self.step_deadline() is not None
+        if (self.join_seconds is None and not cut) or self.decode_seconds is None or not rate or self.fixed \
+                or self.budget:
             return None
-        return max(1, int((target - self.join_seconds) / rate))
+        target = self._target_for(self._streams, cut=False)
+        return max(1, int((target - (self.join_seconds or 0.0)) / rate))
 
     def turn_chunk(self) -> int:
         """A conversation's next turn: the whole of it in one full-speed step (at most `max_stall` long).

@@ -51,3 +51,16 @@ def test_with_cuts_the_chunk_is_not_held_to_its_growth_and_the_ttft_balance_stay
     assert chunk > 1.25 * 40 + 16  # `GROWTH_PER_STEP` would have held it near 56
     assert abs(chunk - target / 0.0005 * CUT_OVERSIZE) <= 16 or chunk == pacer.maximum
     assert not pacer.balanced  # a paced token at a sixth of a full-speed one would have planned far lower
+
+
+def test_the_step_that_ends_a_prompt_is_planned_as_an_uncut_one() -> None:
+    """Its last token's logits are due, so no cut can end it: it takes what a step without cuts would."""
+    pacer = _pacer(cuts=True)
+    pacer.chunk(STREAMS, 1)
+    pacer.observe(DECODE + 0.002 * 60, decoding=STREAMS, prompt_tokens=60)
+    cut_chunk = pacer.chunk(STREAMS, 1)
+    ending = pacer.ending_chunk()
+    assert ending is not None  # even before a join's cost is learnt
+    uncut = pacer._target_for(STREAMS, cut=False) / 0.002
+    assert ending == int(uncut) and ending < cut_chunk
+    assert _pacer(cuts=False).ending_chunk() is None  # without cuts: only once a join's cost is known
