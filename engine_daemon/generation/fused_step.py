@@ -140,8 +140,7 @@ def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: lis
     rows, width = decode_h.shape[0], decode_h.shape[-1]
     chunk_h = body.embed_tokens(chunk_inputs).reshape(-1, width)
     stacked = mx.concatenate([decode_h.reshape(rows, width), chunk_h], axis=0)
-    carried_tokens = list(carry.tokens) if carry is not None else []
-    tokens = carried_tokens + list(chunk_tokens if chunk_tokens is not None else [])
+    tokens = (list(carry.tokens) if carry is not None else []) + list(chunk_tokens or [])
     first_cut = max(1, carry.start if carry is not None else 0)
     masks: dict[tuple[int, int], Any] = {}
     cut: LayerCarry | None = None
