@@ -15,22 +15,22 @@ import mlx.core as mx
 from mlx_lm.generate import PromptProcessingBatch
 
 from engine_daemon.generation.fused_step import fused_forward_carried
-from engine_daemon.generation.layer_carry import LayerCarry
+from engine_daemon.generation.layer_carry import LayerCarry, Leaving
 
 
 class FusedDecode:
     """Stands in for the model in the decode batch's call: runs the fused pass.
 
-    `carry`: an earlier chunk's rows that rejoin the pass where they left it; `keep_going`: asked
-    before each layer whether this chunk's rows go on (`LayerDeadline`). After the call,
+    `carry`: an earlier chunk's rows that rejoin the pass where they left it; `leaving`: asked
+    before each layer which prompt rows leave the pass (`LayerDeadline`). After the call,
     `carried` holds the rows that left the pass (None: the chunk went through every layer).
     """
 
     def __init__(self, model: Any, chunk: list[int], chunk_cache: list[Any], ends_prompt: bool = False,
-                 carry: LayerCarry | None = None, keep_going: Callable[[int], bool] | None = None):
+                 carry: LayerCarry | None = None, leaving: Callable[[int], Leaving] | None = None):
         self.model, self.chunk, self.chunk_cache = model, chunk, chunk_cache
         self.ends_prompt = ends_prompt
-        self.carry, self.keep_going = carry, keep_going
+        self.carry, self.leaving = carry, leaving
         self.carried: LayerCarry | None = None
         self.prompt_logits: mx.array | None = None  # the chunk's last token's, when it ends its prompt
         self.used = False
@@ -39,7 +39,7 @@ class FusedDecode:
         self.used = True
         logits, self.carried = fused_forward_carried(
             self.model, inputs, cache, mx.array([self.chunk]), self.chunk_cache, chunk_last_logits=self.ends_prompt,
-            carry=self.carry, keep_going=self.keep_going, chunk_tokens=self.chunk)
+            carry=self.carry, leaving=self.leaving, chunk_tokens=self.chunk)
         if not self.ends_prompt:
             return logits
         rows = inputs.shape[0]

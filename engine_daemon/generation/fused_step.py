@@ -35,7 +35,7 @@ from mlx_lm.models.base import create_attention_mask
 
 from engine_daemon.cpu.prefill_attention import evaluated_together
 from engine_daemon.cpu.prefill_scope import prefilling
-from engine_daemon.generation.layer_carry import LayerCarry
+from engine_daemon.generation.layer_carry import LayerCarry, Leaving
 
 FUSABLE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 _LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -122,16 +122,16 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
 
 def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: list[Any], chunk_inputs: mx.array,
                           chunk_cache: list[Any], chunk_last_logits: bool = False, carry: LayerCarry | None = None,
-                          keep_going: Callable[[int], bool] | None = None,
+                          leaving: Callable[[int], Leaving] | None = None,
                           chunk_tokens: list[int] | None = None) -> tuple[mx.array, LayerCarry | None]:
     """`fused_forward` that takes in a carried chunk and may cut its own chunk between layers (`LayerCarry`).
 
     `carry`: rows of an earlier chunk that stopped before layer `carry.start`; they rejoin there,
-    before this chunk's rows (they are the positions just before them). `keep_going(index)`,
-    asked before each layer from the carry's (at least layer 1), says whether the chunk's rows go
-    on into that layer; when it says no, they leave the pass and come back as the returned
-    carry (`chunk_tokens`: the tokens this chunk's rows stand for). A chunk that ends its prompt
-    is never cut: its last row's logits are needed now.
+    before this chunk's rows (they are the positions just before them). `leaving(index)`, asked
+    before each layer from layer 1 on until rows leave, says which prompt rows leave the pass
+    there (`Leaving`): this chunk's, or the carry's too once it went through a layer in this
+    pass. They come back as the returned carry (`chunk_tokens`: the tokens this chunk's rows
+    stand for). A chunk that ends its prompt is never cut: its last row's logits are needed now.
     """
     net = _activated(model)
     body = net.model
@@ -140,18 +140,22 @@ def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: lis
     rows, width = decode_h.shape[0], decode_h.shape[-1]
     chunk_h = body.embed_tokens(chunk_inputs).reshape(-1, width)
     stacked = mx.concatenate([decode_h.reshape(rows, width), chunk_h], axis=0)
-    tokens = (list(carry.tokens) if carry is not None else []) + list(chunk_tokens or [])
-    first_cut = max(1, carry.start if carry is not None else 0)
+    new_rows = chunk_h.shape[0]  # this chunk's rows: the last ones of `stacked` while they are in the pass
+    carry_tokens = list(carry.tokens) if carry is not None else []
     masks: dict[tuple[int, int], Any] = {}
     cut: LayerCarry | None = None
     last = len(body.layers) - 1
     for index, (layer, decode_c, chunk_c) in enumerate(zip(body.layers, decode_cache, chunk_cache)):
         if carry is not None and index == carry.start:  # the carried rows rejoin, before this chunk's
             stacked = mx.concatenate([stacked[:rows], carry.hidden, stacked[rows:]], axis=0)
-        if (cut is None and keep_going is not None and not chunk_last_logits and index >= first_cut
-                and stacked.shape[0] > rows and not keep_going(index)):
-            cut = LayerCarry(stacked[rows:], index, tokens)
-            stacked = stacked[:rows]
+        what = Leaving.NOTHING
+        if cut is None and leaving is not None and not chunk_last_logits and index >= 1:
+            what = leaving(index)
+        if what:
+            with_carry = what == Leaving.ALL and carry is not None and index > carry.start
+            out = new_rows + (len(carry_tokens) if with_carry else 0)
+            cut = LayerCarry(stacked[-out:], index, (carry_tokens if with_carry else []) + list(chunk_tokens or []))
+            stacked = stacked[:-out]
         chunk_len = stacked.shape[0] - rows
         attn = layer.self_attn
         normed = layer.input_layernorm(stacked)

@@ -10,9 +10,12 @@ every layer anyway (the NumPy softmax needs its scores, `evaluated_together`), s
 at the clock there: when the step is running late, the chunk's rows leave the pass after the
 layer they are in and the decode rows finish alone. The chunk's KV for the layers it passed
 is in the cache and its hidden state after them is kept (`LayerCarry`); the next fused step
-takes those rows in again at the layer where they stopped, beside its own new chunk (they
-are the positions just before it). No work is lost, and the step's worst case is the
-deadline rather than the prediction's tail, so steps can be planned nearer the target.
+takes those rows in again at the layer where they stopped, before its own new chunk (they
+are the positions just before it). That step may cut its new chunk alone (the carry goes
+through every layer left) or, once the carry has gone through a layer in it, both (`Leaving`):
+a carry moves on every step, and a late step can still end at its deadline. No work is lost,
+and the step's worst case is the deadline rather than the prediction's tail, so steps can be
+planned nearer the target.
 
 While a carry is held the prompt's cache is ragged (the first layers hold more positions
 than the rest). Whatever needs it whole (mlx-lm's own prompt path, a second prompt batched
@@ -26,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 import mlx.core as mx
@@ -34,6 +38,14 @@ import mlx.core as mx
 CARRY_TILES = 3
 # How far one fused step's tail past its last layer decision moves the learnt one (`CarryKeeper.tail`).
 TAIL_WEIGHT = 0.3
+
+
+class Leaving(IntEnum):
+    """Which prompt rows leave a fused pass before a layer (`LayerDeadline`, `fused_forward_carried`)."""
+
+    NOTHING = 0
+    CHUNK = 1  # the step's new chunk; a carry it took in goes through every layer left
+    ALL = 2  # the new chunk and the carry, once the carry went through a layer in this step (else: CHUNK)
 
 
 @dataclass
@@ -73,42 +85,72 @@ def roll_back(carry: LayerCarry, cache: list[Any], batch_tokens: list[int], proc
 
 
 class LayerDeadline:
-    """Whether a fused step's chunk goes on into the next layer or leaves the pass, by the clock.
+    """Which prompt rows of a fused step leave the pass before the next layer, by the clock (`Leaving`).
 
     `bound`: seconds the whole step may take from `started`; `decode_layer`: seconds one layer of
     the decode rows alone takes (a decode step over the layers); `tail`: what the step takes after
     its last layer's scores, learnt (`CarryKeeper`): the output head over the decode rows (a
-    quarter of a decode step's weights on the ~85M bench model), sampling, the hand-back. Before
-    layer `index` the scores of layer `index - 1` are evaluated and its tail (output projection,
-    MLP) is not: about half a layer. The chunk goes on when that, one more layer with it, the
-    decode rows' remaining layers alone and the tail still end within `bound`, each layer with
-    the chunk taken at this step's own pace so far. Not in the first half of the layers: the
-    time until then also holds what the previous step left to evaluate (mlx-lm's pipelining),
-    which a pace taken over one or two layers would read as this step's (a 60-token chunk cut at
-    layer 1 of 12). `expected` is what the last decision expected the step to take before its
-    tail, for learning that tail.
+    quarter of a decode step's weights on the ~85M bench model), sampling, the hand-back.
+    `chunk_rows`: the new chunk's rows; `carry_rows` rows of an earlier chunk rejoin at layer
+    `carry_start`.
+
+    A layer costs `decode_layer` plus a cost per prompt row learnt from this step's own pace so
+    far. Rows differ from layer to layer once a carry rejoins: a pace taken per layer, as if they
+    did not, let a step whose 92-row carry doubled its last layers' rows run 20% past its bound
+    (~85M model). Before layer `index` the scores of layer `index - 1` are evaluated and its tail
+    (output projection, MLP) is not: about half a layer. Everything goes on when the step, with
+    the tail, can still end within `bound` by rows leaving at a later layer. Otherwise the new
+    chunk leaves, or the carry too where only that fits; where nothing fits, whichever ends
+    soonest. Only one cut a step, so a chunk that leaves before the carry rejoins sends the
+    carry through every layer left. The carry never leaves at the layer it rejoined: cut there
+    step after step, one grew to 616 rows that a single step then had to take through the last
+    layer (288 ms against a 232 ms bound). Not in the first half of the layers: the time until then also holds what the
+    previous step left to evaluate (mlx-lm's pipelining), which a pace taken over one or two
+    layers would read as this step's (a 60-token chunk cut at layer 1 of 12). `expected` is what
+    the last decision expected the step to take before its tail, for learning that tail.
     """
 
     def __init__(self, bound: float, decode_layer: float, layers: int, started: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter, tail: float = 0.0):
+                 clock: Callable[[], float] = time.perf_counter, tail: float = 0.0, chunk_rows: int = 1,
+                 carry_rows: int = 0, carry_start: int = 0):
         self.bound, self.decode_layer, self.layers, self.tail = bound, decode_layer, layers, tail
+        self.chunk_rows, self.carry_rows, self.carry_start = chunk_rows, carry_rows, carry_start
         self.clock = clock
         self.started = clock() if started is None else started
         self.cut_at: int | None = None
         self.expected: float | None = None
 
-    def __call__(self, index: int) -> bool:
+    def __call__(self, index: int) -> Leaving:
         if index < self.layers // 2:
-            return True
+            return Leaving.NOTHING
         elapsed = self.clock() - self.started
-        per_layer = elapsed / max(0.5, index - 0.5)
-        going_on = elapsed + 1.5 * per_layer + (self.layers - index - 1) * self.decode_layer
+        layers, chunk, carry, joins = self.layers, self.chunk_rows, self.carry_rows, self.carry_start
+        done_rows = chunk * (index - 0.5) + carry * (max(0, index - 1 - joins) + (0.5 if index - 1 >= joins else 0))
+        per_row = max(0.0, elapsed - (index - 0.5) * self.decode_layer) / max(1.0, done_rows)
+        finishing = elapsed + 0.5 * (self.decode_layer + per_row * (chunk + (carry if index - 1 >= joins else 0)))
+
+        def ending(chunk_stop: int, carry_stop: int) -> float:
+            """The step's end (before its tail) if the chunk's rows leave before `chunk_stop`, the carry's before
+            `carry_stop` (`layers`: never)."""
+            rows = sum(chunk * (layer < chunk_stop) + carry * (joins <= layer < carry_stop)
+                       for layer in range(index, layers))
+            return finishing + (layers - index) * self.decode_layer + per_row * rows
+
+        both_may_leave = max(index + 1, joins + 1)  # a carry leaves again only after a layer in this step
+        going_on = min([ending(layers, layers)] + [ending(index + 1, layers)] * (index + 1 < layers)
+                       + [ending(both_may_leave, both_may_leave)] * (bool(carry) and both_may_leave < layers))
         if going_on + self.tail <= self.bound:
             self.expected = going_on
-            return True
-        self.cut_at = index
-        self.expected = elapsed + 0.5 * per_layer + (self.layers - index) * self.decode_layer
-        return False
+            return Leaving.NOTHING
+        options = [(ending(index, layers), Leaving.CHUNK)]
+        if carry and index > joins:
+            options.append((ending(index, index), Leaving.ALL))
+        fitting = [option for option in options if option[0] + self.tail <= self.bound]
+        # The most prompt work that fits; else the least late, which may be going on: a chunk leaving before
+        # the carry rejoins sends the carry through every layer left.
+        self.expected, leaving = fitting[0] if fitting else min(options + [(going_on, Leaving.NOTHING)])
+        self.cut_at = index if leaving else None
+        return leaving
 
 
 class CarryKeeper:
@@ -148,12 +190,16 @@ class CarryKeeper:
         chunk = max(chunk, min(size, CARRY_TILES * tile - rows), 1)
         return chunk + (-(chunk + rows)) % tile
 
-    def keep_going(self, started: float) -> LayerDeadline | None:
-        """This step's `LayerDeadline` (the step began at `started`), when the scheduler set one."""
+    def step_deadline(self, started: float, chunk_rows: int = 1,
+                      carry: LayerCarry | None = None) -> LayerDeadline | None:
+        """This step's `LayerDeadline` (the step began at `started`; `chunk_rows` new rows beside the `carry`
+        it takes in), when the scheduler set one."""
         if self.deadline is None or not self.layers:
             return None
         bound, decode = self.deadline
-        self._deadline = LayerDeadline(bound, decode / self.layers, self.layers, started=started, tail=self.tail)
+        self._deadline = LayerDeadline(bound, decode / self.layers, self.layers, started=started, tail=self.tail,
+                                       chunk_rows=chunk_rows, carry_rows=len(carry.tokens) if carry else 0,
+                                       carry_start=carry.start if carry else 0)
         return self._deadline
 
     def taken(self) -> LayerCarry | None:
@@ -170,7 +216,8 @@ class CarryKeeper:
             seen = max(0.0, ended - deadline.started - deadline.expected)
             self.tail += TAIL_WEIGHT * (seen - self.tail)
         stop = carried.start if carried is not None else self.layers
-        work = len(chunk) * stop + (len(carry.tokens) * max(0, stop - carry.start) if carry is not None else 0)
+        carry_stop = stop if carried is not None and len(carried.tokens) > len(chunk) else self.layers
+        work = len(chunk) * stop + (len(carry.tokens) * (carry_stop - carry.start) if carry is not None else 0)
         self.last_work = work / max(1, self.layers)
         self.uid, self.carry = (uid, carried) if carried is not None else (None, None)
         if carried is not None:

@@ -360,8 +360,8 @@ class StallFreeBatchGenerator(BatchGenerator):
         decode, prompt = self._generation_batch, self._prompt_batch
         carry = self.carry.taken()
         cuttable = len(self._currently_processing[0][0][0]) > len(chunk)  # its segment goes on after it
-        fused = FusedDecode(self.model, chunk, prompt.prompt_cache, carry=carry,
-                            keep_going=self.carry.keep_going(self._step_started) if cuttable else None)
+        deadline = self.carry.step_deadline(self._step_started, len(chunk), carry) if cuttable else None
+        fused = FusedDecode(self.model, chunk, prompt.prompt_cache, carry=carry, leaving=deadline)
         recorded = ChunkRecorded(prompt, chunk)
         decode.model, prompt.prompt = fused, recorded
         size, self.prefill_step_size = self.prefill_step_size, len(chunk)  # mlx-lm takes the chunk (carry: smaller)

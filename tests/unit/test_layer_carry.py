@@ -10,7 +10,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
-from engine_daemon.generation.layer_carry import CarryKeeper, LayerDeadline
+from engine_daemon.generation.layer_carry import CarryKeeper, LayerDeadline, Leaving
 from engine_daemon.generation.stall_free import StallFreeBatchGenerator
 from model_builders.text import build_model
 
@@ -24,14 +24,30 @@ def model(tmp_path_factory: pytest.TempPathFactory):
     return loaded
 
 
-def cutting(generator: StallFreeBatchGenerator, layers: itertools.cycle) -> StallFreeBatchGenerator:
-    """Every fused step's chunk leaves its pass before the next layer of `layers` (0: it goes through)."""
-    def keep_going(_started: float):
+def cutting(generator: StallFreeBatchGenerator, layers: itertools.cycle,
+            leaving: Leaving = Leaving.ALL) -> StallFreeBatchGenerator:
+    """Every fused step's prompt rows (`leaving`) leave its pass before the next layer of `layers` (0: they go
+    through); ALL takes the new chunk alone where the carry rejoined at that layer."""
+    def step_deadline(_started: float, *_rows: Any):
         stop = next(layers)
-        return (lambda index: index < stop) if stop else None
+        return (lambda index: leaving if index >= stop else Leaving.NOTHING) if stop else None
 
-    generator.carry.keep_going = keep_going  # type: ignore[method-assign]
+    generator.carry.step_deadline = step_deadline  # type: ignore[method-assign]
     return generator
+
+
+def recorded(generator: StallFreeBatchGenerator) -> list[tuple[int, int, int]]:
+    """(layer, carried tokens, the step's chunk tokens) of each cut the generator's steps make, as they make them."""
+    cuts: list[tuple[int, int, int]] = []
+    stepped = generator.carry.stepped
+
+    def recording(uid, chunk, carry, cut, ended=None):
+        if cut is not None:
+            cuts.append((cut.start, len(cut.tokens), len(chunk)))
+        stepped(uid, chunk, carry, cut, ended)
+
+    generator.carry.stepped = recording  # type: ignore[method-assign]
+    return cuts
 
 
 def run(generator: BatchGenerator, events: dict[int, tuple[str, Any]], streams: int = 3,
@@ -68,9 +84,23 @@ SECOND = [(17 * j) % 2000 + 5 for j in range(40)]
 def test_cut_chunks_give_the_same_greedy_tokens(model) -> None:
     plain = run(BatchGenerator(model, prefill_step_size=16), {3: ("insert", LATE)})
     generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=16), itertools.cycle([1, 3, 2, 0, 2]))
+    cuts = recorded(generator)
     cut = run(generator, {3: ("insert", LATE)})
     assert generator.carry.cuts >= 4 and generator.fused_steps >= 5
     assert generator.carry.rollbacks == 0
+    assert any(tokens > chunk for _, tokens, chunk in cuts)  # a carry left again with the next chunk (layer 3)
+    assert cut == plain
+
+
+def test_a_carry_never_leaves_again_at_the_layer_it_rejoined(model) -> None:
+    """A carry never leaves again at the layer it rejoined: cut at the last layer step after step, it stays one
+    chunk's rows."""
+    plain = run(BatchGenerator(model, prefill_step_size=16), {3: ("insert", LATE)})
+    generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=16), itertools.cycle([LAYERS - 1]))
+    cuts = recorded(generator)
+    cut = run(generator, {3: ("insert", LATE)})
+    assert len(cuts) >= 4
+    assert all(layer == LAYERS - 1 and tokens == chunk for layer, tokens, chunk in cuts)  # its own chunk's rows only
     assert cut == plain
 
 
@@ -106,12 +136,40 @@ def test_layer_deadline_cuts_when_the_step_would_pass_its_bound() -> None:
     now = [0.0]
     deadline = LayerDeadline(bound=1.0, decode_layer=0.05, layers=12, started=0.0, clock=lambda: now[0])
     now[0] = 0.9
-    assert deadline(3)  # the first half of the layers: never cut
+    assert deadline(3) == Leaving.NOTHING  # the first half of the layers: never cut
     now[0] = 0.55  # 5.5 layers' worth done before layer 6: 0.1 s a layer
-    assert deadline(6)  # 0.55 + 0.15 + 5 * 0.05 = 0.95
+    assert deadline(6) == Leaving.NOTHING  # 0.55 + 0.15 + 5 * 0.05 = 0.95
     now[0] = 0.75  # before layer 8: 0.75 + 0.15 * 1.5 ... running late
-    assert not deadline(8)
+    assert deadline(8) == Leaving.CHUNK
     assert deadline.cut_at == 8
+
+
+def test_layer_deadline_counts_the_rows_a_carry_adds_to_later_layers() -> None:
+    """A pace taken per layer would read the first layers' rows as every layer's: the carry's layers cost more."""
+    now = [0.33]  # 5.5 layers of 50 chunk rows before layer 6: 0.01 s decode + 0.001 s a row, a layer
+    ahead = LayerDeadline(bound=0.6, decode_layer=0.01, layers=12, started=0.0, clock=lambda: now[0],
+                          chunk_rows=50, carry_rows=100, carry_start=8)
+    # 0.36 + 0.06 + 0.01 + 0.1 (the carry's first layer, 8) + 4 * 0.01 = 0.57 against 0.47 with no carry
+    assert ahead(6) == Leaving.NOTHING
+    now[0] = 0.56  # before layer 9: 8.5 layers' decode rows, 475 prompt rows (the carry's 100 from layer 8)
+    tight = LayerDeadline(bound=0.75, decode_layer=0.01, layers=12, started=0.0, clock=lambda: now[0],
+                          chunk_rows=50, carry_rows=100, carry_start=8)
+    # going on: 0.64 (layer 8 finished) + 0.16 + 2 * 0.01 = 0.82; the chunk leaving, the carry through layers
+    # 9-11: 0.64 + 3 * 0.11 = 0.97; both leaving: 0.64 + 3 * 0.01 = 0.67
+    assert tight(9) == Leaving.ALL and tight.expected == pytest.approx(0.67)
+    now[0] = 0.88  # before the last layer: 10.5 layers' decode rows, 775 prompt rows
+    last = LayerDeadline(bound=1.1, decode_layer=0.01, layers=12, started=0.0, clock=lambda: now[0],
+                         chunk_rows=50, carry_rows=100, carry_start=8)
+    # going on: 0.96 + 0.16 = 1.12; the chunk leaving: 0.96 + 0.11 = 1.07, within the bound
+    assert last(11) == Leaving.CHUNK and last.expected == pytest.approx(1.07)
+    now[0] = 0.56
+    rejoining = LayerDeadline(bound=0.75, decode_layer=0.01, layers=12, started=0.0, clock=lambda: now[0],
+                              chunk_rows=50, carry_rows=100, carry_start=9)
+    # The carry rejoins at layer 9 and cannot leave before it went through it. Nothing fits: the chunk leaving
+    # now sends the carry through layers 9-11 (0.96), going on lets both leave after layer 9 (0.79).
+    assert rejoining(9) == Leaving.NOTHING and rejoining.cut_at is None
+    now[0] = 0.72
+    assert rejoining(10) == Leaving.ALL and rejoining.cut_at == 10
 
 
 def test_the_step_past_its_last_decision_is_learnt_and_left_room_for() -> None:
@@ -119,11 +177,11 @@ def test_the_step_past_its_last_decision_is_learnt_and_left_room_for() -> None:
     keeper = CarryKeeper(12)
     keeper.deadline = (1.0, 0.6)  # 0.05 s a decode layer
     now = [0.55]  # 5.5 layers' worth before layer 6: 0.1 s a layer
-    deadline = keeper.keep_going(started=0.0)
+    deadline = keeper.step_deadline(started=0.0)
     deadline.clock = lambda: now[0]
-    assert deadline(6)  # 0.55 + 0.15 + 5 * 0.05 = 0.95, and no tail learnt yet
+    assert deadline(6) == Leaving.NOTHING  # 0.55 + 0.15 + 5 * 0.05 = 0.95, and no tail learnt yet
     keeper.stepped(0, [1] * 8, None, None, ended=1.15)  # the step ended 0.2 s after what that decision expected
     assert keeper.tail == pytest.approx(0.3 * 0.2)
-    again = keeper.keep_going(started=0.0)
+    again = keeper.step_deadline(started=0.0)
     again.clock = lambda: now[0]
-    assert not again(6) and again.cut_at == 6  # 0.95 + the tail passes the bound
+    assert again(6) == Leaving.CHUNK and again.cut_at == 6  # 0.95 + the tail passes the bound
