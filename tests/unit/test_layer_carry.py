@@ -185,3 +185,31 @@ def test_the_step_past_its_last_decision_is_learnt_and_left_room_for() -> None:
     again = keeper.step_deadline(started=0.0)
     again.clock = lambda: now[0]
     assert again(6) == Leaving.CHUNK and again.cut_at == 6  # 0.95 + the tail passes the bound
+
+
+def test_the_chunk_before_the_ending_step_leaves_it_a_token_so_it_can_be_cut(model) -> None:
+    """A chunk that would end the prompt's body leaves one token to the ending step: it can then leave its pass.
+
+    The ending step is kept small (`ending_chunk`), so the rest before the last token goes through an ordinary
+    chunk first; ending its segment, such a chunk could not be cut, and beside a carry its step took 1.6 s where
+    the bound was 1.1 (0.5B CPU model).
+    """
+    before_ending_cuts = 0
+    for length in range(120, 152, 5):
+        late = [(13 * j) % 2000 + 3 for j in range(length)]
+        plain = run(BatchGenerator(model, prefill_step_size=16), {3: ("insert", late)})
+        generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=16), itertools.cycle([2]))
+        generator.ending_chunk = 2
+        generator.carry.deadline = (1.0, 0.1)  # the scheduler's: cuts are on (`cutting` decides them)
+        stepped = generator.carry.stepped
+
+        def recording(uid, chunk, carry, cut, ended=None, generator=generator, stepped=stepped):
+            nonlocal before_ending_cuts
+            segments = generator._currently_processing[0][0] if generator._currently_processing else []
+            assert segments and len(segments[-1]) == 1  # the body's rest, then the last token's own segment
+            before_ending_cuts += cut is not None and len(segments) == 2 and len(segments[0]) == 1
+            stepped(uid, chunk, carry, cut, ended)
+
+        generator.carry.stepped = recording  # type: ignore[method-assign]
+        assert run(generator, {3: ("insert", late)}) == plain, length
+    assert before_ending_cuts >= 3
