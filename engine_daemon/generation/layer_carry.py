@@ -104,10 +104,11 @@ class LayerDeadline:
     soonest. Only one cut a step, so a chunk that leaves before the carry rejoins sends the
     carry through every layer left. The carry never leaves at the layer it rejoined: cut there
     step after step, one grew to 616 rows that a single step then had to take through the last
-    layer (288 ms against a 232 ms bound). Not in the first half of the layers: the time until then also holds what the
-    previous step left to evaluate (mlx-lm's pipelining), which a pace taken over one or two
-    layers would read as this step's (a 60-token chunk cut at layer 1 of 12). `expected` is what
-    the last decision expected the step to take before its tail, for learning that tail.
+    layer (288 ms against a 232 ms bound). Not in the first half of the layers: the time until
+    then also holds what the previous step left to evaluate (mlx-lm's pipelining), which a pace
+    taken over one or two layers would read as this step's (a 60-token chunk cut at layer 1 of
+    12). `expected` is what the last decision expected the step to take before its tail, for
+    learning that tail.
     """
 
     def __init__(self, bound: float, decode_layer: float, layers: int, started: float | None = None,
@@ -125,9 +126,13 @@ class LayerDeadline:
             return Leaving.NOTHING
         elapsed = self.clock() - self.started
         layers, chunk, carry, joins = self.layers, self.chunk_rows, self.carry_rows, self.carry_start
-        done_rows = chunk * (index - 0.5) + carry * (max(0, index - 1 - joins) + (0.5 if index - 1 >= joins else 0))
+
+        def rows_in(layer: int) -> int:  # with the chunk still in the pass
+            return chunk + carry * (layer >= joins)
+
+        done_rows = sum(rows_in(layer) for layer in range(index - 1)) + 0.5 * rows_in(index - 1)
         per_row = max(0.0, elapsed - (index - 0.5) * self.decode_layer) / max(1.0, done_rows)
-        finishing = elapsed + 0.5 * (self.decode_layer + per_row * (chunk + (carry if index - 1 >= joins else 0)))
+        finishing = elapsed + 0.5 * (self.decode_layer + per_row * rows_in(index - 1))
 
         def ending(chunk_stop: int, carry_stop: int) -> float:
             """The step's end (before its tail) if the chunk's rows leave before `chunk_stop`, the carry's before
