@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from http_frontend.engine.curve import apply_client_curve
 from http_frontend.engine.frames import delta_bytes, packed_frame
+from http_frontend.engine.loop_time import wait_free_time
 from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decode, encode, new_request_id
 
 log = logging.getLogger(__name__)
@@ -337,7 +338,7 @@ class EngineClient:
         try:
             if not self._send_frame(frame):
                 raise EngineUnavailable("The engine is not reachable")
-            return await asyncio.wait_for(future, timeout)
+            return await wait_free_time(future, timeout)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"The engine did not answer '{method}' within {timeout:.0f} s") from None
         except asyncio.CancelledError:  # the client left: a long CALL's job is dropped (ABORT names its cid)

@@ -5,14 +5,20 @@ UTF-16 surrogate (JSON allows `"\\ud800"`, UTF-8 and msgpack do not) or an integ
 64 bits, anywhere in it. Bodies over `OFF_LOOP_BYTES` are parsed and checked in one parser
 thread per worker, one body at a time: the C JSON parser holds the GIL while it runs, so the
 event loop gets its turn between bodies (heartbeats, other streams) however many arrive at
-once, and only one large body is being turned into objects at a time.
+once, and only one large body is being turned into objects at a time. The cyclic garbage
+collector is paused while a body is parsed (`collector_paused`): a body of a million small
+arrays otherwise sets off full collections that walk every object made so far, which
+tripled the time the parser held the GIL (1.3 s against 0.4 s for 13 MB of `[[1,[2]],...]`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import falcon.asgi
@@ -60,10 +66,24 @@ def end_user_of(body: dict[str, Any]) -> str | None:
     return user[:64] if isinstance(user, str) and user else None
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic collection meanwhile: a parse makes only new, acyclic containers, so a collection during it
+    finds nothing to free and walks every object made so far. The one after it runs once, in one generation."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """`raw` as a JSON object whose every value msgpack can carry, or a 400 that says what is wrong."""
     try:
-        body = json.loads(raw)
+        with collector_paused():
+            body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -292,3 +293,68 @@ def test_a_worker_stall_does_not_mark_a_live_engine_down(engine_answers: bool) -
             heartbeat.cancel()
 
     asyncio.run(run())
+
+
+class HeldLoopSocket(RecordingSocket):
+    """Answers each CALL the way a loaded worker sees it: the loop is held (by the JSON parser thread, in
+    production) for `held` seconds, longer than the CALL's timeout, and the RESULT is dispatched a few loop
+    turns after the loop is free again (socket readiness, zmq's poller, the read loop's task)."""
+
+    def __init__(self, client: EngineClient, held: float | None):
+        super().__init__(client)
+        self.held = held
+
+    def send(self, frame: bytes, flags: int = 0) -> asyncio.Future:
+        future = super().send(frame, flags)
+        kind, body = self.sent[-1]
+        if kind == MsgType.CALL and self.held is not None:
+            loop = asyncio.get_running_loop()
+            answer = {"cid": body["cid"], "result": {"state": "ready"}}
+            loop.call_soon(self._hold_then_answer, loop, answer)
+        return future
+
+    def _hold_then_answer(self, loop: asyncio.AbstractEventLoop, answer: dict[str, Any]) -> None:
+        time.sleep(self.held)
+        self._later(loop, 3, lambda: self.client._dispatch(MsgType.RESULT, answer))
+
+    def _later(self, loop: asyncio.AbstractEventLoop, turns: int, callback: Callable[[], None]) -> None:
+        loop.call_soon(callback if turns == 1 else lambda: self._later(loop, turns - 1, callback))
+
+
+@pytest.mark.parametrize("engine_answers", [True, False])
+def test_a_call_answered_while_the_worker_was_held_is_not_a_timeout(engine_answers: bool) -> None:
+    """Before: `/health` answered 503 'unhealthy' when its 2 s status CALL spanned a 13 MB body being parsed
+    (the C parser holds the GIL): the timer fired as the loop came back, before the reader took the answer
+    that had arrived meanwhile. Only time the loop was free counts now; an engine that never answers still
+    times out."""
+    from http_frontend.engine.client import EngineUnavailable
+
+    async def run() -> Any:
+        client = ready_client()
+        client._socket = HeldLoopSocket(client, held=0.6 if engine_answers else None)
+        return await client.call("status", timeout=0.3)
+
+    if engine_answers:
+        assert asyncio.run(run()) == {"state": "ready"}
+    else:
+        with pytest.raises(EngineUnavailable, match="did not answer 'status'"):
+            asyncio.run(run())
+
+
+def test_the_garbage_collector_is_paused_only_while_a_body_is_parsed() -> None:
+    """A parse makes only acyclic containers; collections during it walked every one made so far and tripled
+    the time the parser held the GIL. It is back on after a parse, a refused one included."""
+    import gc
+
+    from http_frontend.parsing.body import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+        with collector_paused():  # a small body parsed on the loop while the parser thread runs
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(APIError):
+        parse_json_object(b'{"a": [1, 2')
+    assert parse_json_object(b'{"a": [[1, [2]]]}') == {"a": [[1, [2]]]} and gc.isenabled()
