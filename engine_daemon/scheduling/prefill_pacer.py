@@ -282,11 +282,14 @@ class PrefillPacer:
             # the target would be a multiple of another count's step (a 1-stream warm-up sized chunks
             # beside three long streams at 8 tokens: every fused step then looked dear per token).
             return SAMPLE_DECODE
-        floor_chunk = self._floor.chunk(min(self.maximum, self._burst_chunk(1))) if prefilling == 1 else None
+        cut = self.step_deadline() is not None
+        # With cuts every step costs its bound whatever its chunk: `CostFloor` read that as a floor (a step that
+        # did 32 tokens' work cost the target) and sized a 236-token chunk, a 552 ms step (~85M CPU model).
+        floor_chunk = self._floor.chunk(min(self.maximum, self._burst_chunk(1))) if prefilling == 1 and not cut \
+            else None
         if floor_chunk is not None:
             return self._tiled(max(self.minimum, floor_chunk), decoding, prefilling)
         target, rate = self.target_seconds(), self.seconds_per_token
-        cut = self.step_deadline() is not None
         if rate is None and cut:
             rate = self.alone.rate_at(self._paced_done)  # full speed: dearer than a paced token; the cut bounds it
         if target is None or rate is None:

@@ -64,3 +64,21 @@ def test_the_step_that_ends_a_prompt_is_planned_as_an_uncut_one() -> None:
     uncut = pacer._target_for(STREAMS, cut=False) / 0.002
     assert ending == int(uncut) and ending < cut_chunk
     assert _pacer(cuts=False).ending_chunk() is None  # without cuts: only once a join's cost is known
+
+
+def test_cut_steps_costing_their_bound_are_not_read_as_a_cost_floor() -> None:
+    """A cut step ends at its bound whatever work it did: small work at the whole target is what `CostFloor` takes
+    for a GPU's dispatch floor. Read so, it sized a 236-token chunk on the ~85M CPU model, a 552 ms step where the
+    bound was 303 ms. Without cuts the same steps still switch the floor on (a GPU's case)."""
+    chunks = {}
+    for cuts in (True, False):
+        pacer = _pacer(cuts=cuts)
+        pacer.chunk(STREAMS, 1)
+        step = DECODE + pacer.target_seconds()  # every step ends at the target, whatever its work
+        for work in (60, 24, 44, 16, 30, 60, 20):
+            pacer.observe(step, decoding=STREAMS, prompt_tokens=work)
+            pacer.chunk(STREAMS, 1)
+        chunks[cuts] = pacer.chunk(STREAMS, 1)
+        assert (pacer._floor.floor is not None) is True  # the fit sees a floor either way
+    assert chunks[False] > 150  # the floor's chunk: its work equal to the floor
+    assert chunks[True] < 100, chunks  # with cuts: paced by the cost per token, the cut bounding the step

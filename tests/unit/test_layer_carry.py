@@ -233,3 +233,31 @@ def test_the_chunk_before_the_ending_step_leaves_it_a_token_so_it_can_be_cut(mod
         generator.carry.stepped = recording  # type: ignore[method-assign]
         assert run(generator, {3: ("insert", late)}) == plain, length
     assert before_ending_cuts >= 3
+
+
+def test_a_carry_is_finished_before_the_step_that_ends_its_prompt(model) -> None:
+    """The ending step is never cut and also joins the prompt to the streams: a carry finished in it made it 3.3x
+    the streams' steady gap (a 58-row carry at layer 7 of 12, ~85M model). Its remaining layers count against
+    the ending step's room (`ending_chunk`), so a larger carry is finished in a step of its own first; the tokens
+    are mlx-lm's."""
+    over_room, endings = [], 0
+    for length in range(120, 152, 5):
+        late = [(11 * j) % 2000 + 5 for j in range(length)]
+        plain = run(BatchGenerator(model, prefill_step_size=16), {3: ("insert", late)})
+        generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=16), itertools.cycle([2]))
+        generator.ending_chunk = 3
+        generator.carry.deadline = (1.0, 0.1)  # the scheduler's: cuts are on (`cutting` decides them)
+        step_ending = generator._step_ending
+
+        def recording(chunk, generator=generator, step_ending=step_ending):
+            nonlocal endings
+            endings += 1
+            carry = generator.carry.carry
+            work = len(chunk) + (carry.remaining_fraction(generator.carry.layers) if carry is not None else 0)
+            if work > generator.ending_chunk:
+                over_room.append(work)
+            return step_ending(chunk)
+
+        generator._step_ending = recording  # type: ignore[method-assign]
+        assert run(generator, {3: ("insert", late)}) == plain, length
+    assert endings >= 7 and over_room == []
