@@ -36,6 +36,15 @@ def cutting(generator: StallFreeBatchGenerator, layers: itertools.cycle,
     return generator
 
 
+def cutting_to_the_end(model: Any, ending: int) -> StallFreeBatchGenerator:
+    """Every cuttable step cut at layer 2, with cuts on as the scheduler turns them on, and a prompt's ending step
+    limited to `ending` tokens (`ending_chunk`)."""
+    generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=16), itertools.cycle([2]))
+    generator.ending_chunk = ending
+    generator.carry.deadline = (1.0, 0.1)  # the scheduler's: cuts are on (`cutting` decides them)
+    return generator
+
+
 def recorded(generator: StallFreeBatchGenerator) -> list[tuple[int, int, int]]:
     """(layer, carried tokens, the step's chunk tokens) of each cut the generator's steps make, as they make them."""
     cuts: list[tuple[int, int, int]] = []
@@ -218,9 +227,7 @@ def test_the_chunk_before_the_ending_step_leaves_it_a_token_so_it_can_be_cut(mod
     for length in range(120, 152, 5):
         late = [(13 * j) % 2000 + 3 for j in range(length)]
         plain = run(BatchGenerator(model, prefill_step_size=16), {3: ("insert", late)})
-        generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=16), itertools.cycle([2]))
-        generator.ending_chunk = 2
-        generator.carry.deadline = (1.0, 0.1)  # the scheduler's: cuts are on (`cutting` decides them)
+        generator = cutting_to_the_end(model, ending=2)
         stepped = generator.carry.stepped
 
         def recording(uid, chunk, carry, cut, ended=None, generator=generator, stepped=stepped):
@@ -244,9 +251,7 @@ def test_a_carry_is_finished_before_the_step_that_ends_its_prompt(model) -> None
     for length in range(120, 152, 5):
         late = [(11 * j) % 2000 + 5 for j in range(length)]
         plain = run(BatchGenerator(model, prefill_step_size=16), {3: ("insert", late)})
-        generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=16), itertools.cycle([2]))
-        generator.ending_chunk = 3
-        generator.carry.deadline = (1.0, 0.1)  # the scheduler's: cuts are on (`cutting` decides them)
+        generator = cutting_to_the_end(model, ending=3)
         step_ending = generator._step_ending
 
         def recording(chunk, generator=generator, step_ending=step_ending):
