@@ -85,8 +85,10 @@ SPREAD_QUANTILE, SPREAD_WINDOW, SPREAD_SAMPLES, MOST_SPREAD = 0.9, 40, 8, 1.5
 # VM), and growing 1.5x, a 140-token one after 92 on the 0.5B model (3.5x: a larger chunk costs more per token).
 GROWTH_PER_STEP = 1.25
 # `step_deadline`: the room a cut leaves under the gap target for what follows it in the step (the decode rows' last
-# layers, sampling, sending the tokens), each as noisy as the rest of the step.
-CUT_MARGIN = 1.15
+# layers, sampling, sending the tokens), each as noisy as the rest of the step. It was 1.15 while a carry could grow
+# to 200-300 rows whose last layers no cut could shorten (steps up to 60 ms past their bound on the ~85M CPU model);
+# with a pass's rows capped (`PASS_ROWS`) the worst was 15 ms past it.
+CUT_MARGIN = 1.10
 # With a deadline, a lone prompt's chunk is this much larger than its step's plan: the step then ends at the bound
 # whatever this step's pace, and no chunk ramps up a step at a time (each step of a ramp pays a decode step's weight
 # read for a fraction of the prompt tokens it could carry).

@@ -74,7 +74,7 @@ def test_cut_steps_costing_their_bound_are_not_read_as_a_cost_floor() -> None:
     for cuts in (True, False):
         pacer = _pacer(cuts=cuts)
         pacer.chunk(STREAMS, 1)
-        step = DECODE + pacer.target_seconds()  # every step ends at the target, whatever its work
+        step = DECODE + 1.01 * pacer.target_seconds()  # every step ends at the target, whatever its work
         for work in (60, 24, 44, 16, 30, 60, 20):
             pacer.observe(step, decoding=STREAMS, prompt_tokens=work)
             pacer.chunk(STREAMS, 1)

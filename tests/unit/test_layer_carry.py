@@ -266,3 +266,46 @@ def test_a_carry_is_finished_before_the_step_that_ends_its_prompt(model) -> None
         generator._step_ending = recording  # type: ignore[method-assign]
         assert run(generator, {3: ("insert", late)}) == plain, length
     assert endings >= 7 and over_room == []
+
+
+def passes_rows(generator: StallFreeBatchGenerator) -> list[int]:
+    """Rows of each fused pass the generator's steps take in (decode rows, the carry rejoining, the new chunk)."""
+    rows: list[int] = []
+    stepped = generator.carry.stepped
+
+    def recording(uid, chunk, carry, cut, ended=None):
+        rows.append(len(generator._generation_batch) + len(chunk) + (len(carry.tokens) if carry is not None else 0))
+        stepped(uid, chunk, carry, cut, ended)
+
+    generator.carry.stepped = recording  # type: ignore[method-assign]
+    return rows
+
+
+@pytest.mark.parametrize("cap", [64, None])
+def test_a_pass_with_cuts_takes_at_most_pass_rows_its_carry_included(model, monkeypatch, cap) -> None:
+    """Each cut adds its chunk's rows to the carry, and a carry cannot leave at the layer it rejoins: grown to
+    200-300 rows, its last layers cost 30-45 ms each that no cut could shorten (~85M CPU model). With cuts on, the
+    new chunk shrinks so that the pass holds at most `PASS_ROWS` rows, the carry's included; the tokens are
+    mlx-lm's. Without the cap (None: the default, far above these chunks) the same steps take larger passes."""
+    if cap is not None:
+        monkeypatch.setattr("engine_daemon.generation.layer_carry.PASS_ROWS", cap)
+    longer = [(13 * j) % 2000 + 3 for j in range(300)]
+    plain = run(BatchGenerator(model, prefill_step_size=48), {3: ("insert", longer)})
+    generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=48), itertools.cycle([2]))
+    generator.carry.deadline = (1.0, 0.1)  # the scheduler's: cuts are on (`cutting` decides them)
+    rows = passes_rows(generator)
+    assert run(generator, {3: ("insert", longer)}) == plain
+    assert len(rows) >= 4
+    if cap is not None:
+        assert max(rows) <= cap
+    else:
+        assert max(rows) > 64
+
+
+def test_without_a_deadline_a_chunk_is_not_capped() -> None:
+    """The cap is for passes that cuts bound (the CPU): without a deadline a chunk keeps the pacer's size."""
+    keeper = CarryKeeper(12)
+    assert keeper.shrunk(220, 4, 16) == 220
+    keeper.deadline = (0.3, 0.1)
+    assert keeper.shrunk(220, 4, 16) == 156  # 160 rows with the 4 decode rows
+    assert keeper.shrunk(92, 4, 16) == 92
