@@ -216,7 +216,7 @@ class CarryKeeper:
             chunk = max(size - left, min(size, CARRY_TILES * tile - rows), 1)
         room = size if self.deadline is None else PASS_ROWS - rows - (len(self.carry.tokens) if self.carry else 0)
         if chunk > room:  # whole tiles under the cap, at least one tile of rows (a carry moves on every step anyway)
-            return max(room - (room + rows) % tile, tile - rows, 1)
+            return min(size, max(room - (room + rows) % tile, tile - rows, 1))
         return chunk if self.carry is None else chunk + (-(chunk + rows)) % tile
 
     def step_deadline(self, started: float, chunk_rows: int = 1,

@@ -6,11 +6,12 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
-from engine_daemon.generation.layer_carry import CarryKeeper, LayerDeadline, Leaving
+from engine_daemon.generation.layer_carry import CarryKeeper, LayerCarry, LayerDeadline, Leaving
 from engine_daemon.generation.stall_free import StallFreeBatchGenerator
 from model_builders.text import build_model
 
@@ -309,3 +310,6 @@ def test_without_a_deadline_a_chunk_is_not_capped() -> None:
     keeper.deadline = (0.3, 0.1)
     assert keeper.shrunk(220, 4, 16) == 156  # 160 rows with the 4 decode rows
     assert keeper.shrunk(92, 4, 16) == 92
+    keeper.carry = LayerCarry(mx.zeros((150, 8)), 10, list(range(150)))
+    assert keeper.shrunk(92, 4, 16) == 12  # one tile of rows beside a carry past the cap
+    assert keeper.shrunk(8, 4, 16) == 8  # never more than the pacer's chunk
