@@ -22,16 +22,13 @@ class FusedDecode:
     """Stands in for the model in the decode batch's call: runs the fused pass.
 
     `carry`: an earlier chunk's rows that rejoin the pass where they left it; `leaving`: asked
-    before each layer which prompt rows leave the pass (`LayerDeadline`); `leaves_by`: the chunk's rows
-    leave before that layer at the latest (`CarryKeeper.shrunk`). After the call,
+    before each layer which prompt rows leave the pass (`LayerDeadline`). After the call,
     `carried` holds the rows that left the pass (None: the chunk went through every layer).
     """
 
     def __init__(self, model: Any, chunk: list[int], chunk_cache: list[Any], ends_prompt: bool = False,
-                 carry: LayerCarry | None = None, leaving: Callable[[int], Leaving] | None = None,
-                 leaves_by: int | None = None):
+                 carry: LayerCarry | None = None, leaving: Callable[[int], Leaving] | None = None):
         self.model, self.chunk, self.chunk_cache = model, chunk, chunk_cache
-        self.leaves_by = leaves_by
         self.ends_prompt = ends_prompt
         self.carry, self.leaving = carry, leaving
         self.carried: LayerCarry | None = None
@@ -42,7 +39,7 @@ class FusedDecode:
         self.used = True
         logits, self.carried = fused_forward_carried(
             self.model, inputs, cache, mx.array([self.chunk]), self.chunk_cache, chunk_last_logits=self.ends_prompt,
-            carry=self.carry, leaving=self.leaving, chunk_tokens=self.chunk, chunk_leaves_by=self.leaves_by)
+            carry=self.carry, leaving=self.leaving, chunk_tokens=self.chunk)
         if not self.ends_prompt:
             return logits
         rows = inputs.shape[0]

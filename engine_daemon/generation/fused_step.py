@@ -123,8 +123,7 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
 def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: list[Any], chunk_inputs: mx.array,
                           chunk_cache: list[Any], chunk_last_logits: bool = False, carry: LayerCarry | None = None,
                           leaving: Callable[[int], Leaving] | None = None,
-                          chunk_tokens: list[int] | None = None,
-                          chunk_leaves_by: int | None = None) -> tuple[mx.array, LayerCarry | None]:
+                          chunk_tokens: list[int] | None = None) -> tuple[mx.array, LayerCarry | None]:
     """`fused_forward` that takes in a carried chunk and may cut its own chunk between layers (`LayerCarry`).
 
     `carry`: rows of an earlier chunk that stopped before layer `carry.start`; they rejoin there,
@@ -132,9 +131,7 @@ def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: lis
     before each layer from layer 1 on until rows leave, says which prompt rows leave the pass
     there (`Leaving`): this chunk's, or the carry's too once it went through a layer in this
     pass. They come back as the returned carry (`chunk_tokens`: the tokens this chunk's rows
-    stand for). `chunk_leaves_by`: this chunk's rows leave before that layer at the latest, whatever
-    `leaving` says (`CarryKeeper.shrunk`). A chunk that ends its prompt is never cut: its last row's
-    logits are needed now.
+    stand for). A chunk that ends its prompt is never cut: its last row's logits are needed now.
     """
     net = _activated(model)
     body = net.model
@@ -152,11 +149,8 @@ def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: lis
         if carry is not None and index == carry.start:  # the carried rows rejoin, before this chunk's
             stacked = mx.concatenate([stacked[:rows], carry.hidden, stacked[rows:]], axis=0)
         what = Leaving.NOTHING
-        if cut is None and not chunk_last_logits and index >= 1:
-            if index == chunk_leaves_by:
-                what = Leaving.CHUNK
-            elif leaving is not None:
-                what = leaving(index)
+        if cut is None and leaving is not None and not chunk_last_logits and index >= 1:
+            what = leaving(index)
         if what:
             with_carry = what == Leaving.ALL and carry is not None and index > carry.start
             out = new_rows + (len(carry_tokens) if with_carry else 0)

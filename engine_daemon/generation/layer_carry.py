@@ -38,13 +38,6 @@ import mlx.core as mx
 CARRY_TILES = 3
 # The most rows (decode rows, carry and new chunk) a fused pass with cuts takes in (`CarryKeeper.shrunk`).
 PASS_ROWS = 160
-# The fewest deadline decisions before the layer a chunk is sent out at (`CarryKeeper.shrunk`): forced out at the
-# first decision's layer, chunks planned for their layers ran up to 100 ms past their 290 ms bound (~85M CPU model).
-TRIMMING_DECISIONS = 2
-# With a deadline, a lone prompt's chunk is this much larger than its step's plan (`PrefillPacer.chunk`): the step then
-# ends at the bound whatever this step's pace, and no chunk ramps up a step at a time (each step of a ramp pays a decode
-# step's weight read for a fraction of the prompt tokens it could carry).
-CUT_OVERSIZE = 1.3
 # How far one fused step's tail past its last layer decision moves the learnt one (`CarryKeeper.tail`).
 TAIL_WEIGHT = 0.3
 
@@ -93,11 +86,6 @@ def roll_back(carry: LayerCarry, cache: list[Any], batch_tokens: list[int], proc
     processing[1] -= count
 
 
-def first_decision(layers: int) -> int:
-    """The first layer before which a `LayerDeadline` may send rows out of the pass."""
-    return layers // 2
-
-
 class LayerDeadline:
     """Which prompt rows of a fused step leave the pass before the next layer, by the clock (`Leaving`).
 
@@ -106,8 +94,7 @@ class LayerDeadline:
     its last layer's scores, learnt (`CarryKeeper`): the output head over the decode rows (a
     quarter of a decode step's weights on the ~85M bench model), sampling, the hand-back.
     `chunk_rows`: the new chunk's rows; `carry_rows` rows of an earlier chunk rejoin at layer
-    `carry_start`; `leave_by`: the chunk leaves before that layer at the latest (`CarryKeeper.shrunk`,
-    `fused_forward_carried`), which these estimates count on.
+    `carry_start`.
 
     A layer costs `decode_layer` plus a cost per prompt row learnt from this step's own pace since
     its first decision (the time before it holds the step's setup, not rows' work). Rows differ from
@@ -128,9 +115,8 @@ class LayerDeadline:
 
     def __init__(self, bound: float, decode_layer: float, layers: int, started: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, tail: float = 0.0, chunk_rows: int = 1,
-                 carry_rows: int = 0, carry_start: int = 0, leave_by: int | None = None):
+                 carry_rows: int = 0, carry_start: int = 0):
         self.bound, self.decode_layer, self.layers, self.tail = bound, decode_layer, layers, tail
-        self.leave_by = layers if leave_by is None else leave_by
         self.chunk_rows, self.carry_rows, self.carry_start = chunk_rows, carry_rows, carry_start
         self.clock = clock
         self.started = clock() if started is None else started
@@ -142,12 +128,12 @@ class LayerDeadline:
         elapsed = self.clock() - self.started
         if self._first is None:
             self._first = (index, elapsed)
-        if index < first_decision(self.layers):
+        if index < self.layers // 2:
             return Leaving.NOTHING
         layers, chunk, carry, joins = self.layers, self.chunk_rows, self.carry_rows, self.carry_start
 
-        def rows_in(layer: int) -> int:  # with nothing cut in this step
-            return chunk * (layer < self.leave_by) + carry * (layer >= joins)
+        def rows_in(layer: int) -> int:  # with the chunk still in the pass
+            return chunk + carry * (layer >= joins)
 
         def done_rows(before: int) -> float:  # prompt rows computed when layer `before` is reached
             return sum(rows_in(layer) for layer in range(before - 1)) + 0.5 * rows_in(before - 1)
@@ -166,15 +152,13 @@ class LayerDeadline:
         def ending(chunk_stop: int, carry_stop: int) -> float:
             """The step's end (before its tail) if the chunk's rows leave before `chunk_stop`, the carry's before
             `carry_stop` (`layers`: never)."""
-            rows = sum(chunk * (layer < min(chunk_stop, self.leave_by)) + carry * (joins <= layer < carry_stop)
+            rows = sum(chunk * (layer < chunk_stop) + carry * (joins <= layer < carry_stop)
                        for layer in range(index, layers))
             return finishing + (layers - index) * self.decode_layer + per_row * rows
 
         both_may_leave = max(index + 1, joins + 1)  # a carry leaves again only after a layer in this step
-        # ... and only beside the chunk: one cut a step, so not once the chunk must have left (`leave_by`)
         going_on = min([ending(layers, layers)] + [ending(index + 1, layers)] * (index + 1 < layers)
-                       + [ending(both_may_leave, both_may_leave)]
-                       * (bool(carry) and both_may_leave < min(layers, self.leave_by)))
+                       + [ending(both_may_leave, both_may_leave)] * (bool(carry) and both_may_leave < layers))
         if going_on + self.tail <= self.bound:
             self.expected = going_on
             return Leaving.NOTHING
@@ -204,12 +188,11 @@ class CarryKeeper:
         self.cuts = self.rollbacks = 0
         self.last_cut_layer: int | None = None  # where the last step's chunk left its pass (None: it did not)
         self.last_work: float | None = None  # prompt tokens' worth of work in the last fused step
-        self.leave_by: int | None = None  # the layer the step's chunk leaves the pass before, at the latest (`shrunk`)
         self.tail = 0.0  # seconds a fused step takes past its last layer decision (`LayerDeadline.tail`), learnt
         self._deadline: LayerDeadline | None = None
 
     def new_step(self) -> None:
-        self.last_cut_layer = self.last_work = self.leave_by = None
+        self.last_cut_layer = self.last_work = None
 
     def shrunk(self, size: int, rows: int = 0, tile: int = 1) -> int:
         """A chunk of `size` tokens less what the carried rows' remaining layers take of the step.
@@ -221,41 +204,20 @@ class CarryKeeper:
         cost per token the pacer learnt from them shrank the next ones (TTFT 1.79x alone, 24 steps
         for 1,524 tokens, against 1.41x in 17 steps a trial before). The deadline bounds the step.
 
-        With a deadline, no layer of a pass takes more than `PASS_ROWS` rows, decode rows included:
-        each cut adds the chunk's rows to the carry, and a carry cannot leave at the layer it rejoins,
-        so a carry grown to 200-300 rows made its last layers 30-45 ms each that no cut could shorten
+        With a deadline, a pass also takes at most `PASS_ROWS` rows, its carry's included: each cut
+        adds the chunk's rows to the carry, and a carry cannot leave at the layer it rejoins, so a
+        carry grown to 200-300 rows made its last layers 30-45 ms each that no cut could shorten
         (~85M CPU model: steps whose carry rejoined at layer 10 of 12 ran past their bound by 0.26
-        decode steps at the 90th percentile, every other kind by at most 0.06). Where the chunk and
-        the carry together would pass it, the chunk leaves the pass where the carry rejoins
-        (`leave_by`): the first layers take the chunk, the last ones the carry, a pipeline of two
-        chunks. The chunk is then sized for the layers it goes through, so the step holds as many
-        tokens' work as the pacer's chunk. (Capping the chunk to the room the carry left instead
-        made steps of a 12-token chunk beside a 144-row carry that ended a median 80 ms before their
-        bound, 10-14% of the newcomer's paced prefill.) The clock trims such a chunk only from the
-        `first_decision` layer on, and the carry goes through its layers whatever it says, so what
-        the step does with the chunk cut there is kept within the pacer's plan (`CUT_OVERSIZE`), and
-        a carry that rejoins less than `TRIMMING_DECISIONS` layers after it keeps the chunk to its room.
+        decode steps at the 90th percentile, every other kind by at most 0.06).
         """
-        self.leave_by = None
-        if self.carry is None:
-            room = size if self.deadline is None else PASS_ROWS - rows
-            return size if size <= room else min(size, max(room - (room + rows) % tile, tile - rows, 1))
-        left = round(self.carry.remaining_fraction(self.layers))
-        chunk = max(size - left, min(size, CARRY_TILES * tile - rows), 1)
-        chunk += (-(chunk + rows)) % tile
-        if self.deadline is None or rows + len(self.carry.tokens) + chunk <= PASS_ROWS:
-            return chunk
-        start, first = self.carry.start, first_decision(self.layers)
-        if start < first + TRIMMING_DECISIONS:  # the clock could not trim it: the chunk fits the carry's room
-            room = PASS_ROWS - rows - len(self.carry.tokens)
+        chunk = size
+        if self.carry is not None:
+            left = round(self.carry.remaining_fraction(self.layers))
+            chunk = max(size - left, min(size, CARRY_TILES * tile - rows), 1)
+        room = size if self.deadline is None else PASS_ROWS - rows - (len(self.carry.tokens) if self.carry else 0)
+        if chunk > room:  # whole tiles under the cap, at least one tile of rows (a carry moves on every step anyway)
             return min(size, max(room - (room + rows) % tile, tile - rows, 1))
-        self.leave_by = start
-        scaled = min((size - left) * self.layers / start,  # its work: its rows over the layers it passes
-                     (size / CUT_OVERSIZE - left) * self.layers / first)
-        scaled = max(int(scaled), min(size, CARRY_TILES * tile - rows), 1)
-        chunk = min(scaled + (-(scaled + rows)) % tile, max(size, scaled))
-        room = PASS_ROWS - rows
-        return chunk if chunk <= room else max(room - (room + rows) % tile, tile - rows, 1)
+        return chunk if self.carry is None else chunk + (-(chunk + rows)) % tile
 
     def step_deadline(self, started: float, chunk_rows: int = 1,
                       carry: LayerCarry | None = None) -> LayerDeadline | None:
@@ -266,7 +228,7 @@ class CarryKeeper:
         bound, decode = self.deadline
         self._deadline = LayerDeadline(bound, decode / self.layers, self.layers, started=started, tail=self.tail,
                                        chunk_rows=chunk_rows, carry_rows=len(carry.tokens) if carry else 0,
-                                       carry_start=carry.start if carry else 0, leave_by=self.leave_by)
+                                       carry_start=carry.start if carry else 0)
         return self._deadline
 
     def taken(self) -> LayerCarry | None:

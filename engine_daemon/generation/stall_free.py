@@ -369,8 +369,7 @@ class StallFreeBatchGenerator(BatchGenerator):
         carry = self.carry.taken()
         cuttable = len(self._currently_processing[0][0][0]) > len(chunk)  # its segment goes on after it
         deadline = self.carry.step_deadline(self._step_started, len(chunk), carry) if cuttable else None
-        fused = FusedDecode(self.model, chunk, prompt.prompt_cache, carry=carry, leaving=deadline,
-                            leaves_by=self.carry.leave_by if cuttable else None)
+        fused = FusedDecode(self.model, chunk, prompt.prompt_cache, carry=carry, leaving=deadline)
         recorded = ChunkRecorded(prompt, chunk)
         decode.model, prompt.prompt = fused, recorded
         size, self.prefill_step_size = self.prefill_step_size, len(chunk)  # mlx-lm takes the chunk (carry: smaller)

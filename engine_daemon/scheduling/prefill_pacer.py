@@ -60,7 +60,6 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
-from engine_daemon.generation.layer_carry import CUT_OVERSIZE
 from engine_daemon.scheduling.cost_floor import CostFloor
 from engine_daemon.scheduling.ttft_balance import AloneCosts, balanced_prefill_seconds
 
@@ -90,6 +89,10 @@ GROWTH_PER_STEP = 1.25
 # to 200-300 rows whose last layers no cut could shorten (steps up to 60 ms past their bound on the ~85M CPU model);
 # with a pass's rows capped (`PASS_ROWS`) the worst was 15 ms past it.
 CUT_MARGIN = 1.10
+# With a deadline, a lone prompt's chunk is this much larger than its step's plan: the step then ends at the bound
+# whatever this step's pace, and no chunk ramps up a step at a time (each step of a ramp pays a decode step's weight
+# read for a fraction of the prompt tokens it could carry).
+CUT_OVERSIZE = 1.3
 
 
 class StepPeriods:

@@ -202,25 +202,6 @@ def test_layer_deadline_counts_the_rows_a_carry_adds_to_later_layers() -> None:
     assert rejoining(10) == Leaving.ALL and rejoining.cut_at == 10
 
 
-def test_layer_deadline_counts_a_chunk_that_leaves_where_the_carry_rejoins() -> None:
-    """A chunk forced out where its carry rejoins (`leave_by`, `CarryKeeper.shrunk`) adds nothing to the later
-    layers: the estimates that decide a cut must not count it there."""
-    now = [0.33]  # 5.5 layers of 50 chunk rows before layer 6: 0.01 s decode + 0.001 s a row, a layer
-
-    def deadline(leave_by: int | None) -> LayerDeadline:
-        return LayerDeadline(bound=0.65, decode_layer=0.01, layers=12, started=0.0, clock=lambda: now[0],
-                             chunk_rows=50, carry_rows=100, carry_start=8, leave_by=leave_by)
-
-    # Free, the soonest end going on is both leaving after layer 8: layer 6 finished at 0.36, then 6 decode
-    # layers (0.06), the chunk's rows in layers 6-8 (0.15) and the carry's in layer 8 (0.1): 0.67.
-    free = deadline(None)
-    assert free(6) == Leaving.NOTHING and free.expected == pytest.approx(0.67)
-    # Forced out before layer 8, the chunk takes that cut: the carry goes through layers 8-11 (0.4) whatever
-    # follows. Going on, the step ends at 0.87 at the soonest; the chunk leaving now, at 0.82: both late.
-    forced = deadline(8)
-    assert forced(6) == Leaving.CHUNK and forced.expected == pytest.approx(0.82)
-
-
 def test_the_step_past_its_last_decision_is_learnt_and_left_room_for() -> None:
     """The output head, sampling and the hand-back come after the last layer: a cut must leave them room."""
     keeper = CarryKeeper(12)
@@ -288,21 +269,13 @@ def test_a_carry_is_finished_before_the_step_that_ends_its_prompt(model) -> None
     assert endings >= 7 and over_room == []
 
 
-def passes_rows(generator: StallFreeBatchGenerator) -> list[tuple[int, int, int]]:
-    """Per fused pass: the most rows any of its layers holds (decode rows, the new chunk until it leaves, the carry
-    from where it rejoins until it leaves), all of its rows, and its carry's."""
-    rows: list[tuple[int, int, int]] = []
+def passes_rows(generator: StallFreeBatchGenerator) -> list[int]:
+    """Rows of each fused pass the generator's steps take in (decode rows, the carry rejoining, the new chunk)."""
+    rows: list[int] = []
     stepped = generator.carry.stepped
 
     def recording(uid, chunk, carry, cut, ended=None):
-        layers = generator.carry.layers
-        chunk_stop = cut.start if cut is not None else layers
-        carry_stop = cut.start if cut is not None and len(cut.tokens) > len(chunk) else layers
-        decoding, carried = len(generator._generation_batch), len(carry.tokens) if carry is not None else 0
-        most = max(decoding + len(chunk) * (layer < chunk_stop) + carried * (carry is not None and
-                                                                             carry.start <= layer < carry_stop)
-                   for layer in range(layers))
-        rows.append((most, decoding + len(chunk) + carried, carried))
+        rows.append(len(generator._generation_batch) + len(chunk) + (len(carry.tokens) if carry is not None else 0))
         stepped(uid, chunk, carry, cut, ended)
 
     generator.carry.stepped = recording  # type: ignore[method-assign]
@@ -310,56 +283,33 @@ def passes_rows(generator: StallFreeBatchGenerator) -> list[tuple[int, int, int]
 
 
 @pytest.mark.parametrize("cap", [64, None])
-def test_a_layer_of_a_pass_with_cuts_takes_at_most_pass_rows(model, monkeypatch, cap) -> None:
+def test_a_pass_with_cuts_takes_at_most_pass_rows_its_carry_included(model, monkeypatch, cap) -> None:
     """Each cut adds its chunk's rows to the carry, and a carry cannot leave at the layer it rejoins: grown to
-    200-300 rows, its last layers cost 30-45 ms each that no cut could shorten (~85M CPU model). With cuts on, a
-    chunk that would pass `PASS_ROWS` beside the carry leaves where the carry rejoins; the tokens are mlx-lm's.
-    Without the cap (None: the default, far above these chunks) the same steps take larger passes."""
+    200-300 rows, its last layers cost 30-45 ms each that no cut could shorten (~85M CPU model). With cuts on, the
+    new chunk shrinks so that the pass holds at most `PASS_ROWS` rows, the carry's included; the tokens are
+    mlx-lm's. Without the cap (None: the default, far above these chunks) the same steps take larger passes."""
     if cap is not None:
         monkeypatch.setattr("engine_daemon.generation.layer_carry.PASS_ROWS", cap)
-    # This model has 4 layers and `cutting` cuts at layer 2, its first decision's: no decision trims a chunk here.
-    monkeypatch.setattr("engine_daemon.generation.layer_carry.TRIMMING_DECISIONS", 0)
     longer = [(13 * j) % 2000 + 3 for j in range(300)]
     plain = run(BatchGenerator(model, prefill_step_size=48), {3: ("insert", longer)})
-    # Cut at layer 2, then at 3: a carry that rejoined at 2 goes through layer 2 beside the next chunk.
-    generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=48), itertools.cycle([2, 3]))
+    generator = cutting(StallFreeBatchGenerator(model, prefill_step_size=48), itertools.cycle([2]))
     generator.carry.deadline = (1.0, 0.1)  # the scheduler's: cuts are on (`cutting` decides them)
-    passes = passes_rows(generator)
+    rows = passes_rows(generator)
     assert run(generator, {3: ("insert", longer)}) == plain
-    assert len(passes) >= 4
-    most = max(rows for rows, _every, _carried in passes)
+    assert len(rows) >= 4
     if cap is not None:
-        assert most <= cap
-        # Each chunk beside a carry left where the carry rejoined, sized for the layers it passed: every such pass
-        # took more rows than the cap, in layers that none held more than it.
-        assert all(every > cap for _rows, every, carried in passes if carried)
+        assert max(rows) <= cap
     else:
-        assert most > 64
+        assert max(rows) > 64
 
 
 def test_without_a_deadline_a_chunk_is_not_capped() -> None:
-    """The cap is for passes that cuts bound (the CPU): without a deadline a chunk keeps the pacer's size. With one,
-    a chunk beside a large carry leaves where the carry rejoins, sized for its layers and what the clock can trim."""
+    """The cap is for passes that cuts bound (the CPU): without a deadline a chunk keeps the pacer's size."""
     keeper = CarryKeeper(12)
     assert keeper.shrunk(220, 4, 16) == 220
     keeper.deadline = (0.3, 0.1)
     assert keeper.shrunk(220, 4, 16) == 156  # 160 rows with the 4 decode rows
     assert keeper.shrunk(92, 4, 16) == 92
-    assert keeper.leave_by is None
     keeper.carry = LayerCarry(mx.zeros((150, 8)), 10, list(range(150)))
-    # Beside a carry past the cap the chunk leaves where the carry rejoins (layer 10), and is sized for the layers
-    # it passes: 92 - 25 tokens the carry's two layers take = 67 tokens' work, 80 rows over 10 of 12 layers, 92
-    # with the decode rows in whole tiles.
-    assert keeper.shrunk(92, 4, 16) == 92 and keeper.leave_by == 10
+    assert keeper.shrunk(92, 4, 16) == 12  # one tile of rows beside a carry past the cap
     assert keeper.shrunk(8, 4, 16) == 8  # never more than the pacer's chunk
-    assert keeper.shrunk(400, 4, 16) == 156  # never more than the cap in the layers before the carry's
-    keeper.carry = LayerCarry(mx.zeros((150, 8)), 9, list(range(150)))
-    # The clock may cut it from layer 6 (`first_decision`): 139 - 38 tokens' work over 9 of 12 layers, 134 rows,
-    # 140 in whole tiles, and no more than the pacer's 139; cut at layer 6 that is 70 + 38 tokens' work, within the
-    # plan (139 / `CUT_OVERSIZE`).
-    assert keeper.shrunk(139, 4, 16) == 139 and keeper.leave_by == 9
-    keeper.carry = LayerCarry(mx.zeros((150, 8)), 7, list(range(150)))
-    # One decision before layer 7: the chunk goes through every layer, in the room the carry leaves it (one tile).
-    assert keeper.shrunk(139, 4, 16) == 12 and keeper.leave_by is None
-    keeper.carry = LayerCarry(mx.zeros((40, 8)), 10, list(range(40)))
-    assert keeper.shrunk(92, 4, 16) == 92 and keeper.leave_by is None  # 136 rows: the chunk may go on
