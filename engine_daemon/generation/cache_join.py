@@ -25,6 +25,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from engine_daemon.generation.join_reserve import JoinReserve
+
 _local = threading.local()  # MLX streams belong to the thread that made them (`mx.clear_streams` ends them)
 
 
@@ -55,30 +57,42 @@ def joinable(running: list[Any], joining: list[Any]) -> bool:
 
 
 def _join_tensor(first: mx.array, first_idx: int, second: mx.array, second_idx: int, size: int,
-                 end: int) -> mx.array:
-    """(B1 + B2, H, size, D): each part's first `idx` positions right-aligned to `end`, zeros elsewhere."""
+                 end: int, out: mx.array | None = None) -> mx.array:
+    """(B1 + B2, H, size, D): each part's first `idx` positions right-aligned to `end`, zeros elsewhere.
+
+    `out`: a zeroed buffer of that shape made beforehand (`JoinReserve`), written in place."""
     rows = first.shape[0]
-    out = mx.zeros((rows + second.shape[0], first.shape[1], size, first.shape[3]), dtype=first.dtype)
+    if out is None:
+        out = mx.zeros((rows + second.shape[0], first.shape[1], size, first.shape[3]), dtype=first.dtype)
     out[:rows, :, end - first_idx:end] = first[:, :, :first_idx]
     out[rows:, :, end - second_idx:end] = second[:, :, :second_idx]
     return out
 
 
-def join_caches(running: list[Any], joining: list[Any]) -> list[Any]:
-    """`running` extended in place with `joining`, layer by layer (as `BatchKVCache.extend` leaves it)."""
+def join_caches(running: list[Any], joining: list[Any], reserve: JoinReserve | None = None) -> list[Any]:
+    """`running` extended in place with `joining`, layer by layer (as `BatchKVCache.extend` leaves it).
+
+    A layer whose buffers `reserve` made beforehand is written into them: their capacity may be
+    larger than mlx-lm's (the room past `_idx` that a batch cache keeps for its next steps)."""
     streams = _copy_streams()
     for layer, (a, b) in enumerate(zip(running, joining)):
         end = max(a._idx, b._idx)
         size = max(a.keys.shape[2], b.keys.shape[2])
+        rows = a.keys.shape[0] + b.keys.shape[0]
+        made = reserve.take(layer, rows, end, a.keys, a.values) if reserve is not None else None
+        if made is not None:
+            size = made[0].shape[2]
         with mx.stream(streams[layer % len(streams)]):
-            keys = _join_tensor(a.keys, a._idx, b.keys, b._idx, size, end)
-            values = _join_tensor(a.values, a._idx, b.values, b._idx, size, end)
+            keys = _join_tensor(a.keys, a._idx, b.keys, b._idx, size, end, made[0] if made else None)
+            values = _join_tensor(a.values, a._idx, b.values, b._idx, size, end, made[1] if made else None)
         a.left_padding = mx.concatenate([a.left_padding + (end - a._idx), b.left_padding + (end - b._idx)])
         a.offset = mx.concatenate([a.offset, b.offset])
         a.keys, a.values, a._idx = keys, values, end
     # Copy now, behind the step where the newcomer joins, rather than lazily inside the next decode step:
     # that step already pays for the newcomer's long rows, and two costs in one step make one long gap.
     mx.async_eval([(c.keys, c.values) for c in running])
+    if reserve is not None:
+        reserve.clear()
     return running
 
 

@@ -35,6 +35,7 @@ deferred instead, its last token computed in the next decode step with the other
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import types
@@ -53,6 +54,7 @@ from engine_daemon.generation.deferred_join import (
 )
 from engine_daemon.generation.fused_stand_ins import ChunkRecorded, FusedDecode
 from engine_daemon.generation.fused_step import fusable, network, prompt_end_logits
+from engine_daemon.generation.join_reserve import JoinReserve
 from engine_daemon.generation.layer_carry import CarryKeeper
 
 log = logging.getLogger(__name__)
@@ -101,14 +103,14 @@ def _materialized(extracted: dict[int, Any]) -> dict[int, Any]:
     return extracted
 
 
-def _extend(batch: GenerationBatch, joining: GenerationBatch) -> None:
+def _extend(batch: GenerationBatch, joining: GenerationBatch, reserve: JoinReserve | None = None) -> None:
     """`GenerationBatch.extend` with the KV joined by `join_caches` (one copy, two streams) when it can.
 
     mlx-lm's extend takes an empty cache list as "adopt the other's"; handing it the joined
     caches that way leaves every other field to mlx-lm.
     """
     if joinable(batch.prompt_cache, joining.prompt_cache):
-        joining.prompt_cache = join_caches(batch.prompt_cache, joining.prompt_cache)
+        joining.prompt_cache = join_caches(batch.prompt_cache, joining.prompt_cache, reserve)
         batch.prompt_cache = []
     GenerationBatch.extend(batch, joining)
 
@@ -124,7 +126,9 @@ class StallFreeBatchGenerator(BatchGenerator):
                  first_token_from_last_chunk: bool = True, **kwargs: Any):
         super().__init__(model, *args, **kwargs)
         self._prompt_batch.split = types.MethodType(self._split_prompts, self._prompt_batch)
-        self._generation_batch.extend = types.MethodType(_extend, self._generation_batch)
+        self.join_reserve = JoinReserve()  # the lone prompt's join buffers, made while it is prefilled beside streams
+        self._generation_batch.extend = types.MethodType(functools.partial(_extend, reserve=self.join_reserve),
+                                                         self._generation_batch)
         self.fuse = fuse and fusable(model)
         self.defer_join = defer_join
         self.fused_steps = self.deferred_joins = 0
@@ -221,6 +225,7 @@ class StallFreeBatchGenerator(BatchGenerator):
             self._ended.pop(uid, None)  # a finished row's KV holds its generated tokens too: mlx-lm's extract
         self._first_tokens_due.difference_update(uids)  # a removed row holds no prefill back
         self._turns.difference_update(uids)
+        self.join_reserve.forget(uids)
         for uid in uids:
             self._steps_beside_streams.pop(uid, None)
         return super().remove(uids, return_prompt_caches=return_prompt_caches)  # extracts via extract_cache
@@ -382,6 +387,8 @@ class StallFreeBatchGenerator(BatchGenerator):
             raise RuntimeError("fused prefill chunk was not computed")
         self.fused_steps += 1
         self.carry.stepped(prompt.uids[0], chunk, carry, fused.carried, ended=time.perf_counter())
+        self.join_reserve.prepare(prompt.uids[0], decode.prompt_cache, prompt.prompt_cache,
+                                  len(_rest(self._currently_processing[0][0])) if self._currently_processing else 0)
         return result
 
     def _settle_carry(self, keep: bool = True) -> None:

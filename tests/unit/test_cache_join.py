@@ -9,6 +9,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from engine_daemon.generation.cache_join import join_caches, joinable
+from engine_daemon.generation.join_reserve import JoinReserve
 
 
 def batch_cache(lengths: list[int], seed: int, heads: int = 2, dim: int = 8) -> BatchKVCache:
@@ -58,3 +59,61 @@ def test_unknown_caches_keep_mlx_lms_path() -> None:
     assert not joinable([], [cache])
     empty = BatchKVCache([0])
     assert not joinable([cache], [empty])
+
+
+def test_join_into_reserved_buffers_matches_a_fresh_join() -> None:
+    """Buffers made ahead (`JoinReserve`) hold the same rows as a fresh join, with the reserve's capacity."""
+    layers, running_lengths, joining_length = 3, [40, 7, 19], 300
+    ours = [batch_cache(running_lengths, 10 * layer) for layer in range(layers)]
+    plain = copy.deepcopy(ours)
+    newcomer = [batch_cache([joining_length], 100 + 10 * layer) for layer in range(layers)]
+    reserve = JoinReserve(layers_per_step=2, enabled=True)
+    mx.reset_peak_memory()  # the join takes the process past the most memory it has held: buffers are made ahead
+    reserve.prepare(7, ours, newcomer, remaining=0)
+    assert reserve.layers_ready == 2  # a few layers per step, not all at once
+    reserve.prepare(7, ours, newcomer, remaining=0)
+    assert reserve.layers_ready == 3
+    reserved_size = reserve._buffers[0][0].shape[2]
+    assert reserved_size >= newcomer[0]._idx and reserved_size % 256 == 0
+    join_caches(ours, copy.deepcopy(newcomer), reserve)
+    join_caches(plain, copy.deepcopy(newcomer))
+    assert reserve.layers_ready == 0 and reserve.uid is None
+    for a, b in zip(ours, plain):
+        assert a.keys.shape[2] == reserved_size and a.values.shape[2] == reserved_size
+        assert a._idx == b._idx and a.left_padding.tolist() == b.left_padding.tolist()
+        assert a.offset.tolist() == b.offset.tolist()
+        assert valid_rows(a) == valid_rows(b)
+        assert mx.all(a.keys[..., a._idx:, :] == 0).item()  # the room past the join is zeros, as mlx-lm's
+
+
+def test_reserve_that_does_not_fit_is_not_used() -> None:
+    """A batch that changed since the buffers were made (a stream left) joins into fresh buffers."""
+    ours = [batch_cache([40, 7, 19], 10 * layer) for layer in range(2)]
+    newcomer = [batch_cache([30], 100 + 10 * layer) for layer in range(2)]
+    reserve = JoinReserve(layers_per_step=4, enabled=True)
+    mx.reset_peak_memory()
+    reserve.prepare(1, ours, newcomer, remaining=0)
+    smaller = [batch_cache([40, 7], 10 * layer) for layer in range(2)]
+    join_caches(smaller, copy.deepcopy(newcomer), reserve)
+    assert smaller[0].keys.shape[0] == 3 and smaller[0].keys.shape[2] == max(c.keys.shape[2] for c in
+                                                                            (ours[0], newcomer[0]))
+    reserve.prepare(1, ours, newcomer, remaining=0)
+    mx.reset_peak_memory()
+    reserve.prepare(2, ours, newcomer, remaining=500)  # another prompt, or a longer one: start over
+    assert reserve.uid == 2 and reserve._buffers[0][0].shape[2] >= newcomer[0]._idx + 500
+    reserve.forget([2])
+    assert reserve.layers_ready == 0
+
+
+def test_no_buffers_are_made_below_the_most_memory_held() -> None:
+    """A join the process has had the memory for before needs no buffers made ahead: its pages are reused."""
+    ours = [batch_cache([40, 7], 10 * layer) for layer in range(2)]
+    newcomer = [batch_cache([30], 100 + 10 * layer) for layer in range(2)]
+    held = mx.zeros((4 << 20,))  # 16 MB, far more than the join's buffers
+    mx.eval(held)
+    del held
+    reserve = JoinReserve(layers_per_step=4, enabled=True)
+    reserve.prepare(3, ours, newcomer, remaining=0)
+    assert reserve.uid == 3 and reserve.layers_ready == 0
+    join_caches(ours, copy.deepcopy(newcomer), reserve)
+    assert ours[0].keys.shape[0] == 3

@@ -391,3 +391,25 @@ def test_a_prompt_shared_the_step_it_joined_gives_the_joined_batchs_kv(model, st
         assert mx.array_equal(own.keys, joined.keys).item() and mx.array_equal(own.values, joined.values).item()
     generator.next()
     assert not generator._ended  # only the step it joined in: later its KV holds generated tokens too
+
+
+@pytest.mark.parametrize("ending", [True, False])
+def test_a_prompt_prefilled_beside_streams_joins_into_buffers_made_ahead(model, ending: bool) -> None:
+    """Every layer's join buffers were made during the late prompt's fused steps (`JoinReserve`), the same tokens."""
+    prompts = [[(7 * i + j) % 2000 + 3 for j in range(5 + 3 * i)] for i in range(3)]
+    late = [(13 * j) % 2000 + 3 for j in range(150)]
+    plain, _ = run(BatchGenerator(model, prefill_step_size=16), prompts, late, 3, 40)
+    generator = StallFreeBatchGenerator(model, prefill_step_size=16, first_token_from_last_chunk=ending)
+    taken: list[bool] = []
+    take = generator.join_reserve.take
+
+    def spied(*args: Any) -> Any:
+        got = take(*args)
+        taken.append(got is not None)
+        return got
+
+    generator.join_reserve.take = spied
+    mx.reset_peak_memory()  # as in a fresh engine: the join is the most memory the process has held
+    out, _ = run(generator, prompts, late, 3, 40)
+    assert out == plain
+    assert taken == [True] * len(model.model.layers)  # one join, every layer written into a reserved buffer
