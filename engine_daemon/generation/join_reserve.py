@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 # Positions of room past the newcomer's end, for running rows longer than it that keep growing until the join.
 RUNNING_MARGIN = 64
@@ -98,4 +99,5 @@ class JoinReserve:
 
 
 def _batch_caches(caches: list[Any]) -> bool:
-    return bool(caches) and all(getattr(c, "keys", None) is not None and hasattr(c, "_idx") for c in caches)
+    """Plain batch caches with KV in them: the only ones `join_caches` joins (quantized keys are tuples)."""
+    return bool(caches) and all(type(c) is BatchKVCache and c.keys is not None for c in caches)

@@ -117,3 +117,12 @@ def test_no_buffers_are_made_below_the_most_memory_held() -> None:
     assert reserve.uid == 3 and reserve.layers_ready == 0
     join_caches(ours, copy.deepcopy(newcomer), reserve)
     assert ours[0].keys.shape[0] == 3
+
+
+def test_caches_that_join_caches_leaves_to_mlx_lm_get_no_buffers() -> None:
+    """Quantized or other caches keep mlx-lm's extend: nothing is made for them."""
+    reserve = JoinReserve(enabled=True)
+    mx.reset_peak_memory()
+    reserve.prepare(4, [KVCache()], [batch_cache([5], 1)], remaining=10)
+    reserve.prepare(4, [batch_cache([5], 1)], [BatchKVCache([0])], remaining=10)
+    assert reserve.layers_ready == 0
