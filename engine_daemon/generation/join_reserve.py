@@ -17,9 +17,10 @@ buffer is referenced by nothing else, so MLX updates it without a copy). Only wh
 takes the process past the most memory MLX has held (`mx.get_peak_memory`): below it, the
 allocator hands back pages it already has, and later joins of the same size took ~100 ms with
 no faults, while buffers made ahead of every join (faulted again, beside the paced steps) made
-the newcomer's prefill ~9% slower over six trials. A buffer is at least
-as long as the join needs, rounded up to the cache's growth step: room past `_idx` is what a
-batch cache holds anyway. The GPU backends keep freed buffers for reuse: there it stays off.
+the newcomer's prefill ~9% slower over six trials. A buffer is at least as long as the join
+needs, rounded up to the cache's growth step: room past `_idx` is what a batch cache holds
+anyway. The GPU backends keep freed buffers for reuse: there it stays off. (The deeper fix, a
+CPU allocator that keeps freed buffers as the GPU ones do, is MLX's to make.)
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class JoinReserve:
         self._buffers: dict[int, tuple[mx.array, mx.array]] = {}
         self._made = 0  # layers whose buffers exist, were taken, or are not needed (below the peak)
 
-    def prepare(self, uid: int, running: list[Any], joining: list[Any], remaining: int, stream: Any = None) -> None:
+    def prepare(self, uid: int, running: list[Any], joining: list[Any], remaining: int) -> None:
         """Makes the next layers' buffers for joining `joining` (one prompt, `remaining` tokens still to
         prefill) to `running`; starts over when the batch or the prompt changed."""
         if not self.enabled or not _batch_caches(running) or not _batch_caches(joining):
@@ -61,7 +62,7 @@ class JoinReserve:
             self._made = len(running) if mx.get_active_memory() + joined <= mx.get_peak_memory() else 0
         layers = range(self._made, min(len(running), self._made + self.layers_per_step))
         made = []
-        with mx.stream(stream if stream is not None else mx.default_stream(mx.cpu)):
+        with mx.stream(mx.default_stream(mx.cpu)):  # beside the generation stream's pass, not queued behind it
             for layer in layers:
                 cache = running[layer]
                 pair = tuple(mx.zeros((shape[0], held.shape[1], shape[1], held.shape[3]), dtype=held.dtype)
@@ -90,11 +91,12 @@ class JoinReserve:
             self.clear()
 
     def clear(self) -> None:
+        """Lets go of every buffer (after a join, or when the prompt or the batch changed)."""
         self.uid, self._shape, self._buffers, self._made = None, None, {}, 0
 
     @property
     def layers_ready(self) -> int:
-        """Layers whose buffers wait for the join (for tests and the step trace)."""
+        """Layers whose buffers wait for the join."""
         return len(self._buffers)
 
 
