@@ -6,7 +6,8 @@
 Runs `prompt_scenarios.long_prompt` on our stack with the engine at DEBUG (its log then has
 one line per generator step: its time, streams and prompt tokens) and joins each stream's
 chunk arrivals (client wall clock) with the step that produced them (the latest step that
-ended before the chunk arrived). Per trial: the row's two ratios, how long after its step a
+ended before the chunk arrived). Per trial: the row's two ratios, the steps the newcomer was
+paced in and their cost per prompt token against its alone TTFT's (`paced`), how long after its step a
 token reaches the client (the delivery delay), and the worst client gaps with the engine
 period between the two steps under them. A worst gap equal to its engine period is the
 engine's step; one much longer than it is delivery. The four streams get one token per step
@@ -74,6 +75,26 @@ def joined(trial: dict, steps: list[tuple[float, float, int, int]], worst: int =
             "worst_gaps": gaps[:worst]}
 
 
+def paced(trial: dict, steps: list[tuple[float, float, int, int]]) -> dict:
+    """What the engine's steps did while the newcomer was paced beside the streams, in its own clock.
+
+    A trial's TTFT ratio moves with two things: how the scheduler shares each step (its steps,
+    tokens per step) and how fast this machine computes a prompt token at that moment (a 2-vCPU VM
+    has phases: a 1024x1024 sgemm took 10.5 ms for tens of seconds, then 13). The steps' time past
+    the streams' steady decode step, per prompt token, against the alone TTFT per prompt token,
+    tells them apart: the first is the machine, the count of steps is the scheduler.
+    """
+    sent, first = trial["newcomer_sent"], trial["newcomer_first"]
+    decode = [ms for end, ms, streams, tokens in steps if end < sent and streams == 4 and tokens == 0]
+    during = [(ms, tokens) for end, ms, streams, tokens in steps if sent < end <= first and streams == 4]
+    decode_ms = statistics.median(decode[-40:]) if decode else float("nan")
+    tokens = sum(t for _ms, t in during)
+    spent = sum(ms for ms, _t in during)
+    return {"paced_steps": len(during), "paced_tokens": tokens, "paced_ms": spent, "decode_ms": decode_ms,
+            "prompt_ms_per_token": (spent - len(during) * decode_ms) / max(1, tokens),
+            "alone_ms_per_token": trial["alone_ttft_s"] * 1000 / max(1, tokens)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="small", choices=["tiny", "small", "realistic"])
@@ -94,13 +115,16 @@ def main() -> int:
         steps = engine_steps(engine.log())
     report = []
     for number, trial in enumerate(trials):
-        found = joined(trial, steps)
+        found = joined(trial, steps) | paced(trial, steps)
         report.append({key: trial[key] for key in ("gap_ratio", "ttft_ratio", "steady_gap_ms", "worst_gap_ms",
                                                    "ttft_s", "alone_ttft_s")} | found)
         delivery = found["delivery_ms"]
         print(f"trial {number}: worst gap {trial['gap_ratio']:.2f}x steady ({trial['worst_gap_ms']:.0f} / "
               f"{trial['steady_gap_ms']:.1f} ms), TTFT {trial['ttft_ratio']:.2f}x alone; token delivery after its "
               f"step p50 {delivery['p50']:.1f}, p90 {delivery['p90']:.1f}, max {delivery['max']:.1f} ms")
+        print(f"   paced: {found['paced_steps']} steps, {found['paced_tokens']} prompt tokens in "
+              f"{found['paced_ms']:.0f} ms; past the {found['decode_ms']:.1f} ms decode step "
+              f"{found['prompt_ms_per_token']:.2f} ms a prompt token, alone {found['alone_ms_per_token']:.2f}")
         for gap in found["worst_gaps"]:
             print(f"   gap {gap['gap_ms']:.0f} ms over an engine period of {gap['engine_period_ms']:.0f} ms, ending "
                   f"{gap['ended_after_newcomer_ms']:.0f} of the newcomer's {gap['newcomer_ttft_ms']:.0f} ms "
