@@ -37,11 +37,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from stack import bench_model  # noqa: E402
+from stack import in_process_model  # noqa: E402
 
 from engine_daemon.scheduling.cost_floor import least_squares_line  # noqa: E402
 
-STREAMS, STREAM_CONTEXT, VOCAB_SAMPLE, ROW_TILE = 4, 600, 30000, 16
+STREAMS, STREAM_CONTEXT, ROW_TILE = 4, 600, 16
 
 
 def main() -> int:
@@ -57,22 +57,17 @@ def main() -> int:
     args = parser.parse_args()
 
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine_daemon.cpu import parallel_ops, prefill_attention, prefill_swiglu
     from engine_daemon.cpu.prefill_scope import prefilling
     from engine_daemon.generation.fused_step import fused_forward
 
-    parallel_ops.configure(2)
-    prefill_attention.configure(True)
-    prefill_swiglu.configure(True)
-    model, _tokenizer = load(str(bench_model(args.size)))
-    parallel_ops.install()
+    model = in_process_model(args.size)
+    vocab = model.args.vocab_size  # token ids past it are read out of the embedding's bounds (a crash)
 
     def filled(batch: int, length: int) -> list:
         cache = make_prompt_cache(model)
-        tokens = mx.random.randint(0, VOCAB_SAMPLE, (batch, length))
+        tokens = mx.random.randint(0, vocab, (batch, length))
         with prefilling():
             for start in range(0, length, 256):
                 model(tokens[:, start:start + 256], cache=cache)
@@ -91,9 +86,9 @@ def main() -> int:
     contexts = [int(v) for v in args.contexts.split(",")]
     chunks = [int(v) for v in args.chunks.split(",")]
     decode_cache = filled(STREAMS, STREAM_CONTEXT)
-    decode_tokens = mx.random.randint(0, VOCAB_SAMPLE, (STREAMS, 1))
+    decode_tokens = mx.random.randint(0, vocab, (STREAMS, 1))
     prompt_caches = {length: filled(1, length) for length in contexts}
-    inputs = {c: mx.random.randint(0, VOCAB_SAMPLE, (1, c)) for c in [*chunks, args.large]}
+    inputs = {c: mx.random.randint(0, vocab, (1, c)) for c in [*chunks, args.large]}
     mx.eval(decode_tokens, list(inputs.values()))
 
     def decode() -> None:

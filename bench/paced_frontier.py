@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from stack import bench_model  # noqa: E402
+from stack import in_process_model  # noqa: E402
 
 STREAMS, STREAM_PROMPT, WARM_STEPS, ALONE_CHUNK = 4, 100, 40, 512
 
@@ -62,17 +62,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from mlx_lm import load
-
-    from engine_daemon.cpu import parallel_ops, prefill_attention, prefill_swiglu
     from engine_daemon.generation.stall_free import StallFreeBatchGenerator
 
-    parallel_ops.configure(2)
-    prefill_attention.configure(True)
-    prefill_swiglu.configure(True)
-    model, _tokenizer = load(str(bench_model(args.size)))
-    parallel_ops.install()
-    prefill_attention.install()
+    model = in_process_model(args.size)
     chunks = [int(value) for value in args.chunks.split(",")]
     vocab = model.args.vocab_size
 

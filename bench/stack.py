@@ -24,6 +24,24 @@ def bench_model(size: str = "realistic") -> Path:
     return build_model(DEFAULT_MODELS / f"{size}-qwen2", size=size)
 
 
+def in_process_model(size: str):
+    """The bench model loaded in this process with the CPU paths `engined` takes by default.
+
+    Two parallel ops, NumPy prefill attention and SwiGLU, `parallel_ops` installed: what the
+    engine's generator runs on, for in-process measurements (`fused_costs.py`, `paced_frontier.py`).
+    """
+    from mlx_lm import load
+
+    from engine_daemon.cpu import parallel_ops, prefill_attention, prefill_swiglu
+
+    parallel_ops.configure(2)
+    prefill_attention.configure(True)
+    prefill_swiglu.configure(True)
+    model, _tokenizer = load(str(bench_model(size)))
+    parallel_ops.install()
+    return model
+
+
 @contextmanager
 def our_stack(model: Path, engine_args: list[str] | None = None, workers: int = 2) -> Iterator[tuple[str, Engine]]:
     """(base_url, engine) of a running engined + gunicorn front-end."""
