@@ -73,6 +73,14 @@ def is_anthropic_path(path: str) -> bool:
     return any(path == prefix or path.startswith(prefix + "/") for prefix in ANTHROPIC_PATHS)
 
 
+def speaks_anthropic(req: falcon.asgi.Request) -> bool:
+    """Whether the caller parses Anthropic's shapes: its routes, or any route asked with `anthropic-version`.
+
+    Anthropic's SDKs and agents send that header on every request (GET /v1/models too).
+    """
+    return is_anthropic_path(req.path) or req.get_header("anthropic-version") is not None
+
+
 def anthropic_error_body(error: APIError) -> dict[str, Any]:
     """`error` in the Anthropic envelope: the type follows the status, as Anthropic's API does."""
     default = "invalid_request_error" if error.status < 500 else "api_error"
@@ -82,7 +90,7 @@ def anthropic_error_body(error: APIError) -> dict[str, Any]:
 
 def _write(req: falcon.asgi.Request, resp: falcon.asgi.Response, error: APIError) -> None:
     resp.status = error.status
-    resp.media = anthropic_error_body(error) if is_anthropic_path(req.path) else error.to_dict()
+    resp.media = anthropic_error_body(error) if speaks_anthropic(req) else error.to_dict()
     for name, value in error.headers.items():
         resp.set_header(name, value)
 

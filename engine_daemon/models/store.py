@@ -292,12 +292,15 @@ def list_root_models(roots: Sequence[Path]) -> list[dict]:
     return list(found.values())
 
 
+NO_MODELS_NOTE = ". No models are available in the engine's model directories or Hugging Face cache"
+
+
 def available_note(roots: Sequence[Path], limit: int = 20) -> str:
     """'. Available models: a, b' for a 404, so a client can correct its request without asking the operator."""
     ids = list(dict.fromkeys([*_operator_names] + [m["id"] for m in list_root_models(roots)]
                              + [m["id"] for m in list_cached_models()]))
     if not ids:
-        return ". No models are available in the engine's model directories or Hugging Face cache"
+        return NO_MODELS_NOTE
     more = f" and {len(ids) - limit} more" if len(ids) > limit else ""
     return ". Available models: " + ", ".join(ids[:limit]) + more
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from engine_daemon.output.parser import ParsedDelta
+from engine_daemon.output.token_text import token_bytes, token_label
 
 if TYPE_CHECKING:  # the request type only: requests are built above this layer
     from engine_daemon.request.state import EngineRequest
@@ -60,10 +61,10 @@ def logprob_entries(tokenizer: Any, logprobs: Any, token: int, top: int) -> list
     row = logprobs.reshape(-1)
 
     def describe(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
+        raw = token_bytes(tokenizer, token_id)  # the token's own bytes, also for part of a character
         # A token masked out (grammar constraint) has logprob -inf, which JSON cannot carry: clamp
         # it as vLLM does.
-        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+        return {"token": token_label(raw), "logprob": max(logprob, -9999.0), "bytes": list(raw)}
 
     entry = describe(token, row[token].item())
     entry["top_logprobs"] = []

@@ -17,6 +17,7 @@ from engine_daemon.errors import RequestError
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.output.parser import OutputParser
 from engine_daemon.output.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS, StopStringMatcher
+from engine_daemon.output.token_text import request_detokenizer
 from engine_daemon.request.context_overflow import fit_context
 from engine_daemon.request.preprocess import model_key
 from engine_daemon.request.prompt import build_prompt, template_tools
@@ -180,8 +181,8 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     request.sampling = resolve_sampling(loaded, request.params, server_defaults)
     request.sampling["logit_bias"] = parse_logit_bias(request.params.get("logit_bias"), loaded.vocab_size)
     request.stop = StopStringMatcher(request.params.get("stop"))
-    request.detokenizer = loaded.tokenizer.detokenizer
-    request.detokenizer.reset()
+    # A raw prompt's completion continues the client's text: its first leading space is kept.
+    request.detokenizer = request_detokenizer(loaded.tokenizer, continues_prompt=request.body.get("messages") is None)
     # Reasoning and tool calls are split out of the text here, once, for every front-end.
     in_thinking = prompt_in_thinking(loaded.tokenizer, request.prompt_tokens)
     request.parser = OutputParser(loaded.tokenizer, in_thinking=in_thinking, tools=template_tools(request.body))

@@ -22,8 +22,9 @@ from engine_daemon.cpu import prefill_attention, prefill_swiglu
 from engine_daemon.errors import RequestError
 from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.lora.adapters import AdapterManager
+from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.models.manager import ModelManager
-from engine_daemon.models.store import InvalidModelName, ModelNotFound, ModelRef
+from engine_daemon.models.store import NO_MODELS_NOTE, InvalidModelName, ModelNotFound, ModelRef
 from engine_daemon.output.tokens import consume_token, logprob_entries, usage
 from engine_daemon.request.admission import prepare
 from engine_daemon.request.state import EngineRequest, PreparedPrompt
@@ -65,6 +66,16 @@ class SchedulerStats:
         values = {k: v for k, v in vars(self).items() if k != "rejections"}
         return {**values, "requests_rejected": sum(self.rejections.values()),
                 "rejections": dict(self.rejections)}
+
+
+def not_found_message(not_found: ModelNotFound, current: LoadedModel | None) -> str:
+    """The 404's text, naming the loaded model when the catalogue note left it out (a --model given as a path)."""
+    message = str(not_found)
+    if current is None or current.ref.id in message.partition(". Available models: ")[2]:
+        return message
+    if message.endswith(NO_MODELS_NOTE):
+        return message.removesuffix(NO_MODELS_NOTE) + f". The loaded model is '{current.ref.id}'"
+    return f"{message}; the loaded model is '{current.ref.id}'"
 
 
 def error_event(request: EngineRequest, error: RequestError) -> Event:
@@ -139,7 +150,7 @@ class BaseScheduler:
             raise RequestError(400, "invalid_model_name", str(exc), param="model") from None
         except ModelNotFound as exc:
             if not self.config.model_fallback:
-                raise RequestError(404, "model_not_found", str(exc), param="model") from None
+                raise RequestError(404, "model_not_found", not_found_message(exc, current), param="model") from None
             ref = self._fallback_for(name, exc)
         # The loaded directory under another spelling (its --model path vs. a name under --model-dir) is the
         # loaded model, not a reason to load the same weights again. Operator names keep their own

@@ -154,7 +154,8 @@ def cors_middleware(origins: tuple[str, ...]) -> falcon.CORSMiddleware:
     """
     allow: str | tuple[str, ...] = "*" if "*" in origins else origins
     return falcon.CORSMiddleware(allow_origins=allow, allow_credentials=None,
-                                 expose_headers=["X-Request-Id", "Retry-After", "X-Context-Overflow", "X-Engine-Id"])
+                                 expose_headers=["X-Request-Id", "Request-Id", "Retry-After", "X-Context-Overflow",
+                                                 "X-Engine-Id"])
 
 
 def security_middleware(settings: FrontendSettings) -> list[object]:

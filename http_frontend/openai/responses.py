@@ -57,8 +57,19 @@ UNSUPPORTED = {
     "background": "Background responses are not supported",
     "conversation": "Conversations are not supported; use 'previous_response_id'",
     "prompt": "Prompt templates are not supported",
-    "top_logprobs": "'top_logprobs' is not supported by the Responses API here yet",
 }
+# `include` asks for each output_text's logprobs (other values, e.g. Codex's "reasoning.encrypted_content",
+# name things this server has none of: accepted and nothing added).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def parse_logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """The engine's logprobs params from `include` and `top_logprobs` (0-20; a positive one asks for them too)."""
+    include = get_field(body, "include", (list,), default=[])
+    if not all(isinstance(value, str) for value in include):
+        raise bad_request("Invalid 'include': expected an array of strings", param="include", code="invalid_type")
+    top = get_field(body, "top_logprobs", (int,), minimum=0, maximum=20)
+    return {"logprobs": True, "top_logprobs": top or 0} if LOGPROBS_INCLUDE in include or top else {}
 
 
 @dataclass
@@ -94,7 +105,7 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
         raise bad_request("Missing required parameter: 'input'", param="input", code="missing_required_parameter")
     catalog = tools_of(body)
     messages = parse_input(value, max_items, media, catalog) if value is not None else []
-    params = parse_sampling(body, *stop_limits)
+    params = parse_sampling(body, *stop_limits) | parse_logprobs(body)
     max_output = get_field(body, "max_output_tokens", (int,), minimum=1, maximum=2**31 - 1)
     if max_output is not None:
         params["max_tokens"] = max_output
@@ -128,7 +139,8 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
         "reasoning": {"effort": effort, "summary": None}, "service_tier": "default",
         "store": get_field(body, "store", (bool,), default=True), "temperature": params.get("temperature"),
         "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-        "top_p": params.get("top_p"), "truncation": "disabled", "user": get_field(body, "user", (str,)),
+        "top_p": params.get("top_p"), "top_logprobs": params.get("top_logprobs"), "truncation": "disabled",
+        "user": get_field(body, "user", (str,)),
         "metadata": metadata,
     }
     return ResponsesRequest(messages, instructions, previous, {k: v for k, v in engine.items() if v is not None},

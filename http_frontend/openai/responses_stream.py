@@ -52,6 +52,7 @@ class ResponseBuilder:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the reasoning or message item receiving text
+        self._logprobs: list[dict[str, Any]] = []  # answer tokens' logprobs not yet sent with their text
         self.text = ""
         self.reasoning = ""
         self.calls: list[dict[str, Any]] = []
@@ -75,6 +76,12 @@ class ResponseBuilder:
         events: list[Event] = []
         if update.reasoning:
             events += self._append("reasoning", update.reasoning)
+        # An answer token's logprobs go with its output_text (a held-back token's wait for the text it
+        # becomes); a thinking token's and a tool call's own tokens' have no output_text to go with.
+        if update.tool_calls:
+            self._logprobs = []
+        elif update.logprobs and (update.text or not update.reasoning):
+            self._logprobs += update.logprobs
         if update.text:
             events += self._append("message", update.text)
         for call in update.tool_calls:
@@ -106,8 +113,10 @@ class ResponseBuilder:
         else:
             self.text += text
             item["_text"] += text
+            logprobs, self._logprobs = self._logprobs, []
+            item["_logprobs"] += logprobs
             events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                      content_index=0, delta=text, logprobs=[]))
+                                      content_index=0, delta=text, logprobs=logprobs))
         return events
 
     def _open_item(self, kind: str) -> list[Event]:
@@ -123,7 +132,7 @@ class ResponseBuilder:
         events = [self._event("response.output_item.added", output_index=index, item=dict(item)),
                   self._event("response.content_part.added", item_id=item["id"], output_index=index,
                               content_index=0, part=part)]
-        item["_text"] = ""
+        item["_text"], item["_logprobs"] = "", []
         self._open = item
         return events
 
@@ -133,15 +142,16 @@ class ResponseBuilder:
         if item is None:
             return []
         index = self.output.index(item)
-        text = item.pop("_text")
+        text, logprobs = item.pop("_text"), item.pop("_logprobs")
         if item["type"] == "reasoning":
             part = {"type": "reasoning_text", "text": text}
             done = self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
                                content_index=0, text=text)
         else:
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            logprobs, self._logprobs = logprobs + self._logprobs, []  # a last held-back token's, if any
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
             done = self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                               content_index=0, text=text, logprobs=[])
+                               content_index=0, text=text, logprobs=logprobs)
         item["content"] = [part]
         item["status"] = status
         return [done,

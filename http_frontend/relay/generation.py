@@ -116,6 +116,7 @@ async def serve_generation(
             hint = RouteHint(hint.key, hint.model, streams[0].engine_id)  # n choices share one engine's cache
         req.scope[RID_KEY] = streams[0].rid  # for the access line: the engine logs the same rid
         resp.set_header("X-Request-Id", streams[0].rid)
+        resp.set_header("Request-Id", streams[0].rid)  # where Anthropic's SDKs read it (`_request_id`)
         if streams[0].engine_id:
             resp.set_header("X-Engine-Id", streams[0].engine_id)
         timer = metrics.token_timer(req.scope)

@@ -1,5 +1,7 @@
 """GET /v1/models and /v1/models/{model_id}: the engines' catalogue as OpenAI model objects (their union).
 
+Anthropic's clients (`speaks_anthropic`) get the same catalogue as Anthropic's `ModelInfo` pages.
+
 The engine knows what can be served (the operator's aliases, models under
 --model-dir and in the HF cache, the loaded one); the front-end only renders it.
 """
@@ -11,9 +13,10 @@ from typing import Any
 
 import falcon.asgi
 
+from http_frontend.anthropic.models import model_info, model_page
 from http_frontend.engine.calls import call_engine
 from http_frontend.engine.pool import EnginePool
-from http_frontend.errors import APIError
+from http_frontend.errors import APIError, speaks_anthropic
 from protocol import CallMethod
 
 # Listing walks the model roots and the HF cache on the engine's io thread.
@@ -56,7 +59,10 @@ class Models:
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         models = await catalogue(self.client)
-        resp.media = {"object": "list", "data": [model_object(m) for m in models]}
+        if speaks_anthropic(req):  # Anthropic's SDKs: a page of `ModelInfo`
+            resp.media = model_page(models, req)
+        else:
+            resp.media = {"object": "list", "data": [model_object(m) for m in models]}
 
 
 class ModelById:
@@ -72,4 +78,4 @@ class ModelById:
             listed = ", ".join(m["id"] for m in models[:20]) or "none"
             raise APIError(404, f"The model '{model_id}' does not exist. Available models: {listed}",
                            code="model_not_found", param="model")
-        resp.media = model_object(found)
+        resp.media = model_info(found) if speaks_anthropic(req) else model_object(found)

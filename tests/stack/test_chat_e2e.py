@@ -117,6 +117,7 @@ def test_bad_input_gets_openai_errors_without_disturbing_a_good_request(frontend
         r = http.post(url, json={"model": "no-such-org/no-such-model",
                                  "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
+        assert model_id in error_of(r)["message"]  # the loaded model (started by path) is named for the client
         r = http.post(url, json={"model": model_id, "messages": [{"role": "user", "content": "word " * 40_000}],
                                  "max_tokens": 4})  # the prompt alone is past the 32768-token window
         assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded"

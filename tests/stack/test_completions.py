@@ -14,7 +14,7 @@ PROMPT = "Once upon a time, a fox"
 
 def test_completion_stream_and_non_stream_agree_and_equal_mlx_lm(frontend: Frontend, tiny_model: Path,
                                                                  model_id: str) -> None:
-    from mlx_lm import generate, load
+    from mlx_lm import load, stream_generate
     from mlx_lm.sample_utils import make_logits_processors
 
     client = client_for(frontend)
@@ -37,7 +37,10 @@ def test_completion_stream_and_non_stream_agree_and_equal_mlx_lm(frontend: Front
     model, tokenizer = load(str(tiny_model))
     shipped = json.loads((tiny_model / "generation_config.json").read_text())
     processors = make_logits_processors(repetition_penalty=shipped.get("repetition_penalty"))
-    expected = generate(model, tokenizer, PROMPT, max_tokens=24, logits_processors=processors)
+    generated = [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=24,
+                                                  logits_processors=processors)]
+    # The text continues the prompt: a first token's leading space stays (mlx-lm's streaming text trims it).
+    expected = tokenizer.decode([t for t in generated if t not in tokenizer.eos_token_ids])
     assert choice.text == expected
 
     # Token ids are taken as they are: the tokenized prompt gives the same text.
@@ -45,6 +48,22 @@ def test_completion_stream_and_non_stream_agree_and_equal_mlx_lm(frontend: Front
     by_ids = client.completions.create(model=model_id, prompt=ids, max_tokens=24, temperature=0)
     assert by_ids.choices[0].text == expected
     assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_completion_keeps_the_first_tokens_leading_space(frontend: Frontend, tiny_model: Path, model_id: str) -> None:
+    """ "Once upon a time" + "Ġthere": the client's prompt + text must read "Once upon a time there"."""
+    from mlx_lm.tokenizer_utils import load
+
+    tokenizer = load(tiny_model)
+    (spaced,) = tokenizer.encode(" week", add_special_tokens=False)
+    client = client_for(frontend)
+    request = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 2, "temperature": 0,
+               "logit_bias": {str(spaced): 100}}
+    assert client.completions.create(**request).choices[0].text == " week week"
+    assert "".join(c.choices[0].text for c in client.completions.create(**request, stream=True)) == " week week"
+    # A stop string that is that very space ends the text before it, at the first token.
+    stopped = client.completions.create(**{**request, "stop": [" "]})
+    assert stopped.choices[0].text == "" and stopped.choices[0].finish_reason == "stop"
 
 
 def test_completion_default_max_tokens_and_alias(frontend: Frontend, model_id: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import httpx
 
@@ -23,8 +24,13 @@ def test_logprobs_shape_and_agreement(frontend: Frontend, model_id: str) -> None
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
         # greedy: the sampled token is the most likely one
         assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob
-        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
-    assert "".join(e.token for e in content).strip() == result.choices[0].message.content.strip()
+        raw = bytes(entry.bytes)  # the token's own bytes: its text, or OpenAI's "bytes:\\xNN" when not UTF-8
+        try:
+            assert entry.token == raw.decode("utf-8")
+        except UnicodeDecodeError:
+            assert entry.token == "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+    joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace")
+    assert joined.strip() == result.choices[0].message.content.strip()
 
     chunks = list(client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=10, temperature=0,
                                                  logprobs=True, top_logprobs=3, stream=True))
@@ -36,6 +42,30 @@ def test_logprobs_shape_and_agreement(frontend: Frontend, model_id: str) -> None
 
     plain = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=10, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+def test_logprob_bytes_are_each_tokens_own_inside_a_character(frontend: Frontend, tiny_model: Path,
+                                                              model_id: str) -> None:
+    """ "é" as two byte tokens (0xC3, 0xA9): each entry carries its one byte, and the bytes join into the text."""
+    from mlx_lm.tokenizer_utils import load
+
+    tokenizer = load(tiny_model)
+    ids = tokenizer.encode("é", add_special_tokens=False)
+    assert len(ids) == 2, ids  # the tiny vocabulary has no token for "é"
+    client = client_for(frontend)
+    for stream in (False, True):
+        request = {"model": model_id, "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "logprobs": True,
+                   "logit_bias": {str(token): 100 for token in ids}}
+        if stream:
+            chunks = list(client.chat.completions.create(**request, stream=True))
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        else:
+            result = client.chat.completions.create(**request)
+            content, entries = result.choices[0].message.content, result.choices[0].logprobs.content
+        assert len(entries) == 4 and all(len(e.bytes) == 1 and e.bytes[0] >= 0x80 for e in entries), entries
+        assert all(e.token == f"bytes:\\x{e.bytes[0]:02x}" for e in entries)
+        assert bytes(b for e in entries for b in e.bytes).decode("utf-8", "replace") == content
 
 
 def test_top_logprobs_needs_logprobs(frontend: Frontend, model_id: str) -> None:

@@ -158,6 +158,31 @@ def test_get_delete_and_not_found(frontend: Frontend, model_id: str) -> None:
         client.responses.retrieve(unstored.id)
 
 
+def test_output_text_logprobs_match_chat_and_stream(frontend: Frontend, model_id: str) -> None:
+    """`include: ["message.output_text.logprobs"]` (and `top_logprobs`): chat's entries, in the part and the deltas."""
+    client = client_for(frontend)
+    common = {"model": model_id, "max_output_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    result = client.responses.create(input="Tell me a story.", include=["message.output_text.logprobs"],
+                                     top_logprobs=2, **common)
+    part = result.output[0].content[0]
+    assert len(part.logprobs) == 6 and result.top_logprobs == 2
+    assert all(len(entry.top_logprobs) == 2 and entry.logprob <= 0 for entry in part.logprobs)
+    assert b"".join(bytes(entry.bytes) for entry in part.logprobs).decode("utf-8", "replace").strip() == \
+        part.text.strip()
+    chat = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Tell me a story."}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    assert [e.token for e in part.logprobs] == [e.token for e in chat.choices[0].logprobs.content]
+    events = list(client.responses.create(input="Tell me a story.", include=["message.output_text.logprobs"],
+                                          stream=True, **common))
+    deltas = [entry for event in events if event.type == "response.output_text.delta" for entry in event.logprobs]
+    (done,) = [event for event in events if event.type == "response.output_text.done"]
+    assert [e.token for e in deltas] == [e.token for e in done.logprobs] == [e.token for e in part.logprobs]
+    # Other `include` values (Codex sends "reasoning.encrypted_content") are accepted and add nothing.
+    plain = client.responses.create(input="Tell me a story.", include=["reasoning.encrypted_content"], **common)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == result.output_text
+
+
 def test_bad_fields_are_400s_naming_the_param(frontend: Frontend, model_id: str) -> None:
     base = {"model": model_id, "input": "hi", "max_output_tokens": 2}
     cases = [
@@ -176,6 +201,9 @@ def test_bad_fields_are_400s_naming_the_param(frontend: Frontend, model_id: str)
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
         ({"background": True}, "background"),
+        ({"include": "message.output_text.logprobs"}, "include"),
+        ({"include": [5]}, "include"),
+        ({"top_logprobs": 21}, "top_logprobs"),
     ]
     for extra, param in cases:
         response = httpx.post(f"{frontend.base_url}/v1/responses", json={**base, **extra}, timeout=30)

@@ -1,0 +1,74 @@
+"""What one token is as text and bytes: a request's streaming detokenizer, and logprobs' token bytes.
+
+Why: two places where the detokenizer's view of a token is not what a client needs.
+- mlx-lm's streaming detokenizers drop the first generated token's leading space (the SPM
+  word marker's, or a byte-level BPE `Ġ`). For a chat reply that matches what mlx-lm and
+  `mlx_lm.server` write, but a raw-prompt completion (`/v1/completions`) continues the
+  client's own text: "Once upon a time" + "Ġthere" must come back as " there", or the
+  client's prompt + completion loses the space (editors and FIM clients concatenate them).
+- A logprobs entry carries the token's `bytes`, which OpenAI defines as the token's own
+  UTF-8 bytes, so that a client can join a character split over several tokens. Decoding
+  one token of such a character gives U+FFFD, whose bytes are not the token's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+SPM_WORD_MARKER = "\u2581".encode("utf-8")
+
+
+def request_detokenizer(tokenizer: Any, continues_prompt: bool) -> Any:
+    """A fresh streaming detokenizer; one that keeps the first leading space when the reply continues raw text."""
+    detokenizer = tokenizer.detokenizer  # mlx-lm's TokenizerWrapper hands out a reset copy per call
+    if continues_prompt:
+        if hasattr(detokenizer, "trim_space"):  # mlx-lm's SPM, mlx-vlm's detokenizers
+            detokenizer.trim_space = False
+        if hasattr(detokenizer, "_maybe_trim_space"):  # mlx-lm's byte-level BPE trims unconditionally
+            detokenizer._maybe_trim_space = _unchanged
+    return detokenizer
+
+
+def _unchanged(text: str) -> str:
+    return text
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (every byte has one printable character)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    decoder = {chr(byte): byte for byte in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            decoder[chr(256 + extra)] = byte
+            extra += 1
+    return decoder
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes one token stands for, also when they are only part of a UTF-8 character.
+
+    Read from the streaming detokenizer's token map (mlx-lm's or mlx-vlm's): SPM maps hold
+    bytes with the word marker, byte-level BPE maps hold GPT-2's byte alphabet. Any other
+    tokenizer (or a token the map lacks) falls back to decoding the token alone.
+    """
+    template = getattr(tokenizer, "_detokenizer", None)
+    tokenmap = getattr(template, "tokenmap", None)
+    piece = tokenmap[token_id] if tokenmap is not None and 0 <= token_id < len(tokenmap) else None
+    if isinstance(piece, bytes):
+        return piece.replace(SPM_WORD_MARKER, b" ")
+    if isinstance(piece, str) and "BPE" in type(template).__name__:
+        decoder = _byte_level_decoder()
+        if all(char in decoder for char in piece):
+            return bytes(decoder[char] for char in piece)
+    return tokenizer.decode([token_id]).encode("utf-8")
+
+
+def token_label(raw: bytes) -> str:
+    """The `token` string of a logprobs entry: its text, or OpenAI's `bytes:\\xNN` form when not valid UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
