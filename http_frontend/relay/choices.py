@@ -8,12 +8,17 @@ cache serves all but the first prefill). A seeded request gives choice i the see
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from falcon.asgi import SSEvent
 
+log = logging.getLogger(__name__)
+
 _END = object()
+# Events a choice may have waiting for the merged body: enough to interleave, too few to hold a slow client's output.
+MERGE_QUEUE_PER_CHOICE = 4
 
 
 def choice_requests(engine_request: dict[str, Any], n: int) -> list[dict[str, Any]]:
@@ -50,17 +55,21 @@ async def merge_event_streams(streams: list[AsyncIterator[SSEvent | None]],
                               include_usage: bool) -> AsyncIterator[SSEvent | None]:
     """Interleaves n single-choice SSE bodies into one: choice indexes rewritten, one usage chunk, one [DONE].
 
+    The hand-over queue is bounded (`MERGE_QUEUE_PER_CHOICE` events a choice): a client that
+    stops reading stops the pumps, so each choice's output waits in its own `RequestStream`,
+    where the slow-client cap (`--max-pending-bytes`) sees it and cuts the client off.
     Closing this generator (client gone) cancels every choice's body, whose own
     `finally` aborts its engine request.
     """
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=MERGE_QUEUE_PER_CHOICE * len(streams))
 
     async def pump(index: int, stream: AsyncIterator[SSEvent | None]) -> None:
         try:
             async for event in stream:
                 await queue.put((index, event))
-        finally:
-            queue.put_nowait((index, _END))
+        except Exception:  # one choice's failure ends that choice; the others go on
+            log.exception("choice %d of a merged stream failed", index)
+        await queue.put((index, _END))
 
     tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
     usages: list[dict[str, Any] | None] = []
@@ -90,5 +99,7 @@ async def merge_event_streams(streams: list[AsyncIterator[SSEvent | None]],
     finally:
         for task in tasks:
             task.cancel()
+        # The pumps must have left their bodies before those are closed (`aclose` on a running generator raises).
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()

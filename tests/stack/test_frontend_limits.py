@@ -156,14 +156,17 @@ def test_chat_template_kwargs_call_arguments_are_refused_by_the_front_end(fronte
 
 
 # -- attack 9: a client that stops reading ------------------------------------------------------------
+@pytest.mark.parametrize("choices", [1, 2])
 def test_a_client_that_stops_reading_is_cut_off_and_its_worker_stays_small(frontend: Frontend, engine: Engine,
-                                                                             model_id: str) -> None:
+                                                                             model_id: str, choices: int) -> None:
     """Before: with top_logprobs the worker grew ~3 MB/s until max_tokens. Now the stream's unread output is
-    capped (--max-pending-bytes, 8 MiB): the client is cut off, the engine aborts its request."""
+    capped (--max-pending-bytes, 8 MiB): the client is cut off, the engine aborts its request. With `n` > 1
+    the merged body's queue was unbounded (~7 MB/s, never cut off); now it is bounded, so each choice's
+    unread output stays in its own stream, under the same cap."""
     log_start = len(frontend.log())
     payload = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "go"}], "max_tokens": 20000,
                           "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": True,
-                          "top_logprobs": 20}).encode()
+                          "top_logprobs": 20, "n": choices}).encode()
     stalled = socket.socket()
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stalled.connect(("127.0.0.1", frontend.port))
