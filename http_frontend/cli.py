@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "also work. [MLX_FRONTEND_WORKER_CLASS] (default: %(default)s)")
     parser.add_argument("--header-timeout", type=float,
                         default=float(env(HEADER_TIMEOUT_ENV) or DEFAULT_HEADER_TIMEOUT),
-                        help="seconds a new connection has to send its request headers before it is closed "
-                             f"(slowloris). [{HEADER_TIMEOUT_ENV}] (default: %(default)s)")
+                        help="seconds a new connection has to send its request headers, and a request body may "
+                             f"stay silent, before it is closed (slowloris). [{HEADER_TIMEOUT_ENV}] "
+                             "(default: %(default)s)")
     parser.add_argument("--keep-alive", type=int, default=int(env(KEEP_ALIVE_ENV) or DEFAULT_KEEP_ALIVE),
                         help="seconds an idle kept-alive connection stays open (0: one request per connection). "
                              f"[{KEEP_ALIVE_ENV}] (default: %(default)s)")

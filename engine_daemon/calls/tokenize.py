@@ -11,6 +11,7 @@ from typing import Any
 
 from engine_daemon.errors import RequestError
 from engine_daemon.models.loaded import LoadedModel
+from engine_daemon.request.preprocess import check_size
 from engine_daemon.request.prompt import build_prompt
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def tokenize(loaded: LoadedModel | None, args: dict[str, Any]) -> dict[str, Any]
     else:
         raise RequestError(400, "missing_required_parameter", "Give 'prompt' (a string) or 'messages'",
                            param="prompt")
+    check_size(body, model)  # what cannot fit the window is refused by its bytes, as for generation
     tokens = [int(t) for t in build_prompt(model, body)]
     return {"tokens": tokens, "count": len(tokens), "max_model_len": model.context_window,
             "model": model.ref.id}

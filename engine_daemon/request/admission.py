@@ -161,6 +161,8 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
             stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_LENGTH), clamp_max_tokens: bool = True) -> None:
     """Fills in prompt, limits, sampling and decoding state; raises RequestError to refuse."""
     request.model_id = loaded.ref.id
+    prepared = request.prepared if request.prepared is not None and request.prepared.model_key == model_key(loaded) \
+        else None
     check_params(request.params)
     check_stops(request.params.get("stop"), *stop_limits)
     request.prompt_tokens = prepared_tokens(request, loaded)
@@ -189,7 +191,10 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     # Thinking budget, structured output / forced tool calls (a grammar constraint: constraint_for, llguidance),
     # from a spec an engine group's followers rebuild them from (`build_processors`).
     request.processor_spec = processor_spec(request.params, request.body)
-    request.processors += build_processors(loaded.tokenizer, request.processor_spec, in_thinking)
+    if prepared is not None and prepared.processors is not None and prepared.in_thinking == in_thinking:
+        request.processors += prepared.processors  # built off the mlx thread (`prepare_prompt`)
+    else:
+        request.processors += build_processors(loaded.tokenizer, request.processor_spec, in_thinking)
     # ignore_eos (a vLLM extension): generate exactly max_tokens, as benchmarks need.
     if not request.params.get("ignore_eos"):
         request.eos_token_ids = frozenset(loaded.tokenizer.eos_token_ids)

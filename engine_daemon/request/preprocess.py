@@ -1,4 +1,4 @@
-"""Prompt rendering and tokenization off the mlx thread, with a size bound checked first.
+"""Prompt rendering, tokenization and grammar compiling off the mlx thread, with a size bound checked first.
 
 A chat template and a tokenizer run on whatever a client sends: 4 MB of messages took
 3.6 s on the mlx thread, and every stream of every client stood still meanwhile. So an
@@ -24,6 +24,8 @@ from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.request.prompt import build_prompt
 from engine_daemon.request.state import PreparedPrompt
+from engine_daemon.sampling.request_processors import build_processors, processor_spec
+from engine_daemon.sampling.thinking import prompt_in_thinking
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +92,14 @@ def check_size(body: dict[str, Any], loaded: LoadedModel) -> None:
 
 
 def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
+    """The prompt's tokens and the request's logits processors, or the refusal of either."""
     try:
         check_size(body, loaded)
-        return PreparedPrompt(model_key(loaded), tokens=build_prompt(loaded, body))
+        tokens = build_prompt(loaded, body)
+        in_thinking = prompt_in_thinking(loaded.tokenizer, tokens)
+        # A grammar (structured output, forced tool calls) compiles here too: a large schema takes seconds.
+        processors = build_processors(loaded.tokenizer, processor_spec(body.get("params") or {}, body), in_thinking)
+        return PreparedPrompt(model_key(loaded), tokens=tokens, processors=processors, in_thinking=in_thinking)
     except RequestError as exc:
         return PreparedPrompt(model_key(loaded), error=exc)
     except Exception as exc:  # a tokenizer bug must not lose the request: the mlx thread retries it
@@ -114,7 +121,8 @@ class Preprocessor:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="admission")
         self._lock = threading.Lock()
         self._pending: dict[str, bytes] = {}  # rid -> peer, while in the pool
-        self.counts = {"prompts_prepared": 0, "prompts_refused_by_size": 0, "prompts_refused_off_thread": 0}
+        self.counts = {"prompts_prepared": 0, "prompts_refused_by_size": 0, "prompts_refused_off_thread": 0,
+                       "processors_prepared": 0}  # requests whose grammar / thinking budget was built here
 
     def submit(self, peer: bytes, body: dict[str, Any]) -> None:
         """Called by the io thread for every ADD; delivers at once what the pool cannot help with."""
@@ -131,6 +139,7 @@ class Preprocessor:
         prepared = prepare_prompt(body, loaded)
         with self._lock:
             self.counts["prompts_prepared"] += 1
+            self.counts["processors_prepared"] += bool(prepared.processors)
             if prepared.error is not None:
                 self.counts["prompts_refused_off_thread"] += 1
                 if isinstance(prepared.error, PromptTooLarge):

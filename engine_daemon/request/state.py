@@ -21,6 +21,10 @@ class PreparedPrompt:
     model_key: tuple[str, float]
     tokens: list[int] | None = None
     error: Any = None  # a RequestError
+    # The request's logits processors (grammar constraint, thinking budget), built for `tokens`
+    # (`in_thinking`: whether they end inside a thinking block): a grammar can take seconds to compile.
+    processors: list[Any] | None = None
+    in_thinking: bool | None = None
 
 
 @dataclass

@@ -13,13 +13,16 @@ for a 2k vocabulary but about a second for a 150k one.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 from llguidance import LLMatcher, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.sampling.custom_grammar import custom_lark, input_rule
@@ -33,6 +36,9 @@ from engine_daemon.sampling.tool_call_grammar import (
 
 log = logging.getLogger(__name__)
 
+# Schemas compiled into one grammar, in JSON bytes: a 100k-entry enum (~1 MB) compiles in ~0.5 s, 10 MB in ~8 s.
+MAX_CONSTRAINT_BYTES = 1 << 20
+PROBE_STEPS = 4  # tokens `first_steps_error` follows a new grammar for before it is used
 _CACHE_ATTR = "_mlx_engined_llg_tokenizer"  # underscore: TokenizerWrapper keeps it on itself
 
 
@@ -181,6 +187,39 @@ def _explain_failure(tokenizer: Any, schema: Any, specs: list[FunctionSpec], err
                         param="response_format" if schema is not None else "tool_choice")
 
 
+def first_steps_error(matcher: LLMatcher, vocab_size: int, steps: int = PROBE_STEPS) -> str | None:
+    """Why a compiled grammar fails within its first tokens, or None.
+
+    Some grammars compile and then fail on their first token, whichever it is (a required recursive
+    `$ref`: llguidance's item limit; a regex of too many states): without this probe the request got a
+    200 whose promised format was silently dropped. A copy of the matcher takes the lowest allowed token
+    a few times, so the request's own matcher is untouched.
+    """
+    probe, mask = matcher.deep_copy(), allocate_token_bitmask(1, vocab_size)
+    for _ in range(steps):
+        if probe.is_stopped():
+            return None
+        fill_next_token_bitmask(probe, mask)
+        if probe.is_error():
+            return probe.get_error()
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size])
+        if not len(allowed):
+            return "the grammar allows no token"
+        if not probe.consume_token(int(allowed[0])):
+            return probe.get_error()
+    return None
+
+
+def check_constraint_size(schema: Any, specs: list[FunctionSpec], forced: bool) -> None:
+    """Refuses schemas past MAX_CONSTRAINT_BYTES before compiling them (a 10 MB enum took 8 s to refuse)."""
+    size = len(json.dumps(schema, separators=(",", ":"))) if schema is not None else 0
+    size += sum(len(json.dumps(spec.parameters, separators=(",", ":"))) + len(spec.arguments or "") for spec in specs)
+    if size > MAX_CONSTRAINT_BYTES:
+        raise RequestError(400, "invalid_value",
+                           f"The output constraint's schemas are {size} bytes; at most {MAX_CONSTRAINT_BYTES} are "
+                           "compiled into a grammar", param="tools" if forced or schema is None else "response_format")
+
+
 def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice: Any,
                    parallel_tool_calls: bool | None, starts_in_thinking: bool) -> GrammarConstraint | None:
     """The logits processor enforcing a request's output format, None when nothing is enforced.
@@ -209,13 +248,16 @@ def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice
         description = f"response_format={response_format.get('type')}"
     else:
         return None
+    check_constraint_size(schema, used, forced is not None)
     lark = "\n".join(rules) + "\n"
     started = time.perf_counter()
     matcher = _compile(tokenizer, lark)
     if matcher.is_error():
         raise _explain_failure(tokenizer, schema if not forced else None, used, matcher.get_error())
+    vocabulary = llg_tokenizer(tokenizer)
+    if (error := first_steps_error(matcher, vocabulary.vocab_size)) is not None:
+        raise _explain_failure(tokenizer, schema if not forced else None, used, error)
     log.debug("compiled %s grammar in %.1f ms", description, (time.perf_counter() - started) * 1000)
     gate = getattr(tokenizer, "think_end_tokens", None) if starts_in_thinking else None
-    vocabulary = llg_tokenizer(tokenizer)
     eos = list(getattr(tokenizer, "eos_token_ids", None) or []) or [vocabulary.eos_token]
     return GrammarConstraint(matcher, vocabulary.vocab_size, eos, gate_tokens=gate, description=description)

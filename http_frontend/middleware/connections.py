@@ -7,9 +7,11 @@ out, and asyncio logged `accept() ... Errno 24` millions of times. This worker c
 request headers have not all arrived `--header-timeout` seconds after it opened (on a kept-alive
 connection gunicorn's keep-alive timer already does this), keeps at most gunicorn's
 `worker_connections` (`MLX_FRONTEND_WORKER_CONNECTIONS`, held under the open-file limit, which it
-raises to the hard limit) per worker — at the cap a new connection evicts the longest-idle one, and
-gets a 503 only when every connection is serving a request — and lets each repeated log message
-through at most once per `LOG_REPEAT_SECONDS`.
+raises to the hard limit) per worker — at the cap a new connection evicts the longest-idle one (or one
+whose request body stopped arriving BODY_STALL_SECONDS ago), and gets a 503 only when every connection
+is serving a request — closes a request whose body sends nothing for `--header-timeout` seconds (a
+slowloris after the headers held its connection until gunicorn's 120 s worker timeout), and lets each
+repeated log message through at most once per `LOG_REPEAT_SECONDS`.
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ OPEN_FILES_WANTED = 65536  # as the deploy units' LimitNOFILE
 RESERVED_FILES = 192
 MIN_CONNECTIONS = 16
 LOG_REPEAT_SECONDS = 10.0
+# A request body from which nothing arrived for this long may be evicted at the cap, like an idle connection.
+BODY_STALL_SECONDS = 2.0
+_BUSY_BODY = (b'{"error": {"message": "Too many connections", "type": "server_error", "param": null, '
+              b'"code": "too_many_conns"}}')
 BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-                 b"connection: close\r\ncontent-length: 96\r\n\r\n"
-                 b'{"error": {"message": "Too many connections", "type": "server_error", "code": "too_many_conns"}}')
+                 b"connection: close\r\ncontent-length: " + str(len(_BUSY_BODY)).encode() + b"\r\n\r\n" + _BUSY_BODY)
 
 
 class RepeatFilter(logging.Filter):
@@ -81,7 +86,7 @@ class GuardedProtocol(ASGIProtocol):
         idle, live = _tables(self.worker)
         live.add(self)
         if len(live) > self.max_connections:
-            victim = next((other for other in idle if other is not self), None)
+            victim = next((other for other in idle if other is not self), None) or self._stalled_body()
             if victim is None:
                 transport.write(BUSY_RESPONSE)
                 self._drop()
@@ -90,6 +95,14 @@ class GuardedProtocol(ASGIProtocol):
         idle[self] = None  # waiting for its first request
         self._arm_header_deadline()
 
+    def _stalled_body(self) -> GuardedProtocol | None:
+        """The connection whose request body has been silent longest, if for over BODY_STALL_SECONDS."""
+        reading = _reading(self.worker)
+        oldest = next(iter(reading), None)
+        if oldest is not None and time.monotonic() - reading[oldest] > BODY_STALL_SECONDS:
+            return oldest
+        return None
+
     def _drop(self) -> None:
         """Close from our side; the connection loop (if it waits for a request) sees it and exits."""
         self._close_transport()
@@ -97,10 +110,19 @@ class GuardedProtocol(ASGIProtocol):
             self._request_ready.set()
 
     def _close_transport(self) -> None:
+        self._forget()
+        super()._close_transport()
+
+    def _forget(self) -> None:
+        """Out of every table, timers off: the connection is closing."""
+        for name in ("_header_handle", "_body_handle"):
+            if getattr(self, name, None) is not None:
+                getattr(self, name).cancel()
+                setattr(self, name, None)
         idle, live = _tables(self.worker)
         idle.pop(self, None)
         live.discard(self)
-        super()._close_transport()
+        _reading(self.worker).pop(self, None)
 
     def _arm_header_deadline(self) -> None:
         if getattr(self, "_header_handle", None) is not None:
@@ -117,8 +139,44 @@ class GuardedProtocol(ASGIProtocol):
         if self._header_handle is not None:
             self._header_handle.cancel()
             self._header_handle = None
-        _tables(self.worker)[0].pop(self, None)  # serving a request: never evicted
-        return super()._on_headers_complete()
+        _tables(self.worker)[0].pop(self, None)  # serving a request: evicted only while its body stalls
+        result = super()._on_headers_complete()
+        self._body_progress()
+        return result
+
+    def _on_body(self, chunk: Any) -> Any:
+        result = super()._on_body(chunk)
+        self._body_progress()
+        return result
+
+    def _on_message_complete(self) -> Any:
+        """The whole request arrived: no body deadline, never evicted while the app answers it."""
+        _reading(self.worker).pop(self, None)
+        if getattr(self, "_body_handle", None) is not None:
+            self._body_handle.cancel()
+            self._body_handle = None
+        return super()._on_message_complete()
+
+    def _body_progress(self) -> None:
+        """Its body is still coming: now the newest in the reading table, its silence deadline moved on.
+
+        A body silent for `header_timeout` seconds is closed (slowloris after the headers); one silent
+        for BODY_STALL_SECONDS may be evicted at the cap (`_stalled_body`).
+        """
+        if self._closed:
+            return
+        reading = _reading(self.worker)
+        reading.pop(self, None)
+        reading[self] = time.monotonic()
+        if getattr(self, "_body_handle", None) is not None:
+            self._body_handle.cancel()
+        self._body_handle = None
+        if self.header_timeout > 0:
+            self._body_handle = self.worker.loop.call_later(self.header_timeout, self._body_deadline)
+
+    def _body_deadline(self) -> None:
+        self._body_handle = None
+        self._drop()
 
     def _arm_keepalive_timer(self) -> None:
         """Its response is done and nothing runs for it: idle again, now the newest idle connection."""
@@ -129,12 +187,7 @@ class GuardedProtocol(ASGIProtocol):
             idle[self] = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if getattr(self, "_header_handle", None) is not None:
-            self._header_handle.cancel()
-            self._header_handle = None
-        idle, live = _tables(self.worker)
-        idle.pop(self, None)
-        live.discard(self)
+        self._forget()
         super().connection_lost(exc)
 
 
@@ -143,6 +196,13 @@ def _tables(worker: Any) -> tuple[dict[GuardedProtocol, None], set[GuardedProtoc
     if not hasattr(worker, "idle_connections"):
         worker.idle_connections, worker.live_connections = {}, set()
     return worker.idle_connections, worker.live_connections
+
+
+def _reading(worker: Any) -> dict[GuardedProtocol, float]:
+    """Connections whose request body is still arriving -> when its last bytes came (silent longest first)."""
+    if not hasattr(worker, "reading_connections"):
+        worker.reading_connections = {}
+    return worker.reading_connections
 
 
 def raise_open_file_limit(log: Any) -> int:

@@ -191,9 +191,7 @@ RESPONSES_REQUEST = obj({
                                                   "enum": ["text", "json_object", "json_schema"]},
                                          "name": STRING, "schema": ANY_OBJECT, "strict": BOOLEAN}, ("type",))})),
     "reasoning": nullable(obj({"effort": nullable(STRING), "summary": nullable(STRING)})),
-    # "message.output_text.logprobs" fills each output_text's logprobs; other values are accepted and add nothing.
-    "include": nullable(arr(STRING)),
-    "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 20}),
+    "include": nullable(arr(STRING)), "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": 20}),
 }, ("input",))
 RESPONSE_OBJECT = obj({
     "id": STRING, "object": {"type": "string", "enum": ["response"]}, "created_at": NUMBER, "status": STRING,

@@ -151,6 +151,13 @@ def test_count_tokens_matches_usage(frontend: Frontend, model_id: str) -> None:
     used = client.messages.create(max_tokens=2, tools=TOOLS, **request).usage
     assert with_tools > counted  # tool definitions are part of the prompt
     assert with_tools == used.input_tokens + used.cache_read_input_tokens
+    # A prompt whose bytes cannot fit the window is refused by its size, not tokenized (it held the engine's
+    # admission threads for seconds: every other request waited).
+    huge = [{"role": "user", "content": "a b " * 3_000_000}]
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.count_tokens(model=model_id, messages=huge)
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert "context length" in caught.value.body["error"]["message"]
 
 
 def test_errors_come_in_anthropic_shape(frontend: Frontend, model_id: str) -> None:

@@ -5,6 +5,7 @@ Loopback only; every loop is bounded in count and time, and every socket is clos
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from http_frontend.middleware.connections import BODY_STALL_SECONDS
 from tests.helpers import Frontend, Proc, free_port, running_stack
 
 SLOWLORIS, IDLE = 200, 500
@@ -70,6 +72,22 @@ def test_slowloris_and_idle_connections_do_not_stop_a_good_client(guarded: Front
     assert len(lines) < 2000, f"{len(lines)} log lines"
 
 
+def test_a_body_that_stops_arriving_is_closed(guarded: Frontend, model_id: str) -> None:
+    """Headers, then part of the body, then silence: closed once no body byte came for --header-timeout (2 s)."""
+    stalled = [open_socket(guarded) for _ in range(20)]
+    try:
+        for sock in stalled:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 1000\r\n\r\n{\"model\"")
+        assert all(closed_by_server(sock) for sock in stalled)
+        good = httpx.post(f"{guarded.base_url}/v1/chat/completions", timeout=60, json={
+            "model": model_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert good.status_code == 200
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
 def listening(frontend: Proc, port: int) -> None:
     """Wait (bounded) until the front-end accepts connections; the probe connection is gone again after."""
     deadline = time.monotonic() + 60
@@ -91,7 +109,9 @@ def answer_to(port: int, request: bytes = b"GET /no-such-route HTTP/1.1\r\nHost:
 
 def test_idle_connections_make_room_and_only_busy_ones_refuse(tmp_path: Path) -> None:
     """At --worker-connections a new client evicts the connection idle longest; only when every connection
-    is serving a request (here: bodies still arriving) does it get 503 `too_many_conns` (no engine needed)."""
+    is serving a request (here: bodies still arriving) does it get 503 `too_many_conns` (no engine needed).
+    A body that stopped arriving counts as idle after BODY_STALL_SECONDS (a slowloris after the headers held
+    every slot until gunicorn's 120 s worker timeout)."""
     frontend = Frontend(f"ipc://{tmp_path}/no-engine.sock", tmp_path / "frontend.log", workers=1,
                         args=["--worker-connections", "20"])
     held: list[socket.socket] = []
@@ -109,7 +129,13 @@ def test_idle_connections_make_room_and_only_busy_ones_refuse(tmp_path: Path) ->
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
                          b"content-length: 1000\r\n\r\n{\"model\"")
         time.sleep(1.0)
-        assert b"too_many_conns" in answer_to(frontend.port)
+        busy = answer_to(frontend.port)
+        assert b"too_many_conns" in busy
+        assert json.loads(busy.split(b"\r\n\r\n", 1)[1])["error"]["param"] is None  # OpenAI's envelope, whole
+        # Bodies silent past BODY_STALL_SECONDS are no better than idle connections: the oldest makes room.
+        time.sleep(BODY_STALL_SECONDS + 0.5)
+        assert answer_to(frontend.port).startswith(b"HTTP/1.1 404")
+        assert closed_by_server(held[0])
     finally:
         for sock in held:
             sock.close()

@@ -226,6 +226,36 @@ def test_huge_prompts_are_refused_off_the_mlx_thread(frontend: Frontend, model_i
     assert_engine_serves(frontend, model_id)
 
 
+def test_grammars_compile_off_the_mlx_thread_and_are_probed(frontend: Frontend, model_id: str) -> None:
+    """Red team, attack 4 and 5: a 10 MB enum froze every stream for ~8 s while the mlx thread compiled it, and a
+    grammar failing at its first token (a required recursive `$ref`) was a 200 with the tool_choice promise dropped.
+
+    Now a request's grammar is compiled with its prompt on the admission pool (the engine counts it), schemas
+    past 1 MB are refused unread, and a new grammar is followed for a few tokens before it is used."""
+    before = engine_stats(frontend)
+    victim = Victim(frontend, model_id, max_tokens=64)
+    victim.start()
+    victim.wait_for_first_chunk()
+    url = f"{frontend.base_url}/v1/chat/completions"
+    base = {"model": model_id, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    enum = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [f"v{i}" for i in range(5_000)]}}}
+    ok = httpx.post(url, timeout=120, json={**base, "response_format": enum})
+    assert ok.status_code == 200 and json.loads(ok.json()["choices"][0]["message"]["content"]) in enum[
+        "json_schema"]["schema"]["enum"]
+    huge = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [f"v{i}" for i in range(300_000)]}}}
+    refused = httpx.post(url, timeout=120, json={**base, "response_format": huge})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format", refused.text
+    recursive = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": recursive}}]
+    failing = httpx.post(url, timeout=120, json={**base, "tools": tools, "tool_choice": "required"})
+    assert failing.status_code == 400 and failing.json()["error"]["param"] == "tool_choice", failing.text
+    after = engine_stats(frontend)
+    assert after["processors_prepared"] >= before["processors_prepared"] + 1
+    victim.join(120)
+    assert victim.error is None and victim.finish_reason == "length"
+    assert_engine_serves(frontend, model_id)
+
+
 def order_of(log: str, event: str) -> list[str]:
     """Request ids in the order the engine logged `event` ("accepted", "finished") for them."""
     return [line.split("rid=")[1].split()[0] for line in log.splitlines() if f" {event} " in line and "rid=" in line]

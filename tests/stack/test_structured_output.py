@@ -348,6 +348,9 @@ def test_non_json_tool_formats_are_refused(tiny: tuple[Any, Any]) -> None:
     assert constraint_for(other, RESPONSE_FORMAT, TOOLS, "auto", None, False) is not None
 
 
+RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
 @pytest.mark.parametrize("response_format,tools,tool_choice,param", [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}, None, None,
      "response_format.json_schema.schema"),
@@ -361,6 +364,11 @@ def test_non_json_tool_formats_are_refused(tiny: tuple[Any, Any]) -> None:
     (None, TOOLS, "sometimes", "tool_choice"),
     (None, [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer", "minimum": "x"}}}],
      "required", "tools[0].function.parameters"),
+    # Compiles, then fails on its first mask (llguidance's item limit): was a 200 with no call at all.
+    (None, [{"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}], "required", "tool_choice"),
+    # Past MAX_CONSTRAINT_BYTES: refused before compiling (a 10 MB enum took ~8 s to refuse).
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [f"v{i}" for i in range(200_000)]}}},
+     None, None, "response_format"),
 ])
 def test_bad_formats_are_400(tiny: tuple[Any, Any], response_format: Any, tools: Any, tool_choice: Any,
                              param: str) -> None:
