@@ -13,10 +13,10 @@ from typing import Any
 
 import falcon.asgi
 
-from http_frontend.anthropic.models import model_info, model_page
 from http_frontend.engine.calls import call_engine
 from http_frontend.engine.pool import EnginePool
 from http_frontend.errors import APIError, speaks_anthropic
+from http_frontend.service.anthropic_models import model_info, model_page
 from protocol import CallMethod
 
 # Listing walks the model roots and the HF cache on the engine's io thread.

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from anthropic.types import ModelInfo
 
-from http_frontend.anthropic.models import model_page
 from http_frontend.errors import APIError
+from http_frontend.service.anthropic_models import model_page
 from tests.helpers import Frontend
 
 
