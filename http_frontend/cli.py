@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--header-timeout", type=float,
                         default=float(env(HEADER_TIMEOUT_ENV) or DEFAULT_HEADER_TIMEOUT),
                         help="seconds a new connection has to send its request headers, and a request body may "
-                             f"stay silent, before it is closed (slowloris). [{HEADER_TIMEOUT_ENV}] "
+                             "stay silent (or average under 1 KB/s), before it is closed (slowloris). "
+                             f"[{HEADER_TIMEOUT_ENV}] "
                              "(default: %(default)s)")
     parser.add_argument("--keep-alive", type=int, default=int(env(KEEP_ALIVE_ENV) or DEFAULT_KEEP_ALIVE),
                         help="seconds an idle kept-alive connection stays open (0: one request per connection). "

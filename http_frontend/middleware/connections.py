@@ -8,9 +8,10 @@ request headers have not all arrived `--header-timeout` seconds after it opened 
 connection gunicorn's keep-alive timer already does this), keeps at most gunicorn's
 `worker_connections` (`MLX_FRONTEND_WORKER_CONNECTIONS`, held under the open-file limit, which it
 raises to the hard limit) per worker — at the cap a new connection evicts the longest-idle one (or one
-whose request body stopped arriving BODY_STALL_SECONDS ago), and gets a 503 only when every connection
-is serving a request — closes a request whose body sends nothing for `--header-timeout` seconds (a
-slowloris after the headers held its connection until gunicorn's 120 s worker timeout), and lets each
+whose request body stopped arriving, or trickles under MIN_BODY_RATE, for BODY_STALL_SECONDS), and gets a
+503 only when every connection is serving a request — closes a request whose body sends nothing, or
+averages under MIN_BODY_RATE, for `--header-timeout` seconds (a slowloris after the headers held its
+connection until gunicorn's 120 s worker timeout), and lets each
 repeated log message through at most once per `LOG_REPEAT_SECONDS`.
 """
 
@@ -35,8 +36,12 @@ OPEN_FILES_WANTED = 65536  # as the deploy units' LimitNOFILE
 RESERVED_FILES = 192
 MIN_CONNECTIONS = 16
 LOG_REPEAT_SECONDS = 10.0
-# A request body from which nothing arrived for this long may be evicted at the cap, like an idle connection.
+# A request body from which nothing arrived for this long, or that has averaged under MIN_BODY_RATE since its
+# headers (after this long), may be evicted at the cap, like an idle connection.
 BODY_STALL_SECONDS = 2.0
+# Bytes per second a request body must average (a trickle of one byte a second held every slot): checked every
+# `--header-timeout` seconds, and at the cap. Any real upload, even over a slow link, is far above it.
+MIN_BODY_RATE = 1024.0
 _BUSY_BODY = (b'{"error": {"message": "Too many connections", "type": "server_error", "param": null, '
               b'"code": "too_many_conns"}}')
 BUSY_RESPONSE = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
@@ -96,12 +101,20 @@ class GuardedProtocol(ASGIProtocol):
         self._arm_header_deadline()
 
     def _stalled_body(self) -> GuardedProtocol | None:
-        """The connection whose request body has been silent longest, if for over BODY_STALL_SECONDS."""
-        reading = _reading(self.worker)
-        oldest = next(iter(reading), None)
-        if oldest is not None and time.monotonic() - reading[oldest] > BODY_STALL_SECONDS:
-            return oldest
+        """A connection whose request body has been silent, or trickling, for over BODY_STALL_SECONDS."""
+        now = time.monotonic()
+        for other in _reading(self.worker):  # silent longest first
+            if other is not self and other._body_too_slow(now, BODY_STALL_SECONDS):
+                return other
         return None
+
+    def _body_too_slow(self, now: float, grace: float) -> bool:
+        """Silent for `grace` seconds, or under MIN_BODY_RATE on average once `grace` has passed."""
+        started, last = getattr(self, "_body_started", now), _reading(self.worker).get(self, now)
+        if now - last > grace:
+            return True
+        elapsed = now - started
+        return elapsed > grace and self._body_bytes / elapsed < MIN_BODY_RATE
 
     def _drop(self) -> None:
         """Close from our side; the connection loop (if it waits for a request) sees it and exits."""
@@ -141,11 +154,18 @@ class GuardedProtocol(ASGIProtocol):
             self._header_handle = None
         _tables(self.worker)[0].pop(self, None)  # serving a request: evicted only while its body stalls
         result = super()._on_headers_complete()
+        self._body_started, self._body_bytes = time.monotonic(), 0
         self._body_progress()
+        if getattr(self, "_body_handle", None) is not None:
+            self._body_handle.cancel()
+        self._body_handle = None
+        if self.header_timeout > 0 and not self._closed and self in _reading(self.worker):
+            self._body_handle = self.worker.loop.call_later(self.header_timeout, self._body_deadline)
         return result
 
     def _on_body(self, chunk: Any) -> Any:
         result = super()._on_body(chunk)
+        self._body_bytes = getattr(self, "_body_bytes", 0) + len(chunk)
         self._body_progress()
         return result
 
@@ -158,33 +178,26 @@ class GuardedProtocol(ASGIProtocol):
         return super()._on_message_complete()
 
     def _body_progress(self) -> None:
-        """Its body is still coming: now the newest in the reading table, its silence deadline moved on.
-
-        A body silent for `header_timeout` seconds is closed (slowloris after the headers); one silent
-        for BODY_STALL_SECONDS may be evicted at the cap (`_stalled_body`).
-        """
+        """Its body is still coming: now the newest in the reading table (silent longest first)."""
         if self._closed:
             return
         reading = _reading(self.worker)
         reading.pop(self, None)
         reading[self] = time.monotonic()
-        if getattr(self, "_body_handle", None) is not None:
-            self._body_handle.cancel()
-        self._body_handle = None
-        if self.header_timeout > 0:
-            self._body_handle = self.worker.loop.call_later(self.header_timeout, self._body_deadline)
 
     def _body_deadline(self) -> None:
-        self._body_handle = None
-        self._drop()
+        """Every `header_timeout` seconds while the body arrives: closed when silent that long or trickling.
 
-    def _arm_keepalive_timer(self) -> None:
-        """Its response is done and nothing runs for it: idle again, now the newest idle connection."""
-        super()._arm_keepalive_timer()
-        idle = _tables(self.worker)[0]
-        idle.pop(self, None)
-        if not self._closed:
-            idle[self] = None
+        A body silent for `header_timeout` seconds, or averaging under MIN_BODY_RATE, is a slowloris after
+        the headers (it held its connection until gunicorn's 120 s worker timeout).
+        """
+        self._body_handle = None
+        if self._closed or self not in _reading(self.worker):
+            return
+        if self._body_too_slow(time.monotonic(), self.header_timeout):
+            self._drop()
+        else:
+            self._body_handle = self.worker.loop.call_later(self.header_timeout, self._body_deadline)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._forget()

@@ -88,6 +88,36 @@ def test_a_body_that_stops_arriving_is_closed(guarded: Frontend, model_id: str) 
             sock.close()
 
 
+def test_a_trickled_body_is_closed(guarded: Frontend) -> None:
+    """One body byte every half second (each byte used to restart the silence deadline): under MIN_BODY_RATE, so
+    closed at the first check, --header-timeout (2 s) after the headers; the trickle runs for at most 12 s."""
+    trickling = [open_socket(guarded) for _ in range(5)]
+    closed = [False] * len(trickling)
+    try:
+        for sock in trickling:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100000\r\n\r\n{")
+        for _ in range(24):
+            for index, sock in enumerate(trickling):
+                if closed[index]:
+                    continue
+                try:
+                    sock.sendall(b" ")
+                    sock.settimeout(0.01)
+                    closed[index] = sock.recv(1024) == b""
+                except TimeoutError:
+                    pass
+                except OSError:  # reset or broken pipe: the server closed it
+                    closed[index] = True
+            if all(closed):
+                break
+            time.sleep(0.5)
+        assert all(closed), closed
+    finally:
+        for sock in trickling:
+            sock.close()
+
+
 def listening(frontend: Proc, port: int) -> None:
     """Wait (bounded) until the front-end accepts connections; the probe connection is gone again after."""
     deadline = time.monotonic() + 60
