@@ -13,8 +13,9 @@ Why: two places where the detokenizer's view of a token is not what a client nee
 
 from __future__ import annotations
 
-import functools
 from typing import Any
+
+from mlx_lm.tokenizer_utils import _byte_decoder  # GPT-2's byte alphabet: the BPE token map's characters -> bytes
 
 SPM_WORD_MARKER = "\u2581".encode("utf-8")
 
@@ -34,19 +35,6 @@ def _unchanged(text: str) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=1)
-def _byte_level_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (every byte has one printable character)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    decoder = {chr(byte): byte for byte in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            decoder[chr(256 + extra)] = byte
-            extra += 1
-    return decoder
-
-
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The bytes one token stands for, also when they are only part of a UTF-8 character.
 
@@ -60,7 +48,7 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     if isinstance(piece, bytes):
         return piece.replace(SPM_WORD_MARKER, b" ")
     if isinstance(piece, str) and "BPE" in type(template).__name__:
-        decoder = _byte_level_decoder()
+        decoder = _byte_decoder()
         if all(char in decoder for char in piece):
             return bytes(decoder[char] for char in piece)
     return tokenizer.decode([token_id]).encode("utf-8")

@@ -21,7 +21,7 @@ from engine_daemon.output.token_text import request_detokenizer
 from engine_daemon.request.context_overflow import fit_context
 from engine_daemon.request.preprocess import model_key
 from engine_daemon.request.prompt import build_prompt, template_tools
-from engine_daemon.request.state import EngineRequest
+from engine_daemon.request.state import EngineRequest, PreparedPrompt
 from engine_daemon.sampling.request_processors import build_processors, processor_spec
 from engine_daemon.sampling.thinking import prompt_in_thinking
 
@@ -145,10 +145,15 @@ def check_token_ids(tokens: list[int], vocab_size: int) -> None:
         raise RequestError(400, "invalid_value", f"prompt token ids must be in [0, {vocab_size})", param="prompt")
 
 
-def prepared_tokens(request: EngineRequest, loaded: LoadedModel) -> list[int]:
-    """The prompt's token ids: as prepared off the mlx thread for this very load, else rendered now."""
+def prepared_for(request: EngineRequest, loaded: LoadedModel) -> PreparedPrompt | None:
+    """What was prepared off the mlx thread for this very load (taken off the request), else None."""
     prepared, request.prepared = request.prepared, None
-    if prepared is not None and prepared.model_key == model_key(loaded):
+    return prepared if prepared is not None and prepared.model_key == model_key(loaded) else None
+
+
+def prepared_tokens(request: EngineRequest, loaded: LoadedModel, prepared: PreparedPrompt | None) -> list[int]:
+    """The prompt's token ids: as prepared off the mlx thread, else rendered now."""
+    if prepared is not None:
         if prepared.error is not None:
             raise prepared.error
         if prepared.tokens is not None:
@@ -161,11 +166,10 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
             stop_limits: tuple[int, int] = (MAX_STOP_STRINGS, MAX_STOP_LENGTH), clamp_max_tokens: bool = True) -> None:
     """Fills in prompt, limits, sampling and decoding state; raises RequestError to refuse."""
     request.model_id = loaded.ref.id
-    prepared = request.prepared if request.prepared is not None and request.prepared.model_key == model_key(loaded) \
-        else None
+    prepared = prepared_for(request, loaded)
     check_params(request.params)
     check_stops(request.params.get("stop"), *stop_limits)
-    request.prompt_tokens = prepared_tokens(request, loaded)
+    request.prompt_tokens = prepared_tokens(request, loaded, prepared)
     if isinstance(request.body.get("prompt"), list):
         check_token_ids(request.prompt_tokens, loaded.vocab_size)
     # models-config max_tokens default; --context-overflow truncate/summarize (fit_context)
