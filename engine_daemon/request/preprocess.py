@@ -22,6 +22,7 @@ from typing import Any
 
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
+from engine_daemon.request.param_checks import check_params, parse_logit_bias
 from engine_daemon.request.prompt import build_prompt
 from engine_daemon.request.state import PreparedPrompt
 from engine_daemon.sampling.request_processors import build_processors, processor_spec
@@ -94,11 +95,14 @@ def check_size(body: dict[str, Any], loaded: LoadedModel) -> None:
 def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
     """The prompt's tokens and the request's logits processors, or the refusal of either."""
     try:
+        params = body.get("params") or {}
+        check_params(params)  # before any compile: a refusal for a bad value costs nothing
+        parse_logit_bias(params.get("logit_bias"), loaded.vocab_size)
         check_size(body, loaded)
         tokens = build_prompt(loaded, body)
         in_thinking = prompt_in_thinking(loaded.tokenizer, tokens)
         # A grammar (structured output, forced tool calls) compiles here too: a large schema takes seconds.
-        processors = build_processors(loaded.tokenizer, processor_spec(body.get("params") or {}, body), in_thinking)
+        processors = build_processors(loaded.tokenizer, processor_spec(params, body), in_thinking)
         return PreparedPrompt(model_key(loaded), tokens=tokens, processors=processors, in_thinking=in_thinking)
     except RequestError as exc:
         return PreparedPrompt(model_key(loaded), error=exc)

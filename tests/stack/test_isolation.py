@@ -231,7 +231,8 @@ def test_grammars_compile_off_the_mlx_thread_and_are_probed(frontend: Frontend, 
     grammar failing at its first token (a required recursive `$ref`) was a 200 with the tool_choice promise dropped.
 
     Now a request's grammar is compiled with its prompt on the admission pool (the engine counts it), schemas
-    past 1 MB are refused unread, and a new grammar is followed for a few tokens before it is used."""
+    past 1 MB are refused unread, and a new grammar is followed for a few tokens before it is used. A value the
+    engine refuses anyway is checked before the compile."""
     before = engine_stats(frontend)
     victim = Victim(frontend, model_id, max_tokens=64)
     victim.start()
@@ -251,6 +252,10 @@ def test_grammars_compile_off_the_mlx_thread_and_are_probed(frontend: Frontend, 
     assert failing.status_code == 400 and failing.json()["error"]["param"] == "tool_choice", failing.text
     after = engine_stats(frontend)
     assert after["processors_prepared"] >= before["processors_prepared"] + 1
+    # A value only the engine can check (a token id past the vocabulary) is refused before any compile.
+    bad_bias = httpx.post(url, timeout=120, json={**base, "response_format": enum, "logit_bias": {"99999999": 1}})
+    assert bad_bias.status_code == 400 and bad_bias.json()["error"]["param"] == "logit_bias", bad_bias.text
+    assert engine_stats(frontend)["processors_prepared"] == after["processors_prepared"]
     victim.join(120)
     assert victim.error is None and victim.finish_reason == "length"
     assert_engine_serves(frontend, model_id)
