@@ -24,6 +24,7 @@ import mlx.core as mx
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.models.vision_support import VisionSupport
+from engine_daemon.request.prompt import template_tools
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.request.template_kwargs import checked_template_kwargs
 
@@ -195,8 +196,8 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel) -> VisionInputs:
     if "chat_template" in kwargs:
         raise RequestError(400, "unsupported_value", "A request's own chat template is not supported for vision "
                            "models", param="chat_template_kwargs")
-    if body.get("tools") and body.get("tool_choice") != "none":
-        kwargs["tools"] = body["tools"]
+    if tools := template_tools(body):
+        kwargs["tools"] = tools
     try:
         prompt = apply_chat_template(support.processor, support.config, converted, num_images=len(image_order),
                                      num_audios=len(audio_order), **kwargs)

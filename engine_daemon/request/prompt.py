@@ -9,6 +9,7 @@ from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.request import client_template
 from engine_daemon.request.template_kwargs import checked_template_kwargs
+from engine_daemon.sampling.tool_choice import allowed_tools, narrowed
 
 
 def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
@@ -68,9 +69,16 @@ def fold_late_system_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any
 
 
 def template_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The tools the template describes; `tool_choice: "none"` means the model is not offered any."""
-    if body.get("tool_choice") == "none":
+    """The tools the template describes; `tool_choice: "none"` means the model is not offered any.
+
+    `allowed_tools` in mode "auto" describes only the allowed ones (`engine_daemon.sampling.tool_choice`).
+    """
+    choice = body.get("tool_choice")
+    if choice == "none":
         return None
+    allowed = allowed_tools(choice)
+    if allowed is not None and allowed[0] == "auto":
+        return narrowed(body.get("tools"), allowed[1]) or None
     return body.get("tools") or None
 
 

@@ -33,6 +33,7 @@ from engine_daemon.sampling.tool_call_grammar import (
     json_rule,
     tool_calls_rules,
 )
+from engine_daemon.sampling.tool_choice import settled
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +233,7 @@ def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice
     Raises RequestError (400) for what cannot be enforced.
     """
     schema = response_schema(response_format)
+    tools, tool_choice = settled(tools, tool_choice)  # allowed_tools: its mode over the allowed tools
     specs = function_specs(tools) if tool_choice != "none" else []
     forced = forced_functions(specs, tool_choice)
     if forced or schema is not None:

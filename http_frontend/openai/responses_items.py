@@ -213,11 +213,39 @@ def name_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+def _allowed_tools(value: dict[str, Any], catalog: ToolCatalog) -> str | dict[str, Any]:
+    """`{"type": "allowed_tools", "mode", "tools": [...]}` in the engine's shape (names the model knows).
+
+    Function and custom tools must be in `tools`; hosted ones are not offered, so they allow nothing.
+    """
+    mode, listed = value.get("mode", "auto"), value.get("tools")
+    if mode not in ("auto", "required") or not isinstance(listed, list):
+        raise bad_request("Invalid 'tool_choice': allowed_tools needs 'mode' ('auto' or 'required') and a "
+                          "'tools' list", param="tool_choice")
+    offered = {t["function"]["name"] for t in catalog.tools}
+    names = []
+    for index, tool in enumerate(listed):
+        if not isinstance(tool, dict) or tool.get("type") not in ("function", "custom"):
+            continue  # a hosted tool: not offered to the model
+        name, namespace = tool.get("name"), tool.get("namespace")
+        name = catalog.offered_name(name, namespace if isinstance(namespace, str) else None) \
+            if isinstance(name, str) else None
+        if name not in offered:
+            raise bad_request(f"'tool_choice.tools[{index}]' names a tool that is not in 'tools'",
+                              param=f"tool_choice.tools[{index}]")
+        names.append(name)
+    if not names:
+        if mode == "required":
+            raise bad_request("'tool_choice' is allowed_tools 'required' but allows no tool", param="tool_choice")
+        return "none"
+    return {"type": "allowed_tools", "mode": mode, "tools": names}
+
+
 def parse_tool_choice(value: Any, catalog: ToolCatalog) -> str | dict[str, Any] | None:
     """A Responses `tool_choice` in chat's shape: a mode, or the one function (or custom tool) to call.
 
     Objects name a mode too (`{"type": "required"}` from LiteLLM; `any` is Anthropic's
-    `required`); `allowed_tools` keeps its mode (the tool list stays whole); a hosted
+    `required`); `allowed_tools` names the tools a call may use (`_allowed_tools`); a hosted
     tool's type (`{"type": "web_search_preview"}`) is `auto`: that tool is not offered.
     """
     if value is None:
@@ -227,8 +255,7 @@ def parse_tool_choice(value: Any, catalog: ToolCatalog) -> str | dict[str, Any] 
     if isinstance(kind, str) and kind in (*TOOL_CHOICE_MODES, "any"):
         value = "required" if kind == "any" else kind
     elif kind == "allowed_tools":
-        mode = value.get("mode")
-        value = mode if isinstance(mode, str) and mode in TOOL_CHOICE_MODES else "auto"
+        return _allowed_tools(value, catalog)
     elif isinstance(kind, str) and kind not in ("function", "custom"):
         value = "auto"  # a hosted tool's type: that tool is not offered
     if isinstance(value, str):

@@ -123,13 +123,16 @@ def parse_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> str | dict[str, Any] | None:
-    """"none" | "auto" | "required" | {"type": "function", "function": {"name"}} (a tool that exists)."""
+    """"none" | "auto" | "required" | {"type": "function", "function": {"name"}} (a tool that exists), or
+    allowed_tools (`allowed_tools_choice`)."""
     choice = get_field(body, "tool_choice", (str, dict))
     if choice is None:
         return None
     if isinstance(choice, dict) and choice.get("type") in ("none", "auto", "required", "any"):
         # The object form of a mode (LiteLLM sends {"type": "required"}); `any` is Anthropic's `required`.
         choice = "required" if choice["type"] == "any" else choice["type"]
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return allowed_tools_choice(choice.get("allowed_tools"), tools)
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise bad_request(f"Invalid value for 'tool_choice': {choice!r}; expected 'none', 'auto', 'required' "
@@ -147,6 +150,31 @@ def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) 
         raise bad_request(f"Invalid 'tool_choice': function {name!r} is not in 'tools'", param="tool_choice",
                           code="invalid_value")
     return {"type": "function", "function": {"name": name}}
+
+
+def allowed_tools_choice(spec: Any, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """Chat's `{"type": "allowed_tools", "allowed_tools": {"mode", "tools": [...]}}` in the engine's shape.
+
+    The engine keeps the whole tool list in the prompt for mode "required" and forces a call
+    among the allowed ones (`engine_daemon.sampling.tool_choice`).
+    """
+    if not isinstance(spec, dict) or spec.get("mode") not in ("auto", "required") \
+            or not isinstance(spec.get("tools"), list):
+        raise bad_request("Invalid 'tool_choice.allowed_tools': expected {\"mode\": \"auto\" | \"required\", "
+                          "\"tools\": [...]}", param="tool_choice.allowed_tools", code="invalid_value")
+    listed = {tool["function"]["name"] for tool in tools or ()}
+    names = []
+    for index, tool in enumerate(spec["tools"]):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in listed:
+            raise bad_request(f"Invalid 'tool_choice.allowed_tools.tools[{index}]': expected a function listed in "
+                              "'tools'", param=f"tool_choice.allowed_tools.tools[{index}]", code="invalid_value")
+        names.append(name)
+    if spec["mode"] == "required" and not names:
+        raise bad_request("'tool_choice.allowed_tools' is 'required' but allows no tool",
+                          param="tool_choice.allowed_tools", code="invalid_value")
+    return {"type": "allowed_tools", "mode": spec["mode"], "tools": names}
 
 
 def parse_response_format(body: dict[str, Any]) -> dict[str, Any] | None:

@@ -13,31 +13,19 @@ import falcon.asgi
 
 from http_frontend.service.openapi_audio import AUDIO_PATHS, AUDIO_SCHEMAS
 from http_frontend.service.openapi_auxiliary import AUXILIARY_SCHEMAS, auxiliary_paths
+from http_frontend.service.openapi_schema import (
+    ANY_OBJECT,
+    BOOLEAN,
+    INTEGER,
+    NUMBER,
+    STRING,
+    Schema,
+    arr,
+    nullable,
+    obj,
+    ref,
+)
 
-Schema = dict[str, Any]
-
-
-def obj(properties: dict[str, Schema], required: tuple[str, ...] = (), **extra: Any) -> Schema:
-    schema: Schema = {"type": "object", "properties": properties, **extra}
-    if required:
-        schema["required"] = list(required)
-    return schema
-
-
-def arr(items: Schema, **extra: Any) -> Schema:
-    return {"type": "array", "items": items, **extra}
-
-
-def nullable(schema: Schema) -> Schema:
-    return {**schema, "nullable": True}
-
-
-def ref(name: str) -> Schema:
-    return {"$ref": f"#/components/schemas/{name}"}
-
-
-STRING, INTEGER, NUMBER, BOOLEAN = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
-ANY_OBJECT = {"type": "object", "additionalProperties": True}
 ERROR = obj({"error": obj({"message": STRING, "type": STRING, "param": nullable(STRING),
                            "code": nullable(STRING)}, ("message", "type"))}, ("error",))
 ANTHROPIC_ERROR = obj({"type": {"type": "string", "enum": ["error"]},
@@ -65,9 +53,12 @@ HOSTED_TOOL = {**obj({"type": {"type": "string", "enum": [
     "local_shell", "image_generation", "mcp", "tool_search"]}}, ("type",)),
     "description": "Hosted tools: left out of the prompt and named in the X-Ignored-Tools header"}
 TOOL_CHOICE_MODE = obj({"type": {"type": "string", "enum": ["none", "auto", "required", "any"]}}, ("type",))
+ALLOWED_TOOLS = obj({"type": {"type": "string", "enum": ["allowed_tools"]},
+                     "allowed_tools": obj({"mode": {"type": "string", "enum": ["auto", "required"]},
+                                           "tools": arr(ANY_OBJECT)}, ("mode", "tools"))}, ("type", "allowed_tools"))
 TOOL_CHOICE = {"oneOf": [{"type": "string", "enum": ["none", "auto", "required"]}, TOOL_CHOICE_MODE,
                          obj({"type": {"type": "string", "enum": ["function"]},
-                              "function": obj({"name": STRING}, ("name",))}, ("type", "function"))]}
+                              "function": obj({"name": STRING}, ("name",))}, ("type", "function")), ALLOWED_TOOLS]}
 RESPONSE_FORMAT = obj({"type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
                        "json_schema": obj({"name": STRING, "schema": ANY_OBJECT, "strict": BOOLEAN})}, ("type",))
 TEMPLATE_KWARGS = {**ANY_OBJECT, "description": (
