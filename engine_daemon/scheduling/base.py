@@ -130,8 +130,11 @@ class BaseScheduler:
                 "cpu_prefill_swiglu": "numpy" if prefill_swiglu.enabled() else "mlx"}
 
     # -- admission -----------------------------------------------------------------
-    def resolve_model(self, name: str | None) -> ModelRef:
-        """The model a request names: the loaded one, the default, or one found on disk."""
+    def resolve_model(self, name: str | None, download: bool = True) -> ModelRef:
+        """The model a request names: the loaded one, the default, or one found on disk.
+
+        `download=False` (token counting, off the mlx thread) never starts a Hub download.
+        """
         current = self.models.current
         if not name or name == "default":
             if current is not None:
@@ -145,7 +148,8 @@ class BaseScheduler:
         # any other name is confined to --model-dir and the HF cache (`ModelNames`).
         try:
             ref = self.models.names.resolve(name, default_model=self.config.default_model,
-                                            roots=self.config.model_dirs, allow_download=self.config.allow_download)
+                                            roots=self.config.model_dirs,
+                                            allow_download=self.config.allow_download and download)
         except InvalidModelName as exc:
             raise RequestError(400, "invalid_model_name", str(exc), param="model") from None
         except ModelNotFound as exc:

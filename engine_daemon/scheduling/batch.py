@@ -130,9 +130,9 @@ class BatchScheduler(BaseScheduler):
             raise RequestError(400, "unsupported_in_group", "This request's logits processors cannot be replayed "
                                "by an engine group", param="response_format")
 
-    def resolve_model(self, name: str | None) -> ModelRef:
+    def resolve_model(self, name: str | None, download: bool = True) -> ModelRef:
         """An engine group serves the one model it was started with: no switch (every rank would reload)."""
-        ref = super().resolve_model(name)
+        ref = super().resolve_model(name, download)
         current = self.models.current
         if self.lockstep is not None and current is not None and ref != current.ref:
             raise RequestError(400, "unsupported_in_group", f"This engine group serves {current.ref.id} only; "

@@ -299,7 +299,8 @@ class EngineServer:
             return
         if spec.thread is Thread.POOL:
             self.preprocessor.run_call(
-                lambda: spec.handler(self.worker.models.current, args),
+                lambda: spec.handler(self.worker.models.current, args,
+                                     lambda name: self.worker.scheduler.resolve_model(name, download=False)),
                 lambda result, error: self.worker.commands.put(ReplyCommand(peer, cid, result, error)))
             return
         try:

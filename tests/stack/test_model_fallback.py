@@ -53,3 +53,18 @@ def test_models_lists_the_served_names_and_bad_names_are_still_refused(fallback_
     refused = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=30, json={
         "model": "../../etc", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_model_name"
+
+
+def test_count_tokens_counts_with_the_model_that_would_answer(fallback_stack: tuple[Engine, Frontend]) -> None:
+    """Red team: Claude Code's count_tokens named `claude-…` and got a 400 the fallback never gave its messages."""
+    _, frontend = fallback_stack
+    client = anthropic.Anthropic(base_url=frontend.base_url, api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "How many tokens is this?"}]
+    name = "claude-sonnet-4-5-20250929"
+    counted = client.messages.count_tokens(model=name, messages=messages)
+    served = client.messages.create(model=name, max_tokens=1, messages=messages)
+    usage = served.usage  # Anthropic's input_tokens leave out what the prompt cache read
+    assert counted.input_tokens == usage.input_tokens + (usage.cache_read_input_tokens or 0) > 0
+    unknown_spelling = httpx.post(f"{frontend.base_url}/v1/messages/count_tokens", timeout=30, json={
+        "model": "../../etc", "messages": messages})
+    assert unknown_spelling.status_code == 400, unknown_spelling.text
