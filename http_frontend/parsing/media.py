@@ -280,7 +280,9 @@ class MediaCollector:
                 target = self._checked_url(url, param)
                 address = await self._checked_address(target.host, target.port or DEFAULT_PORTS[target.scheme],
                                                       param)
-                headers = {"Host": target.netloc.decode("ascii"), "Accept": "image/*"}
+                # identity: a compressed body would be inflated before the byte cap could see it (32 KB of
+                # zstd became 2 GB in one chunk); an image format compresses itself anyway.
+                headers = {"Host": target.netloc.decode("ascii"), "Accept": "image/*", "Accept-Encoding": "identity"}
                 extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
                 request = client.build_request("GET", target.copy_with(host=address), headers=headers,
                                                extensions=extensions)
@@ -305,9 +307,10 @@ class MediaCollector:
 
         try:
             target = httpx.URL(url)
-        except Exception:  # httpx raises InvalidURL and friends
+            host = target.host  # decodes IDNA: `xn--` alone raises here
+        except Exception:  # httpx raises InvalidURL, idna.IDNAError and friends
             raise _error(f"'{param}': {url[:200]!r} is not a valid URL", param, "invalid_image_url") from None
-        if target.scheme not in ("http", "https") or not target.host:
+        if target.scheme not in ("http", "https") or not host:
             raise _error(f"'{param}': image URLs (and their redirects) must be http(s) URLs with a host", param,
                          "invalid_image_url")
         if target.userinfo:
@@ -341,11 +344,15 @@ class MediaCollector:
         if not content_type.startswith("image/"):
             raise _error(f"The URL in '{param}' answered with content type {content_type or 'none'}, not an image",
                          param, "unsupported_image_format")
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise _error(f"The URL in '{param}' answered with Content-Encoding {encoding[:40]!r} though it was asked "
+                         "for identity; compressed image bodies are not inflated", param, "image_fetch_failed")
         length = response.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise _error(f"The image in '{param}' is {length} bytes; the limit is {limit}", param, "image_too_large")
         data = bytearray()
-        async for chunk in response.aiter_bytes():  # decoded: the cap holds for what Pillow reads
+        async for chunk in response.aiter_raw():  # as sent: nothing inflates past the cap
             data += chunk
             if len(data) > limit:
                 raise _error(f"The image in '{param}' exceeds the limit of {limit} bytes", param, "image_too_large")

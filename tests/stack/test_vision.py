@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import http.server
 import io
 import threading
@@ -39,6 +40,7 @@ MAX_IMAGE_BYTES = 200_000
 
 IMAGE = png(2)
 OTHER_IMAGE = png(5)
+ZEROS_GZIP = gzip.compress(bytes(100 << 20), compresslevel=9)
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -59,11 +61,18 @@ class _Images(http.server.BaseHTTPRequestHandler):
             self._redirect("/image.png")
         elif self.path == "/to-file":
             self._redirect("file:///etc/passwd")
+        elif self.path == "/deflated.png":  # ~100 KB on the wire, 100 MB inflated: compressed whatever was asked
+            _Images.accept_encodings.append(self.headers.get("Accept-Encoding"))
+            self._send(200, "image/png", ZEROS_GZIP, {"Content-Encoding": "gzip"})
         else:
             self._send(404, "text/plain", b"not found")
 
-    def _send(self, status: int, content_type: str, body: bytes) -> None:
+    accept_encodings: list[str | None] = []
+
+    def _send(self, status: int, content_type: str, body: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -290,6 +299,15 @@ def test_slow_or_large_urls_fail_alone(client: openai.OpenAI, image_server: str,
     expect_400(lambda: image_chat(client, f"{image_server}/page.html"), "unsupported_image_format")
     expect_400(lambda: image_chat(client, f"{image_server}/to-file"), "invalid_image_url")
     expect_400(lambda: image_chat(client, "file:///etc/passwd"), "invalid_image_url")
+
+
+def test_compressed_bodies_and_bad_hosts_are_refused(client: openai.OpenAI, image_server: str) -> None:
+    """Red team: 32 KB of zstd inflated to 2 GB in the worker before the byte cap saw it, and `xn--` was a 500.
+
+    Image fetches ask for identity and refuse a body compressed anyway, unread."""
+    expect_400(lambda: image_chat(client, f"{image_server}/deflated.png"), "image_fetch_failed")
+    assert _Images.accept_encodings[-1] == "identity"
+    expect_400(lambda: image_chat(client, "http://xn--/a.png"), "invalid_image_url")
 
 
 def test_resize_shape_changes_the_image_tokens(client: openai.OpenAI, reference: dict[str, Any]) -> None:
