@@ -12,132 +12,32 @@ is registered: one that the wire cannot carry never leaves a stream record behin
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import zmq
 import zmq.asyncio
 
 from http_frontend.engine.curve import apply_client_curve
-from http_frontend.engine.frames import delta_bytes, packed_frame
+from http_frontend.engine.frames import packed_frame
 from http_frontend.engine.loop_time import wait_free_time
+from http_frontend.engine.request_stream import EngineError, EngineUnavailable, RequestStream, Update
 from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decode, encode, new_request_id
+
+__all__ = ["ROUTABLE_STATES", "EngineClient", "EngineError", "EngineLink", "EngineUnavailable", "RequestStream",
+           "Update"]
 
 log = logging.getLogger(__name__)
 
 # Engine states (PONG) in which an engine takes new requests; "draining" and "stalled" do not.
 ROUTABLE_STATES = frozenset({"ready", "idle", "loading"})
-
-
-class EngineUnavailable(Exception):
-    """The engine cannot be reached (dead, restarting, or never started)."""
-
-
-class EngineError(Exception):
-    """The engine answered a request with an ERROR frame."""
-
-    def __init__(self, body: dict[str, Any]):
-        super().__init__(body.get("message", "engine error"))
-        self.body = body
-
-
-@dataclass
-class Update:
-    """Everything a request produced since the consumer last looked, merged."""
-
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, int] | None = None
-    stop_sequence: str | None = None  # the stop string that ended the request, if one did
-
-
-class RequestStream:
-    """Collector for one request: ACCEPTED, merged deltas, or an error."""
-
-    def __init__(self, rid: str, max_pending_bytes: int | None = None):
-        self.rid = rid
-        self.engine_id: str | None = None  # set by `EnginePool.submit`: the engine that runs it
-        self.accepted: dict[str, Any] | None = None
-        self.error: dict[str, Any] | None = None
-        self.finished = False
-        self.max_pending_bytes = max_pending_bytes  # None: unbounded
-        self.pending_bytes = 0  # estimated (`delta_bytes`) size of the update not yet taken
-        self._pending = Update()
-        self._has_news = asyncio.Event()
-
-    @property
-    def over_limit(self) -> bool:
-        """True when the consumer has left more output unread than `max_pending_bytes`."""
-        return self.max_pending_bytes is not None and self.pending_bytes > self.max_pending_bytes
-
-    # -- fed by the reader -------------------------------------------------------
-    def on_accepted(self, body: dict[str, Any]) -> None:
-        self.accepted = body
-        self._has_news.set()
-
-    def on_deltas(self, item: dict[str, Any]) -> None:
-        pending = self._pending
-        self.pending_bytes += delta_bytes(item)
-        pending.text += item.get("text") or ""
-        pending.reasoning += item.get("reasoning") or ""
-        pending.tool_calls.extend(item.get("tool_calls") or ())
-        pending.token_ids.extend(item.get("token_ids") or ())
-        pending.logprobs.extend(item.get("logprobs") or ())
-        if item.get("finish_reason"):
-            pending.finish_reason = item["finish_reason"]
-            pending.usage = item.get("usage")
-            pending.stop_sequence = item.get("stop_sequence")
-            self.finished = True
-        self._has_news.set()
-
-    def on_error(self, body: dict[str, Any]) -> None:
-        self.error = body
-        self.finished = True
-        self._pending, self.pending_bytes = Update(), 0  # never delivered after an error: free it now
-        self._has_news.set()
-
-    # -- read by the HTTP handler -----------------------------------------------------
-    async def wait_accepted(self, timeout: float) -> dict[str, Any]:
-        """The ACCEPTED body; raises EngineError if the engine refused the request."""
-        deadline = time.monotonic() + timeout
-        while self.accepted is None and self.error is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise asyncio.TimeoutError
-            self._has_news.clear()
-            if self.accepted is None and self.error is None:
-                await asyncio.wait_for(self._has_news.wait(), remaining)
-        if self.error is not None and self.accepted is None:
-            raise EngineError(self.error)
-        return self.accepted
-
-    async def next_update(self, timeout: float) -> Update | None:
-        """What arrived since the last call; None when `timeout` passed with nothing new."""
-        if not self._has_output():
-            self._has_news.clear()
-            if not self._has_output():
-                try:
-                    await asyncio.wait_for(self._has_news.wait(), timeout)
-                except asyncio.TimeoutError:
-                    return None
-        if self.error is not None:
-            raise EngineError(self.error)
-        update, self._pending, self.pending_bytes = self._pending, Update(), 0
-        return update
-
-    def _has_output(self) -> bool:
-        p = self._pending
-        return bool(p.text or p.reasoning or p.tool_calls or p.token_ids or p.finish_reason or self.error is not None)
+MAX_REMEMBERED_ORPHANS = 4096  # rids already ABORTed as orphans (`EngineClient._abort_orphan`)
 
 
 @runtime_checkable
@@ -191,6 +91,9 @@ class EngineClient:
         self._calls: dict[str, asyncio.Future] = {}
         # Long CALLs (audio): partial RESULTs go to their callback; an engine that dies fails them at once.
         self._partials: dict[str, Callable[[Any], None] | None] = {}
+        # rids this worker no longer follows whose output the engine sent anyway (an ADD that landed after its
+        # client gave up, a frozen engine resumed): each gets one ABORT (`_abort_orphan`), remembered a while.
+        self._orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._ready = asyncio.Event()
         self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
@@ -299,6 +202,7 @@ class EngineClient:
         if not stream.finished:
             stream.finished = True
             self._send(MsgType.ABORT, {"rids": [stream.rid], "reason": reason})
+            self._remember_aborted(stream.rid)  # its output still in flight is dropped without a second ABORT
 
     def _cut_off(self, stream: RequestStream) -> None:
         """A client that left more than `max_pending_bytes` unread: abort its request and free what it held."""
@@ -327,6 +231,8 @@ class EngineClient:
     async def _call(self, method: CallMethod | str, args: dict[str, Any] | None, timeout: float,
                     on_partial: Callable[[Any], None] | None, streaming: bool) -> Any:
         method = method.value if isinstance(method, CallMethod) else method  # the plain name, in errors too
+        if self.engine_state == "unreachable":  # known down: /health and /v1/models answer now, not in 2 s
+            raise EngineUnavailable("The engine is not reachable")
         if not await self.wait_ready(min(timeout, 2.0)):
             raise EngineUnavailable("The engine is not reachable")
         cid = uuid.uuid4().hex
@@ -368,16 +274,21 @@ class EngineClient:
         if msg_type == MsgType.DELTAS:
             for item in body["items"]:
                 stream = self.streams.get(item["rid"])
-                if stream is not None:
-                    stream.on_deltas(item)
-                    if stream.finished:
-                        self.streams.pop(stream.rid, None)
-                    elif stream.over_limit:
-                        self._cut_off(stream)
+                if stream is None:
+                    if not item.get("finish_reason"):
+                        self._abort_orphan(item["rid"])
+                    continue
+                stream.on_deltas(item)
+                if stream.finished:
+                    self.streams.pop(stream.rid, None)
+                elif stream.over_limit:
+                    self._cut_off(stream)
         elif msg_type == MsgType.ACCEPTED:
             stream = self.streams.get(body["rid"])
             if stream is not None:
                 stream.on_accepted(body)
+            else:
+                self._abort_orphan(body["rid"])
         elif msg_type == MsgType.ERROR:
             self._on_error(body)
         elif msg_type == MsgType.RESULT:
@@ -392,8 +303,26 @@ class EngineClient:
         elif msg_type in (MsgType.PONG, MsgType.WELCOME):
             self._on_engine_state(body)
 
+    def _abort_orphan(self, rid: str) -> None:
+        """Output for a request nobody here follows: ABORT it once, so it stops holding a slot."""
+        if not isinstance(rid, str) or rid in self._orphans:
+            return
+        self._remember_aborted(rid)
+        log.info("rid=%s: the engine runs a request this worker gave up on: aborting it", rid)
+        self._send(MsgType.ABORT, {"rids": [rid], "reason": "orphaned"})
+
+    def _remember_aborted(self, rid: str) -> None:
+        self._orphans[rid] = None
+        if len(self._orphans) > MAX_REMEMBERED_ORPHANS:
+            self._orphans.popitem(last=False)
+
     def _on_error(self, body: dict[str, Any]) -> None:
         rid, cid = body.get("rid"), body.get("cid")
+        if body.get("code") == "frontend_dropped":  # the engine aborted all of ours after our silence
+            log.warning("the engine dropped this worker after its silence: failing %d open request(s)",
+                        len(self.streams))
+            self._fail_all(503, "engine_unavailable", body.get("message") or "The engine dropped this front-end")
+            return
         if rid and rid in self.streams:
             self.streams.pop(rid).on_error(body)
         elif cid and cid in self._calls:
@@ -426,14 +355,22 @@ class EngineClient:
                 "host": socket.gethostname()}
 
     def _fail_all(self, status: int, code: str, message: str) -> None:
-        for cid in list(self._partials):
-            future = self._calls.get(cid)
-            if future is not None and not future.done():
+        """Every open request and CALL ends now; the engine is told to ABORT the requests.
+
+        A frozen engine (SIGSTOP, a paused VM) reads the ABORTs when it resumes, before it would
+        spend a step on requests whose clients already got this error.
+        """
+        for future in self._calls.values():
+            if not future.done():
                 future.set_exception(EngineUnavailable(message))
         streams, self.streams = self.streams, {}
         for stream in streams.values():
             stream.on_error({"rid": stream.rid, "status": status, "code": code, "message": message,
                              "type": "server_error"})
+        if streams:
+            self._send(MsgType.ABORT, {"rids": list(streams), "reason": "engine_unavailable"})
+            for rid in streams:
+                self._remember_aborted(rid)
 
     async def _heartbeat_loop(self) -> None:
         self._send(MsgType.HELLO, self._hello())

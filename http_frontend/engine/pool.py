@@ -164,11 +164,24 @@ class EnginePool:
 
     async def call(self, method: CallMethod | str, args: dict[str, Any] | None = None, timeout: float = 5.0,
                    engine: str | None = None) -> Any:
-        """A CALL to `engine` (default: `primary`); EngineUnavailable for an engine this pool does not know."""
-        link = self.links.get(engine or self.primary())
-        if link is None:
-            raise EngineUnavailable(f"No engine '{engine}' behind this front-end")
-        return await link.call(method, args, timeout=timeout)
+        """A CALL to `engine`, else to `primary` and then each other engine while they are unreachable.
+
+        EngineUnavailable for an engine this pool does not know, or when none answers.
+        """
+        if engine is not None or self.single:
+            link = self.links.get(engine or self.primary())
+            if link is None:
+                raise EngineUnavailable(f"No engine '{engine}' behind this front-end")
+            return await link.call(method, args, timeout=timeout)
+        first = self.primary()
+        failure: EngineUnavailable | None = None
+        for engine_id in [first, *(other for other in self.links if other != first)]:
+            try:
+                return await self.links[engine_id].call(method, args, timeout=timeout)
+            except EngineUnavailable as exc:  # tokenize, count_tokens: any live engine answers alike
+                log.warning("engine %s did not answer %s: trying the next one", engine_id, method)
+                failure = exc
+        raise failure or EngineUnavailable("No engine behind this front-end answered")
 
     async def call_streaming(self, method: CallMethod | str, args: dict[str, Any] | None = None,
                              timeout: float = 600.0, on_partial: Any = None, engine: str | None = None) -> Any:

@@ -193,3 +193,84 @@ def test_a_second_engine_cannot_steal_the_ipc_path(engine: Engine, tmp_path: Pat
     assert intruder.popen.wait(60) != 0
     assert "another engine is bound" in intruder.log()
     assert call_engine(engine.endpoint, "status")["state"] == "ready"  # the first one still serves
+
+
+def engine_counter(endpoint: str, name: str) -> int:
+    return call_engine(endpoint, "stats")[name]
+
+
+def wait_for(predicate, seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_frozen_engine_stops_what_its_clients_gave_up_on(tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """Red team: SIGSTOP under streams ended them with engine_unavailable, but after SIGCONT the engine ran them
+    on to max_tokens (the front-end never sent ABORT), and a CALL in flight waited for its full timeout."""
+    endpoint = f"ipc://{ipc_dir}/freeze.sock"
+    engine = Engine(endpoint, tmp_path / "engined.log", model=str(tiny_model))
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    try:
+        engine.wait_ready()
+        frontend.wait_healthy()
+        aborted_before = engine_counter(endpoint, "requests_aborted")
+        started = threading.Barrier(4)
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream_events, frontend.base_url, long_body(max_tokens=20_000), started.wait)
+                       for _ in range(3)]
+            started.wait(timeout=30)
+            engine.signal(signal.SIGSTOP)
+            models = pool.submit(httpx.get, f"{frontend.base_url}/v1/models", timeout=120)
+            results = [f.result(timeout=60) for f in futures]
+            listed = models.result(timeout=120)
+        for events, _ in results:
+            assert events[-2]["error"]["code"] == "engine_unavailable", events[-2]
+        # failed with the streams, not after list_models' own 30 s timeout
+        assert listed.status_code == 503 and "did not answer" not in listed.text, listed.text
+        engine.signal(signal.SIGCONT)
+        assert wait_for(lambda: engine_counter(endpoint, "requests_aborted") == aborted_before + 3), engine.log()
+        assert call_engine(endpoint, "status")["running"] == 0
+    finally:
+        engine.signal(signal.SIGCONT)
+        frontend.stop()
+        engine.stop()
+
+
+def test_a_paused_worker_hears_that_the_engine_dropped_its_requests(tiny_model: Path, ipc_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """Red team: a worker silent past --peer-timeout had its requests aborted by the engine, but nobody told it:
+    its clients waited for --request-timeout (600 s). Now its next frame gets a `frontend_dropped` ERROR."""
+    endpoint = f"ipc://{ipc_dir}/pause.sock"
+    engine = Engine(endpoint, tmp_path / "engined.log", model=str(tiny_model), args=["--peer-timeout", "2"])
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1, args=["--request-timeout", "600"])
+    worker_pid = None
+    try:
+        engine.wait_ready()
+        frontend.wait_healthy()
+        (worker_pid,) = {int(line.split("(pid ")[1].split()[0]) for line in engine.log().splitlines()
+                         if "connected (pid" in line}
+        aborted_before = engine_counter(endpoint, "requests_aborted")
+        started = threading.Barrier(3)
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(stream_events, frontend.base_url, long_body(max_tokens=20_000), started.wait)
+                       for _ in range(2)]
+            started.wait(timeout=30)
+            os.kill(worker_pid, signal.SIGSTOP)
+            assert wait_for(lambda: engine_counter(endpoint, "requests_aborted") == aborted_before + 2), engine.log()
+            os.kill(worker_pid, signal.SIGCONT)
+            results = [f.result(timeout=120) for f in futures]  # 600 s before the fix: this times out
+        for events, _ in results:
+            assert events[-2]["error"]["code"] == "engine_unavailable", events[-2]
+            assert "stopped this front-end" in events[-2]["error"]["message"]
+        reply = httpx.post(f"{frontend.base_url}/v1/chat/completions", timeout=60,
+                           json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert reply.status_code == 200, reply.text  # the worker serves on
+    finally:
+        if worker_pid is not None:
+            os.kill(worker_pid, signal.SIGCONT)
+        frontend.stop()
+        engine.stop()

@@ -1,0 +1,119 @@
+"""One engine request as the front-end sees it: ACCEPTED, merged deltas, or an error.
+
+The reader task (`EngineClient`) feeds it; the HTTP handler reads it. Pending deltas merge
+into one `Update`, so a slow HTTP client costs memory bounded by its own output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from http_frontend.engine.frames import delta_bytes
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot be reached (dead, restarting, or never started)."""
+
+
+class EngineError(Exception):
+    """The engine answered a request with an ERROR frame."""
+
+    def __init__(self, body: dict[str, Any]):
+        super().__init__(body.get("message", "engine error"))
+        self.body = body
+
+
+@dataclass
+class Update:
+    """Everything a request produced since the consumer last looked, merged."""
+
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the request, if one did
+
+
+class RequestStream:
+    """Collector for one request: ACCEPTED, merged deltas, or an error."""
+
+    def __init__(self, rid: str, max_pending_bytes: int | None = None):
+        self.rid = rid
+        self.engine_id: str | None = None  # set by `EnginePool.submit`: the engine that runs it
+        self.accepted: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.finished = False
+        self.max_pending_bytes = max_pending_bytes  # None: unbounded
+        self.pending_bytes = 0  # estimated (`delta_bytes`) size of the update not yet taken
+        self._pending = Update()
+        self._has_news = asyncio.Event()
+
+    @property
+    def over_limit(self) -> bool:
+        """True when the consumer has left more output unread than `max_pending_bytes`."""
+        return self.max_pending_bytes is not None and self.pending_bytes > self.max_pending_bytes
+
+    # -- fed by the reader -------------------------------------------------------
+    def on_accepted(self, body: dict[str, Any]) -> None:
+        self.accepted = body
+        self._has_news.set()
+
+    def on_deltas(self, item: dict[str, Any]) -> None:
+        pending = self._pending
+        self.pending_bytes += delta_bytes(item)
+        pending.text += item.get("text") or ""
+        pending.reasoning += item.get("reasoning") or ""
+        pending.tool_calls.extend(item.get("tool_calls") or ())
+        pending.token_ids.extend(item.get("token_ids") or ())
+        pending.logprobs.extend(item.get("logprobs") or ())
+        if item.get("finish_reason"):
+            pending.finish_reason = item["finish_reason"]
+            pending.usage = item.get("usage")
+            pending.stop_sequence = item.get("stop_sequence")
+            self.finished = True
+        self._has_news.set()
+
+    def on_error(self, body: dict[str, Any]) -> None:
+        self.error = body
+        self.finished = True
+        self._pending, self.pending_bytes = Update(), 0  # never delivered after an error: free it now
+        self._has_news.set()
+
+    # -- read by the HTTP handler -----------------------------------------------------
+    async def wait_accepted(self, timeout: float) -> dict[str, Any]:
+        """The ACCEPTED body; raises EngineError if the engine refused the request."""
+        deadline = time.monotonic() + timeout
+        while self.accepted is None and self.error is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            self._has_news.clear()
+            if self.accepted is None and self.error is None:
+                await asyncio.wait_for(self._has_news.wait(), remaining)
+        if self.error is not None and self.accepted is None:
+            raise EngineError(self.error)
+        return self.accepted
+
+    async def next_update(self, timeout: float) -> Update | None:
+        """What arrived since the last call; None when `timeout` passed with nothing new."""
+        if not self._has_output():
+            self._has_news.clear()
+            if not self._has_output():
+                try:
+                    await asyncio.wait_for(self._has_news.wait(), timeout)
+                except asyncio.TimeoutError:
+                    return None
+        if self.error is not None:
+            raise EngineError(self.error)
+        update, self._pending, self.pending_bytes = self._pending, Update(), 0
+        return update
+
+    def _has_output(self) -> bool:
+        p = self._pending
+        return bool(p.text or p.reasoning or p.tool_calls or p.token_ids or p.finish_reason or self.error is not None)
