@@ -7,13 +7,12 @@ in a message's content. Here the placeholders become the model's own image marke
 mlx-vlm's processor turns both into token ids and pixel arrays. Every problem with the
 input is a 400 before the request is admitted, never an error on the model thread later.
 
-Everything here runs on the mlx thread.
+Decoding runs on the admission pool first (`media_decode`); the rest here runs on the mlx thread.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import re
 from dataclasses import dataclass, field
@@ -24,19 +23,20 @@ import mlx.core as mx
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.models.vision_support import VisionSupport
+from engine_daemon.multimodal.media_decode import (  # noqa: F401 (decode_image, decode_audio: tests use them here)
+    _checked_media,
+    _media_error,
+    decode_audio,
+    decode_image,
+    decode_media,
+)
+from engine_daemon.request.preprocess import model_key
 from engine_daemon.request.prompt import template_tools
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.request.template_kwargs import checked_template_kwargs
 
 log = logging.getLogger(__name__)
 
-# Pillow format names a request may send (what the front-end admits too).
-IMAGE_FORMATS = frozenset({"PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP"})  # MPO: phone cameras' JPEGs
-AUDIO_FORMATS = frozenset({"wav", "mp3"})
-# Decoded pixels per image: larger is refused before decoding (a decompression bomb guard).
-MAX_IMAGE_PIXELS = 50_000_000
-# Largest `resize_shape` side (mlx-vlm accepts any int; a huge one would only waste memory).
-MAX_RESIZE_SIDE = 8192
 # Where a prepared request keeps its model inputs until it joins the batch.
 _INPUTS_ATTR = "vision_inputs"
 
@@ -59,22 +59,6 @@ class VisionInputs:
 
 # -- loading ---------------------------------------------------------------------------------
 # -- admission -------------------------------------------------------------------------------
-def _media_error(message: str, code: str = "invalid_media", param: str | None = "messages") -> RequestError:
-    return RequestError(400, code, message, param=param)
-
-
-def _checked_media(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The ADD's media list, shape-checked (the codec only knows it is a list)."""
-    media = body.get("media") or []
-    for index, item in enumerate(media):
-        if (not isinstance(item, dict) or item.get("type") not in ("image", "audio")
-                or not isinstance(item.get("data"), bytes) or not isinstance(item.get("placeholder"), str)
-                or not item["placeholder"]):
-            raise _media_error(f"media[{index}] must be a map with type 'image' or 'audio', bytes 'data' and a "
-                               "'placeholder' string")
-    return media
-
-
 def check_media_allowed(body: dict[str, Any], loaded: LoadedModel) -> None:
     """400 when a request sends images or audio that the loaded model cannot take."""
     media = _checked_media(body)
@@ -86,55 +70,6 @@ def check_media_allowed(body: dict[str, Any], loaded: LoadedModel) -> None:
     if "audio" in kinds and (support is None or not support.accepts_audio):
         raise _media_error(f"Model '{loaded.ref.id}' has no audio encoder and cannot take input_audio parts",
                            code="audio_not_supported")
-
-
-def resize_shape_of(item: dict[str, Any]) -> tuple[int, int] | None:
-    """mlx-vlm's `resize_shape`: [size] or [height, width], normalised to a pair; None when absent."""
-    value = item.get("resize_shape")
-    if value is None:
-        return None
-    if (not isinstance(value, list) or len(value) not in (1, 2)
-            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_RESIZE_SIDE for v in value)):
-        raise _media_error(f"'resize_shape' must be [size] or [height, width] with sides in 1..{MAX_RESIZE_SIDE}",
-                           param="resize_shape")
-    return (value[0], value[0]) if len(value) == 1 else (value[0], value[1])
-
-
-def decode_image(item: dict[str, Any], index: int) -> Any:
-    """The item's bytes as an RGB PIL image, EXIF orientation applied, resized when asked."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
-    resize = resize_shape_of(item)
-    try:
-        image = Image.open(io.BytesIO(item["data"]))
-        if image.format not in IMAGE_FORMATS:
-            raise _media_error(f"Image {index + 1} is {image.format or 'of an unknown format'}; supported formats "
-                               f"are {', '.join(sorted(IMAGE_FORMATS))}", code="unsupported_image_format")
-        if image.width * image.height > MAX_IMAGE_PIXELS:
-            raise _media_error(f"Image {index + 1} has {image.width}x{image.height} pixels, more than "
-                               f"{MAX_IMAGE_PIXELS}", code="image_too_large")
-        image = ImageOps.exif_transpose(image).convert("RGB")  # convert() decodes every pixel
-    except RequestError:
-        raise
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise _media_error(f"Image {index + 1} could not be decoded: {describe(exc)}", code="invalid_image") from None
-    if resize is not None:
-        from mlx_vlm.utils import resize_image
-
-        image = resize_image(image, resize)  # exactly what mlx_vlm.server does with resize_shape
-    return image
-
-
-def decode_audio(item: dict[str, Any], index: int, sample_rate: int) -> Any:
-    """The item's wav/mp3 bytes as mono float32 samples at the processor's rate."""
-    from mlx_vlm.utils import load_audio
-
-    if item.get("format") not in AUDIO_FORMATS:
-        raise _media_error(f"Audio {index + 1} must be one of {sorted(AUDIO_FORMATS)}", code="unsupported_audio_format")
-    try:
-        return load_audio(io.BytesIO(item["data"]), sr=sample_rate)
-    except Exception as exc:  # decoders raise their own exception types
-        raise _media_error(f"Audio {index + 1} could not be decoded: {describe(exc)}", code="invalid_audio") from None
 
 
 def _image_key(item: dict[str, Any]) -> str:
@@ -181,7 +116,7 @@ def _split_messages(messages: list[dict[str, Any]], media: list[dict[str, Any]]
     return converted, images, audios
 
 
-def build_inputs(body: dict[str, Any], loaded: LoadedModel) -> VisionInputs:
+def build_inputs(body: dict[str, Any], loaded: LoadedModel, decoded: list[Any] | None = None) -> VisionInputs:
     """Prompt + media of a chat request as mlx-vlm model inputs (400 on anything unusable)."""
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import prepare_inputs, should_add_special_tokens
@@ -204,12 +139,10 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel) -> VisionInputs:
     except Exception as exc:  # jinja and mlx-vlm's formatters raise their own types
         raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {describe(exc)}",
                            param="messages") from None
-    images = [decode_image(media[i], n) for n, i in enumerate(image_order)] or None
-    audio = None
-    if audio_order:
-        extractor = getattr(support.processor, "feature_extractor", None)
-        rate = getattr(extractor, "sampling_rate", 16000)
-        audio = [decode_audio(media[i], n, rate) for n, i in enumerate(audio_order)]
+    # Decoded on the admission pool (`decode_media` via `Preprocessor`), else here, with the same bounds.
+    decoded = decoded if decoded is not None else decode_media(body, loaded)
+    images = [decoded[i] for i in image_order] or None
+    audio = [decoded[i] for i in audio_order] or None
     try:
         inputs = prepare_inputs(
             support.processor, images=images, audio=audio, prompts=prompt,
@@ -232,7 +165,13 @@ def prepare(request: EngineRequest, loaded: LoadedModel) -> None:
     (limits, sampling, stop strings, output parsing) runs on it exactly as on any request;
     the processed inputs wait on the request until it joins the batch.
     """
-    inputs = build_inputs(request.body, loaded)
+    prepared = request.prepared
+    decoded = None
+    if prepared is not None and prepared.model_key == model_key(loaded):
+        if prepared.error is not None:
+            raise prepared.error
+        decoded = prepared.media
+    inputs = build_inputs(request.body, loaded, decoded)
     setattr(request, _INPUTS_ATTR, inputs)
     request.body = {**request.body, "messages": None, "media": None,
                     "prompt": [int(t) for t in inputs.input_ids[0].tolist()]}

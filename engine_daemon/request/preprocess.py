@@ -35,6 +35,8 @@ _LONGEST_TOKEN_ATTR = "_longest_token_bytes"
 
 # (peer, ADD body, what was prepared or None) -> handed to the mlx thread
 Deliver = Callable[[bytes, dict[str, Any], "PreparedPrompt | None"], None]
+# (ADD body, loaded vision model) -> its media decoded in order, or RequestError (`decode_media`)
+DecodeMedia = Callable[[dict[str, Any], LoadedModel], list[Any]]
 
 
 class PromptTooLarge(RequestError):
@@ -119,25 +121,47 @@ class Preprocessor:
     """
 
     def __init__(self, current_model: Callable[[], LoadedModel | None], deliver: Deliver,
-                 threads: int = PREPROCESS_THREADS):
+                 threads: int = PREPROCESS_THREADS, decode_media: DecodeMedia | None = None):
         self._current_model = current_model
         self._deliver = deliver
+        self._decode_media = decode_media  # a vision request's images and audio (`engine_daemon.multimodal`)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="admission")
         self._lock = threading.Lock()
         self._pending: dict[str, bytes] = {}  # rid -> peer, while in the pool
         self.counts = {"prompts_prepared": 0, "prompts_refused_by_size": 0, "prompts_refused_off_thread": 0,
-                       "processors_prepared": 0}  # requests whose grammar / thinking budget was built here
+                       "processors_prepared": 0,  # requests whose grammar / thinking budget was built here
+                       "media_decoded": 0}  # vision requests whose images / audio were decoded here
 
     def submit(self, peer: bytes, body: dict[str, Any]) -> None:
         """Called by the io thread for every ADD; delivers at once what the pool cannot help with."""
         loaded = self._current_model()
-        if (loaded is None or loaded.kind != "text" or body.get("media") or not names_loaded_model(body, loaded)
+        if (body.get("media") and loaded is not None and loaded.vision is not None and self._decode_media
+                and names_loaded_model(body, loaded)):
+            job = self._run_media
+        elif (loaded is None or loaded.kind != "text" or body.get("media") or not names_loaded_model(body, loaded)
                 or (body.get("messages") is None and not isinstance(body.get("prompt"), str))):
             self._deliver(peer, body, None)
             return
+        else:
+            job = self._run
         with self._lock:
             self._pending[body["rid"]] = peer
-        self._pool.submit(self._run, peer, body, loaded)
+        self._pool.submit(job, peer, body, loaded)
+
+    def _run_media(self, peer: bytes, body: dict[str, Any], loaded: LoadedModel) -> None:
+        """Decodes a vision request's media here; the mlx thread builds the model inputs from them."""
+        try:
+            prepared = PreparedPrompt(model_key(loaded), media=self._decode_media(body, loaded))
+        except RequestError as exc:
+            prepared = PreparedPrompt(model_key(loaded), error=exc)
+        except Exception as exc:  # a decoder bug must not lose the request: the mlx thread decodes it
+            log.warning("decoding a request's media failed (%s): the mlx thread decodes it", describe(exc))
+            prepared = PreparedPrompt(model_key(loaded))
+        with self._lock:
+            self.counts["media_decoded"] += 1
+            if self._pending.pop(body["rid"], None) is None:
+                return  # aborted meanwhile
+            self._deliver(peer, body, prepared)
 
     def _run(self, peer: bytes, body: dict[str, Any], loaded: LoadedModel) -> None:
         prepared = prepare_prompt(body, loaded)

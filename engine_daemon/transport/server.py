@@ -8,6 +8,7 @@ ERROR when it names a request or call, and otherwise dropped and logged.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import logging
 import os
@@ -25,6 +26,7 @@ from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
 from engine_daemon.group.settings import GroupSettings
 from engine_daemon.models import store as model_store
+from engine_daemon.multimodal.media_decode import decode_media
 from engine_daemon.request.preprocess import Preprocessor
 from engine_daemon.scheduling.commands import (
     AbortCommand,
@@ -93,11 +95,13 @@ class EngineServer:
         self.peers: dict[bytes, Peer] = {}
         # Peers whose HELLO named another protocol version: dropped until a correct HELLO.
         self.refused: set[bytes] = set()
+        self.dropped: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # swept for silence: when
         self.context = zmq.Context()
         self.worker = MlxWorker(self.context, OUTBOX_ADDRESS, config, preload, group)
         self.preprocessor = Preprocessor(
             lambda: self.worker.models.current,
-            lambda peer, body, prepared: self.worker.commands.put(AddCommand(peer, body, prepared)))
+            lambda peer, body, prepared: self.worker.commands.put(AddCommand(peer, body, prepared)),
+            decode_media=decode_media)
         self.worker.offload = self.preprocessor.run_call  # auxiliary jobs' tokenizing / decoding, off the mlx thread
         self._stop = threading.Event()
         self._lock: BinaryIO | None = None
@@ -214,6 +218,12 @@ class EngineServer:
         known = self.peers.get(peer)
         if known is not None:
             known.last_seen = time.monotonic()
+        elif self.dropped.pop(peer, None) is not None and msg_type not in (MsgType.HELLO, MsgType.BYE):
+            # It was silent, not gone (a paused worker): its clients still wait on what the sweep aborted.
+            self._reply(router, peer, MsgType.ERROR, {
+                "status": 503, "code": "frontend_dropped", "type": "server_error",
+                "message": f"The engine stopped this front-end's requests after {self.peer_timeout:.0f} s "
+                           "without a word from it"})
         handler = getattr(self, f"_on_{msg_type.name.lower()}", None)
         if handler is None:
             log.warning("dropping %s from %r: not a front-end message", msg_type.name, peer)
@@ -325,6 +335,9 @@ class EngineServer:
             log.info("front-end %s silent for %.0f s: aborting its requests",
                      self.peers[peer].frontend_id or repr(peer), self.peer_timeout)
             self._peer_gone(peer)
+            self.dropped[peer] = time.monotonic()  # told so if it speaks again (`_receive`)
+            if len(self.dropped) > MAX_REFUSED_PEERS:
+                self.dropped.popitem(last=False)
 
     # -- what the io thread knows of the mlx thread -------------------------------------
     def loading(self) -> dict[str, Any]:

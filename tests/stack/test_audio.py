@@ -178,3 +178,49 @@ def test_bad_audio_is_a_400(client: openai.OpenAI) -> None:
                                                    audio_part(b"RIFF\0\0\0\0WAVEjunk")]}])
     assert caught.value.status_code == 400 and caught.value.body["code"] == "invalid_audio", caught.value.body
     assert audio_chat(client, CLIP).usage.completion_tokens == MAX_TOKENS
+
+
+def adts_aac(seconds: float = 1.0) -> bytes:
+    """AAC in an ADTS stream: its sync word passes for mp3's, so only its decoder can tell them apart."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="adts") as container:
+        stream = container.add_stream("aac", rate=RATE)
+        stream.layout = "mono"
+        for i in range(int(seconds * RATE / 1024)):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = RATE, i * 1024
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return out.getvalue()
+
+
+def test_hostile_audio_is_measured_and_refused_off_the_mlx_thread(client: openai.OpenAI, stack: Frontend) -> None:
+    """Red team: a 10 MB 8-bit WAV of 2.8 hours was decoded whole on the mlx thread (a 40 s stall, 2 GB), AAC
+    passed as mp3, and a header-only WAV was a 500. Media are now decoded on the admission pool, each clip's
+    length counted first (at most 600 s a request) and its container checked against its declared format."""
+    def refused(data: bytes, fmt: str = "wav") -> dict:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+                    {"type": "text", "text": PROMPT}, audio_part(data, fmt)]}])
+        return caught.value.body
+
+    def stats() -> dict:
+        return httpx.get(f"{stack.base_url}/stats", timeout=30).json()
+
+    long_wav = io.BytesIO()
+    with wave.open(long_wav, "wb") as clip:
+        clip.setnchannels(1)
+        clip.setsampwidth(1)
+        clip.setframerate(1000)
+        clip.writeframes(bytes([128]) * 1000 * 601)  # 601 s of 8-bit silence in 601 KB
+    before = stats().get("media_decoded", 0)
+    assert refused(long_wav.getvalue())["code"] == "audio_too_long"
+    assert refused(adts_aac(), "mp3")["code"] == "invalid_audio"
+    assert refused(sine_wav(440, seconds=0))["code"] == "invalid_audio"  # a header and no samples
+    assert stats()["media_decoded"] == before + 3  # every one measured on the admission pool
+    assert audio_chat(client, CLIP).usage.completion_tokens == MAX_TOKENS

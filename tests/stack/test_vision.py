@@ -301,6 +301,25 @@ def test_slow_or_large_urls_fail_alone(client: openai.OpenAI, image_server: str,
     expect_400(lambda: image_chat(client, "file:///etc/passwd"), "invalid_image_url")
 
 
+def test_a_requests_images_are_decoded_off_the_mlx_thread_within_a_pixel_budget(client: openai.OpenAI,
+                                                                                 stack: Frontend) -> None:
+    """Red team: 16 copies of a 6 KB 7071x7071 PNG were decoded on the mlx thread (a 27 s stall, 6 GB).
+
+    Images are decoded on the admission pool (the engine counts them), 100 M pixels a request at most."""
+    from PIL import Image
+
+    blank = io.BytesIO()
+    Image.new("1", (6000, 6000)).save(blank, "PNG")  # 36 M pixels in a few KB
+    image_chat(client, data_url(IMAGE), max_tokens=2)  # the VLM loaded (a request that loads it decodes there)
+    before = stats(stack).get("media_decoded", 0)
+    parts = [{"type": "text", "text": PROMPT}] + [
+        {"type": "image_url", "image_url": {"url": data_url(blank.getvalue())}} for _ in range(3)]
+    expect_400(lambda: client.chat.completions.create(model=VLM, max_tokens=4, messages=[
+        {"role": "user", "content": parts}]), "image_too_large")
+    image_chat(client, data_url(IMAGE), max_tokens=2)
+    assert stats(stack)["media_decoded"] == before + 2
+
+
 def test_compressed_bodies_and_bad_hosts_are_refused(client: openai.OpenAI, image_server: str) -> None:
     """Red team: 32 KB of zstd inflated to 2 GB in the worker before the byte cap saw it, and `xn--` was a 500.
 
