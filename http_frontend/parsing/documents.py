@@ -7,8 +7,9 @@ is, a content source's text blocks joined, a PDF's pages extracted with pypdf.
 
 Bounds, because the bytes are a client's: the decoded PDF is at most `MAX_PDF_BYTES`
 (the body limit applies first), at most `MAX_PAGES` pages are read and at most
-`MAX_CHARS` characters kept (the rest is dropped with a note saying so). A PDF pypdf
-cannot read is a 400 naming the block. Extraction is CPU work: the Anthropic route runs
+`MAX_CHARS` characters kept (the rest is dropped with a note saying so), by a child process
+killed after `MAX_PDF_SECONDS` (`pdf_text`). A PDF pypdf cannot read, or not in time, is a
+400 naming the block. Extraction is CPU work: the Anthropic route runs
 the whole request translation off the event loop when a PDF is present
 (`has_pdf_documents`).
 """
@@ -17,17 +18,15 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import logging
 from typing import Any
 
 from http_frontend.errors import bad_request
+from http_frontend.parsing.pdf_text import MAX_CHARS, MAX_PAGES, MAX_PDF_SECONDS, extract  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 MAX_PDF_BYTES = 32 << 20
-MAX_PAGES = 300
-MAX_CHARS = 400_000
 
 
 def has_pdf_documents(body: dict[str, Any]) -> bool:
@@ -50,9 +49,6 @@ def has_pdf_documents(body: dict[str, Any]) -> bool:
 
 
 def _pdf_text(data: str, param: str) -> str:
-    from pypdf import PdfReader  # imported on the first PDF: most front-ends never see one
-    from pypdf.errors import PdfReadError
-
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
@@ -61,18 +57,12 @@ def _pdf_text(data: str, param: str) -> str:
     if len(raw) > MAX_PDF_BYTES:
         raise bad_request(f"{param}: the PDF is larger than {MAX_PDF_BYTES >> 20} MiB", param=param,
                           code="invalid_value")
-    try:
-        reader = PdfReader(io.BytesIO(raw))
-        pages, texts, size = len(reader.pages), [], 0
-        for number, page in enumerate(reader.pages[:MAX_PAGES], start=1):
-            text = page.extract_text() or ""
-            texts.append(f"--- page {number} ---\n{text}")
-            size += len(text)
-            if size > MAX_CHARS:
-                break
-    except (PdfReadError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise bad_request(f"{param}: the PDF could not be read ({type(exc).__name__}: {exc})"[:300], param=param,
-                          code="invalid_value") from None
+    result = extract(raw)
+    if result.error is not None or result.texts is None:
+        raise bad_request(f"{param}: the PDF could not be read ({result.error})"[:300], param=param,
+                          code="invalid_value")
+    pages = result.pages
+    texts = [f"--- page {number} ---\n{text}" for number, text in enumerate(result.texts, start=1)]
     joined = "\n".join(texts)
     if len(joined) > MAX_CHARS or len(texts) < pages:
         joined = joined[:MAX_CHARS] + f"\n[… truncated: {pages} pages, the first {len(texts)} read, " \

@@ -108,3 +108,40 @@ def test_anthropic_hosted_tools_are_left_out_and_named() -> None:
     assert result.status_code == 200, result.text
     assert [t["function"]["name"] for t in engine.added[-1]["tools"]] == ["Read"]
     assert result.headers["X-Ignored-Tools"] == "web_search"
+
+
+def costly_pdf(pages: int = 50, stream_bytes: int = 1 << 20) -> bytes:
+    """Pages sharing one content stream of empty text operators: ~10 KB that cost minutes of pypdf's time."""
+    import zlib
+
+    content = zlib.compress((b"BT /F1 12 Tf () Tj ET\n" * (stream_bytes // 22)), 9)
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
+               b"<< /Type /Pages /Kids [" + b" ".join(b"%d 0 R" % (5 + i) for i in range(pages)) + b"] /Count %d >>"
+               % pages,
+               b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(content) + content + b"\nendstream",
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    objects += [b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 3 0 R "
+                b"/Resources << /Font << /F1 4 0 R >> >> >>"] * pages
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+def test_a_pdf_that_would_cost_minutes_is_cut_off_at_its_deadline(monkeypatch) -> None:
+    """Red team: 10.7 KB of PDF kept a worker thread busy for 108 s (hours with a few KB more), and a client
+    that left did not stop it. Extraction runs in a child process killed at its deadline."""
+    from http_frontend.parsing import pdf_text
+
+    bomb = costly_pdf()
+    assert len(bomb) < 20_000
+    monkeypatch.setattr(pdf_text, "MAX_PDF_SECONDS", 1.5)
+    response = post(FakeEngine(), [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": B64(bomb)}}]}])
+    assert response.status_code == 400 and "within 1.5 s" in response.json["error"]["message"], response.json
+    assert pdf_text.extract(pdf("Invoice total 42")).texts == ["Invoice total 42"]
