@@ -209,22 +209,43 @@ class BaseScheduler:
             # the switch delay, when requests for the loaded model still join its batch.
             if current is not None and current.ref == ref and (not self.waiting or self.switch_can_wait()):
                 self.accept(request)  # 400s come first: retrying a request that can never run is no use
-                self._check_queue()
-                return self._admit(request)
-            self._check_queue()
+                made_room = self._check_queue(request)
+                return made_room + self._admit(request)
+            made_room = self._check_queue(request)
         except RequestError as exc:
             return [self.refuse(request, exc)]
         self.waiting.append((request, ref))
-        return []
+        return made_room
 
     def switch_can_wait(self) -> bool:
         """True while the oldest waiting request (one for another model) is within the switch delay."""
         return bool(self.waiting) and time.monotonic() - self.waiting[0][0].arrived < self.config.model_switch_delay
 
-    def _check_queue(self) -> None:
-        if self.queued() >= self.config.max_queued:
+    def _check_queue(self, request: EngineRequest) -> list[Event]:
+        """A full queue refuses the newcomer, unless a client queues 2+ more than the newcomer's: then that
+        client's newest queued request gives up its place (max-min fair: one client cannot fill the queue)."""
+        if self.queued() < self.config.max_queued:
+            return []
+        queued = self.queued_requests()
+        counts = Counter(other.client for other in queued)
+        top, most = counts.most_common(1)[0] if counts else ("", 0)
+        if top == request.client or most < counts[request.client] + 2:
             raise RequestError(429, "queue_full", f"The engine queue is full ({self.config.max_queued} "
                                "requests waiting); retry later", error_type="rate_limit_error")
+        victim = [other for other in queued if other.client == top][-1]
+        self.unqueue([victim])
+        return [self.refuse(victim, RequestError(
+            429, "queue_full", f"The engine queue is full ({self.config.max_queued} requests waiting) and this "
+            "client held more of it than others: its newest request gave way; retry later",
+            error_type="rate_limit_error"))]
+
+    def queued_requests(self) -> list[EngineRequest]:
+        """Requests waiting that no work was spent on yet, oldest first: what may give way in a full queue."""
+        return [request for request, _ in self.waiting]
+
+    def unqueue(self, requests: list[EngineRequest]) -> None:
+        gone = {id(request) for request in requests}
+        self.waiting = deque(item for item in self.waiting if id(item[0]) not in gone)
 
     def refuse(self, request: EngineRequest, error: RequestError) -> Event:
         self.stats.rejections[error.code] += 1

@@ -89,6 +89,16 @@ class BatchScheduler(BaseScheduler):
     def all_requests(self) -> list[EngineRequest]:
         return [r for r, _ in self.waiting] + list(self.pending) + list(self.by_uid.values())
 
+    def queued_requests(self) -> list[EngineRequest]:
+        return sorted([r for r, _ in self.waiting] + list(self.pending), key=lambda request: request.arrived)
+
+    def unqueue(self, requests: list[EngineRequest]) -> None:
+        super().unqueue(requests)
+        gone = {id(request) for request in requests}
+        self.pending = deque(other for other in self.pending if id(other) not in gone)
+        for request in requests:
+            self.sharing.admitted(request.rid)  # no longer waiting for anyone's prefill
+
     def worth_coalescing(self, window: float) -> bool:
         """A text prefill expected to take `COALESCE_FACTOR` windows or more (`worth_coalescing`)."""
         current = self.models.current
@@ -311,15 +321,9 @@ class BatchScheduler(BaseScheduler):
 
     # -- stepping -------------------------------------------------------------------
     def abort(self, rids: set[str]) -> int:
-        found = 0
-        before = len(self.waiting)
-        self.waiting = deque(item for item in self.waiting if item[0].rid not in rids)
-        found += before - len(self.waiting)
-        before = len(self.pending)
-        for rid in rids:
-            self.sharing.admitted(rid)  # no longer waiting for anyone's prefill
-        self.pending = deque(request for request in self.pending if request.rid not in rids)
-        found += before - len(self.pending)
+        queued = [request for request in self.queued_requests() if request.rid in rids]
+        self.unqueue(queued)
+        found = len(queued)
         uids = [self.uid_of.pop(rid) for rid in rids if rid in self.uid_of]
         for uid in uids:
             del self.by_uid[uid]

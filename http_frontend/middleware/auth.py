@@ -120,6 +120,12 @@ class APIKeyAuth:
 
     async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         if self.is_public(req):
+            candidate = presented_key(req)
+            if candidate is not None and self.matches(candidate):
+                given = _digest(candidate)
+                req.context.caller = Caller(client=given.hex()[:16], admin=self._found(given, self._admin_digests))
+            else:
+                req.context.anonymous = True  # a public route without a key: `Health` answers its status only
             return
         candidate = presented_key(req)
         if candidate is None:

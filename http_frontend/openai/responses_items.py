@@ -223,10 +223,11 @@ def _allowed_tools(value: dict[str, Any], catalog: ToolCatalog) -> str | dict[st
         raise bad_request("Invalid 'tool_choice': allowed_tools needs 'mode' ('auto' or 'required') and a "
                           "'tools' list", param="tool_choice")
     offered = {t["function"]["name"] for t in catalog.tools}
-    names = []
+    names, hosted = [], False
     for index, tool in enumerate(listed):
         if not isinstance(tool, dict) or tool.get("type") not in ("function", "custom"):
-            continue  # a hosted tool: not offered to the model
+            hosted = True  # a hosted tool: not offered to the model
+            continue
         name, namespace = tool.get("name"), tool.get("namespace")
         name = catalog.offered_name(name, namespace if isinstance(namespace, str) else None) \
             if isinstance(name, str) else None
@@ -235,6 +236,8 @@ def _allowed_tools(value: dict[str, Any], catalog: ToolCatalog) -> str | dict[st
                               param=f"tool_choice.tools[{index}]")
         names.append(name)
     if not names:
+        if hosted:
+            return "auto"  # only hosted tools allowed: as a hosted tool's own choice, nothing is forced
         if mode == "required":
             raise bad_request("'tool_choice' is allowed_tools 'required' but allows no tool", param="tool_choice")
         return "none"

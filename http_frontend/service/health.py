@@ -4,7 +4,8 @@ Public (no API key) and answered from one `status` CALL per engine with a short
 timeout: 200 with the loaded model while an engine answers, 503 with `Retry-After`
 when none does or when its mlx thread is stalled. Behind several engines it is 200
 while at least one serves (not stalled, not draining), with each engine's state in
-`engines`; the top-level fields are those of the first engine that serves.
+`engines`; the top-level fields are those of the first engine that serves. With API keys
+configured, a caller without one gets the status alone (no model path, endpoints or pids).
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ class Health:
         self.client = client
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        await self._answer(resp)
+        if getattr(req.context, "anonymous", False):  # keys are configured and none came: no paths, pids, loads
+            media = resp.media
+            resp.media = {"status": media["status"]}
+            if "engines" in media:
+                resp.media["engines"] = [{"id": one["id"], "status": one["status"]} for one in media["engines"]]
+
+    async def _answer(self, resp: falcon.asgi.Response) -> None:
         if not isinstance(self.client, EnginePool) or self.client.single:
             await self._one(resp)
             return

@@ -85,6 +85,10 @@ def test_right_key_via_bearer_or_x_api_key(secured: Frontend, model_id: str) -> 
 def test_health_is_public(secured: Frontend) -> None:
     response = httpx.get(f"{secured.base_url}/health", timeout=10)
     assert response.status_code == 200 and response.json()["status"] == "healthy"
+    # Red team: without a key it named the model's server path, the engine's endpoint and its pid.
+    assert response.json() == {"status": "healthy"}
+    full = httpx.get(f"{secured.base_url}/health", headers=auth(), timeout=10).json()
+    assert full["status"] == "healthy" and full["loaded_model"] and full["engine"]["pid"]
     # ...but only GET: the public exception is not a prefix or a method wildcard.
     assert httpx.post(f"{secured.base_url}/health", timeout=10).status_code == 401
     assert httpx.get(f"{secured.base_url}/health/x", timeout=10).status_code == 401

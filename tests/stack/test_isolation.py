@@ -311,6 +311,41 @@ def test_decode_slots_are_shared_between_clients(tiny_model: Path, ipc_dir: Path
         engine.stop()
 
 
+def test_one_client_cannot_fill_the_queue(tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """Red team: with one shared --max-queued, client A's burst filled the queue and B got 429 queue_full.
+
+    Now a full queue makes the client holding 2+ more of it than the newcomer's give up its newest place."""
+    engine = Engine(f"ipc://{ipc_dir}/queue.sock", tmp_path / "engined.log", model=str(tiny_model),
+                    args=["--decode-concurrency", "1", "--max-queued", "3"], env={"MLX_ENGINE_FAULT_INJECTION": "1"})
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        engine.wait_ready()
+        sock.connect(engine.endpoint)
+        sock.send(encode(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": "queue"}))
+        sock.send(encode(MsgType.CALL, {"cid": "hold", "method": "debug_sleep", "args": {"seconds": 1.5}}))
+        rids = [("a", f"queue:a{i}") for i in range(4)] + [("b", "queue:b0")]
+        for client, rid in rids:  # handled together once the mlx thread wakes: a0 runs, a1 and a2 queue
+            sock.send(encode(MsgType.ADD, {"rid": rid, "client": client, "prompt": [1, 2, 3, 4],
+                                           "params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}))
+        finished: set[str] = set()
+        refused: dict[str, str] = {}
+        deadline = time.monotonic() + 120
+        while len(finished) + len(refused) < len(rids) and time.monotonic() < deadline:
+            if sock.poll(1000):
+                kind, body = decode(sock.recv())
+                if kind == MsgType.DELTAS:
+                    finished |= {item["rid"] for item in body["items"] if item.get("finish_reason")}
+                elif kind == MsgType.ERROR and body.get("rid"):
+                    refused[body["rid"]] = body["code"]
+        # a3 finds the queue full of a's own; b0 finds it full of a's and takes a2's place
+        assert refused == {"queue:a3": "queue_full", "queue:a2": "queue_full"}, (refused, engine.log())
+        assert finished == {"queue:a0", "queue:a1", "queue:b0"}
+    finally:
+        sock.close()
+        engine.stop()
+
+
 def test_a_client_template_runs_under_budget_when_the_operator_allows_it(tiny_model: Path, ipc_dir: Path,
                                                                           tmp_path: Path) -> None:
     """Attack 3 with --allow-request-chat-template: the model's own template sent by the client gives the

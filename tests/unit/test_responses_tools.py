@@ -116,7 +116,11 @@ def test_a_name_two_namespaces_share_is_offered_qualified() -> None:
 
 @pytest.mark.parametrize(("choice", "expected"), [
     ({"type": "required"}, "required"), ({"type": "any"}, "required"), ({"type": "auto"}, "auto"),
-    ({"type": "none"}, "none"), ({"type": "allowed_tools", "mode": "required", "tools": []}, "required"),
+    ({"type": "none"}, "none"),
+    ({"type": "allowed_tools", "mode": "required",
+      "tools": [{"type": "function", "name": "sleep", "namespace": "clock"}]},
+     {"type": "allowed_tools", "mode": "required", "tools": ["sleep"]}),
+    ({"type": "allowed_tools", "mode": "required", "tools": [{"type": "web_search"}]}, "auto"),
     ({"type": "web_search_preview"}, "auto"), ({"type": "function", "name": "sleep"},
                                                {"type": "function", "function": {"name": "sleep"}}),
 ])
