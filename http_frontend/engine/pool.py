@@ -136,14 +136,15 @@ class EnginePool:
         return next((engine_id for engine_id in self.links if self.routable(engine_id)), next(iter(self.links)))
 
     # -- EngineLink ----------------------------------------------------------------------
-    async def submit(self, request: dict[str, Any], hint: RouteHint | None = None) -> RequestStream:
-        """Sends the ADD to the chosen engine; one that cannot take it (just died) passes it to the next."""
+    async def submit(self, request: dict[str, Any], hint: RouteHint | None = None,
+                     exclude: frozenset[str] = frozenset()) -> RequestStream:
+        """Sends the ADD to the chosen engine (none of `exclude`); one that cannot take it passes it on."""
         if self.single:
             engine_id = self.choose(hint)
             stream = await self.links[engine_id].submit(request)
             stream.engine_id = engine_id
             return stream
-        refused: set[str] = set()
+        refused: set[str] = set(exclude)
         while True:
             engine_id = self.choose(hint, exclude=refused)
             try:

@@ -12,6 +12,7 @@ every engine request is released (ABORTed unless finished) on every path.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +33,8 @@ from http_frontend.relay.choices import choice_requests, merge_event_streams, me
 from http_frontend.relay.context_overflow import report_context_overflow
 from http_frontend.service.metrics import RID_KEY, FrontendMetrics, TokenTimer
 from http_frontend.settings import FrontendSettings
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_SECONDS = 1.0
 
@@ -111,17 +114,20 @@ async def serve_generation(
         engine_request = {**engine_request, "client": client_id}
     hint = route_hint(req, engine_request)
     try:
-        for body in choice_requests(engine_request, n):
+        bodies = choice_requests(engine_request, n)
+        for body in bodies:
             streams.append(await submit_or_503(client, body, hint))
             hint = RouteHint(hint.key, hint.model, streams[0].engine_id)  # n choices share one engine's cache
         req.scope[RID_KEY] = streams[0].rid  # for the access line: the engine logs the same rid
+        timer = metrics.token_timer(req.scope)
+        # A client that leaves while its request waits in the engine's queue aborts it too.
+        accepted = [await accepted_somewhere(req, client, streams, index, body, hint, request_timeout)
+                    for index, body in enumerate(bodies)]
+        req.scope[RID_KEY] = streams[0].rid  # a request passed to another engine has a new rid
         resp.set_header("X-Request-Id", streams[0].rid)
         resp.set_header("Request-Id", streams[0].rid)  # where Anthropic's SDKs read it (`_request_id`)
         if streams[0].engine_id:
             resp.set_header("X-Engine-Id", streams[0].engine_id)
-        timer = metrics.token_timer(req.scope)
-        # A client that leaves while its request waits in the engine's queue aborts it too.
-        accepted = [await until_disconnect(req, wait_accepted(stream, request_timeout)) for stream in streams]
         meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": accepted[0].get("model") or model}
         if stream_requested:
@@ -147,6 +153,28 @@ async def serve_generation(
         if not handed_over:
             for stream in streams:
                 client.release(stream, reason)
+
+
+async def accepted_somewhere(req: falcon.asgi.Request, client: EngineLink, streams: list[RequestStream], index: int,
+                             body: dict[str, Any], hint: RouteHint, timeout: float) -> dict[str, Any]:
+    """ACCEPTED for `streams[index]`; behind several engines, one lost before it accepted passes the
+    request to another (nothing was generated yet), so a freeze costs that client a wait, not a 503."""
+    lost: set[str] = set()
+    while True:
+        stream = streams[index]
+        try:
+            return await until_disconnect(req, wait_accepted(stream, timeout))
+        except APIError as exc:
+            if (exc.code not in ("engine_unavailable", "engine_restarted") or not isinstance(client, EnginePool)
+                    or client.single or stream.engine_id is None):
+                raise
+            lost.add(stream.engine_id)
+            log.warning("engine %s was lost before it accepted rid=%s: trying another", stream.engine_id, stream.rid)
+            client.release(stream, "engine_unavailable")
+            try:
+                streams[index] = await client.submit(body, RouteHint(hint.key, hint.model), exclude=frozenset(lost))
+            except EngineUnavailable:
+                raise exc from None
 
 
 async def until_disconnect(req: falcon.asgi.Request, work: Any) -> Any:

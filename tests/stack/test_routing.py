@@ -347,3 +347,22 @@ def test_kill_9_under_load_fails_only_its_streams_and_it_rejoins(pair: Pair) -> 
         assert landed["a"] > 0 and landed["b"] > 0, landed
     finally:
         front.stop()
+
+
+def test_requests_sent_to_a_freezing_engine_are_served_by_the_other(pair: Pair) -> None:
+    """Red team: behind two engines, requests routed to one that had just frozen (SIGSTOP) waited ~2 s and got
+    503 engine_unavailable. Not yet accepted, nothing generated: they pass to the other engine instead."""
+    front = pair.frontend(1, "freeze")
+    keys_on_a = [key for key in (f"freeze-{i}" for i in range(100))
+                 if rendezvous_order(affinity_key({"x-session-affinity": key}), IDS)[0] == "a"][:4]
+    try:
+        pair.engines["a"].signal(signal.SIGSTOP)
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda key: chat(front, [{"role": "user", "content": f"hi {key}"}],
+                                                     headers={"X-Session-Affinity": key}), keys_on_a))
+        assert [reply.status_code for reply in replies] == [200] * 4, [reply.text for reply in replies]
+        assert {reply.headers["x-engine-id"] for reply in replies} == {"b"}
+    finally:
+        pair.engines["a"].signal(signal.SIGCONT)
+        wait_for(lambda: engines_view(front)["a"]["state"] == "ready", "a answers again")
+        front.stop()
