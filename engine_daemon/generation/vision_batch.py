@@ -50,7 +50,6 @@ from engine_daemon.models.vision_support import VisionSupport
 from engine_daemon.multimodal import inputs as vision
 from engine_daemon.multimodal.features import image_features
 from engine_daemon.prefix_cache.disk import DiskTier
-from engine_daemon.prefix_cache.tiered import model_identity
 from engine_daemon.prefix_cache.vision_apc import TieredAPCManager, shared_disk_tier
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
@@ -127,7 +126,7 @@ def _prefix_cache(loaded: LoadedModel, memory_bytes: int, disk: DiskTier | None)
         return None
     from mlx_vlm.apc import multimodal_token_ids_from_config
 
-    return TieredAPCManager(memory_bytes, disk, model_identity(loaded.ref.path),
+    return TieredAPCManager(memory_bytes, disk, loaded.identity,
                             multimodal_token_ids_from_config(loaded.model.config))
 
 

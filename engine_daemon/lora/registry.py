@@ -72,9 +72,10 @@ def resolve_adapter_dir(spec: str, roots: Sequence[Path], param: str = "adapter_
 
 
 def file_version(path: Path) -> str:
-    """Changes when the adapter's weights file is rewritten (part of the cache key)."""
+    """Changes when the adapter's weights file is rewritten (part of the cache key): its ctime and inode too,
+    so a rewrite whose mtime was put back (`touch -d`) is still a new version."""
     stat = (path / ADAPTER_WEIGHTS).stat()
-    return f"{stat.st_mtime_ns}-{stat.st_size}"
+    return f"{stat.st_mtime_ns}-{stat.st_size}-{stat.st_ino}-{stat.st_ctime_ns}"
 
 
 class AdapterRegistry:

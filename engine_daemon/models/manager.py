@@ -14,6 +14,7 @@ from mlx_lm import load as mlx_lm_load
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
 from engine_daemon.errors import RequestError
+from engine_daemon.models.identity import model_identity
 from engine_daemon.models.loaded import LoadedModel, kv_bytes_per_token, read_generation_defaults
 from engine_daemon.models.names import ModelNames, apply_profile
 from engine_daemon.models.sharded import load_shard
@@ -69,6 +70,7 @@ class ModelManager:
                 raise ValueError("engine groups serve text models only (mlx-vlm has no sharded load)")
             return self._load_vision(ref)
         log.info("loading model %s from %s", ref.id, ref.path)
+        identity = model_identity(ref.path)  # before the weights are read: a file changed meanwhile never matches
         started = time.perf_counter()
         tokenizer_config = {"trust_remote_code": True} if self.trust_remote_code else None
         if self.group_mode:
@@ -93,6 +95,7 @@ class ModelManager:
             # In a group each rank holds 1/N of the KV (TP: its heads, PP: its layers): --memory-budget is per rank.
             kv_bytes_per_token=-(-kv_bytes_per_token(config, itemsize) // self._ranks()),
             generation_defaults=read_generation_defaults(ref.path),
+            identity=identity,
         )
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
         _freeze_heap()
@@ -105,7 +108,9 @@ class ModelManager:
         """A vision/audio model: mlx-vlm model + processor (load_vision_model imports mlx-vlm)."""
         log.info("loading %s model %s from %s with mlx-vlm", model_kind(ref.path), ref.id, ref.path)
         started = time.perf_counter()
+        identity = model_identity(ref.path)
         self.current = load_vision_model(ref, trust_remote_code=self.trust_remote_code)
+        self.current.identity = identity
         self.last_load_seconds = time.perf_counter() - started
         self.loads += 1
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)

@@ -7,12 +7,14 @@ shutdown; a later request loads the longest stored prefix when reading it is fas
 prefilling it (measured read speed against measured prefill speed).
 
 A file is `<entry digest>-<content sha256>.safetensors`: the entry digest covers the model
-identity (path and weight files' sizes and mtimes), the adapter and the tokens; the content
+identity (`engine_daemon.models.identity`), the adapter and the tokens; the content
 hash is checked on every load, so a corrupt or truncated file is skipped (and deleted) with
 a log line, never served. Writes go to a temporary name and are renamed into place, so two
 engines sharing a directory see whole files or none; each keeps the directory under the
-byte cap by deleting the least recently used files (a load refreshes a file's mtime), on every
-write and when it opens the directory. Vision models' entries (`vision_apc`) share the
+byte cap by deleting the least recently used files (a load refreshes a file's mtime), making room
+before every write and when it opens the directory. Only plain files are read (a FIFO would block
+the reader forever), files that are not ours are judged once, and temporary files older than an
+hour (a write that died) are deleted. Vision models' entries (`vision_apc`) share the
 directory, the format and the cap.
 """
 
@@ -23,6 +25,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import struct
 import time
 import uuid
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from engine_daemon.prefix_cache.memory import common_prefix
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 FORMAT = "mlx-engined-prefix-1"
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 64 << 20  # a header past this is not one of ours
+STALE_TEMPORARY_SECONDS = 3600  # a temporary file this old belongs to a write that died
 
 
 @dataclass
@@ -67,14 +72,34 @@ def _file_sha(path: Path) -> str:
     return digest.hexdigest()[:32]
 
 
+def _is_regular(path: Path) -> bool:
+    """A plain file, not followed through a link: a FIFO or device named `*.safetensors` would block a read
+    forever (the engine never became ready beside one), a symlink could lead anywhere."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _read_metadata(path: Path) -> dict[str, str]:
     """The safetensors header's `__metadata__`, read without touching the tensors."""
+    if not _is_regular(path):
+        raise ValueError("not a regular file")
     with path.open("rb") as handle:
         (size,) = struct.unpack("<Q", handle.read(8))
         if size > MAX_HEADER_BYTES:
             raise ValueError(f"header of {size} bytes")
         header = json.loads(handle.read(size))
     return header.get("__metadata__") or {}
+
+
+def _cache_nbytes(cache: list[Any]) -> int:
+    """Bytes of the arrays an entry would write (its file is this plus a small header)."""
+    total = 0
+    for layer in cache:
+        for array in tree_flatten(getattr(layer, "state", None) or []):
+            total += int(getattr(array[1], "nbytes", 0) or 0)
+    return total
 
 
 class DiskTier:
@@ -87,6 +112,7 @@ class DiskTier:
         self.hits = self.writes = self.corrupt = self.skipped_slower = 0
         self.tokens_loaded = 0
         self._index: dict[str, DiskEntry] = {}
+        self._skipped: set[str] = set()  # files judged not ours: not read (nor logged) again while they stay
         self._listing_mtime = -1
         self._enforce_cap()  # a cap lowered since the files were written holds from the start, not the next write
 
@@ -103,11 +129,13 @@ class DiskTier:
         names = {p.name for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".")}
         for gone in set(self._index) - names:
             del self._index[gone]
-        for name in names - set(self._index):
+        self._skipped &= names
+        for name in names - set(self._index) - self._skipped:
             path = self.directory / name
             try:
                 meta = _read_metadata(path)
                 if meta.get("0.format") != FORMAT:
+                    self._skipped.add(name)
                     continue
                 tokens = np.frombuffer(base64.b64decode(meta["0.tokens"]), dtype="<i4")
                 self._index[name] = DiskEntry(path, meta["0.key"], tokens, meta["0.trimmable"] == "1",
@@ -115,6 +143,7 @@ class DiskTier:
             except FileNotFoundError:
                 continue
             except Exception as exc:  # a foreign or broken file: never ours to serve
+                self._skipped.add(name)
                 log.warning("prompt cache: skipping %s: %s", path, exc)
 
     def nbytes(self) -> int:
@@ -153,6 +182,8 @@ class DiskTier:
         """The entry's KV, after checking its content hash; None (and the file deleted) when it is damaged."""
         started = time.perf_counter()
         try:
+            if not _is_regular(entry.path):
+                raise ValueError("not a regular file")
             if _file_sha(entry.path) != entry.path.stem.rsplit("-", 1)[-1]:
                 raise ValueError("content hash mismatch")
             cache = load_prompt_cache(str(entry.path))
@@ -182,6 +213,10 @@ class DiskTier:
         digest = _entry_digest(key, tokens)
         if any(name.startswith(digest) for name in self._index):
             return False
+        size = _cache_nbytes(cache)
+        if size > self.max_bytes:
+            return False  # would only be written to be deleted, past the cap meanwhile
+        self._enforce_cap(room_for=size)  # room first: the directory stays under the cap while it is written
         temporary = self.directory / f".{digest}-{uuid.uuid4().hex}.tmp{SUFFIX}"
         meta = {"format": FORMAT, "key": key, "trimmable": "1" if trimmable else "0",
                 "tokens": base64.b64encode(tokens.astype("<i4").tobytes()).decode()}
@@ -198,11 +233,13 @@ class DiskTier:
         self._enforce_cap()
         return final.name in self._index
 
-    def _enforce_cap(self) -> None:
-        """Deletes least recently used files (by mtime, which loads refresh) until the directory fits."""
+    def _enforce_cap(self, room_for: int = 0) -> None:
+        """Deletes least recently used files (by mtime, which loads refresh) until the directory fits,
+        with `room_for` bytes to spare; temporary files left by a crashed write go too."""
         self._listing_mtime = -1
         self.refresh()
-        if self.nbytes() <= self.max_bytes:
+        self._sweep_stale_temporaries()
+        if self.nbytes() + room_for <= self.max_bytes:
             return
         def last_used(entry: DiskEntry) -> float:
             try:
@@ -210,9 +247,21 @@ class DiskTier:
             except OSError:
                 return 0.0
         for entry in sorted(self._index.values(), key=last_used):
-            if self.nbytes() <= self.max_bytes:
+            if self.nbytes() + room_for <= self.max_bytes:
                 break
             self._delete(entry)
+
+    def _sweep_stale_temporaries(self) -> None:
+        """`.<digest>-<uuid>.tmp.safetensors` older than STALE_TEMPORARY_SECONDS: a write that never finished
+        (another engine's write in progress is younger)."""
+        cutoff = time.time() - STALE_TEMPORARY_SECONDS
+        for path in self.directory.glob(f".*.tmp{SUFFIX}"):
+            try:
+                if _is_regular(path) and path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    log.info("prompt cache: removed %s, left by a write that never finished", path.name)
+            except OSError:
+                continue
 
     def _delete(self, entry: DiskEntry) -> None:
         self._index.pop(entry.path.name, None)

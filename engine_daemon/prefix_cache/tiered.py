@@ -7,10 +7,8 @@ of the same files, and a file stored before the weights changed is never served 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -21,16 +19,6 @@ from engine_daemon.prefix_cache.memory import Entry, MemoryTier, as_tokens
 log = logging.getLogger(__name__)
 
 CacheKey = tuple[str, "str | None"]  # (model identity, adapter key)
-
-
-def model_identity(path: str | Path) -> str:
-    """The weights a directory holds: its real path and each weight file's size and mtime."""
-    root = Path(path).resolve()
-    parts = [str(root)]
-    for weights in sorted(root.glob("*.safetensors")):
-        stat = weights.stat()
-        parts.append(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]
 
 
 class PrefixCache:

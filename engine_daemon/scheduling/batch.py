@@ -29,7 +29,7 @@ from engine_daemon.models.store import ModelRef
 from engine_daemon.models.vision_support import cache_stats as vision_cache_stats
 from engine_daemon.multimodal import inputs as vision
 from engine_daemon.prefix_cache.disk import DiskTier
-from engine_daemon.prefix_cache.tiered import PrefixCache, model_identity
+from engine_daemon.prefix_cache.tiered import PrefixCache
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
 from engine_daemon.scheduling import coalesce
@@ -55,7 +55,6 @@ class BatchScheduler(BaseScheduler):
         self.disk_cache = (DiskTier(config.prompt_cache_dir, config.prompt_cache_disk_bytes)
                            if config.prompt_cache_dir else None)
         self.prompt_cache = self._new_prefix_cache()
-        self._identities: dict[str, str] = {}  # model directory -> model_identity
         # Accepted for the loaded model, waiting for a free slot (at most decode_concurrency run).
         self.pending: deque[EngineRequest] = deque()
         self.pacer = PrefillPacer(config.interleave_prefill_tokens or None, config.prefill_step_size,
@@ -198,10 +197,7 @@ class BatchScheduler(BaseScheduler):
 
     def _cache_key(self, adapter: str | None = None) -> tuple[str, str | None]:
         """(the loaded weights' identity, adapter key: `AdapterManager`): names do not matter, files do."""
-        path = str(self.models.current.ref.path)
-        if path not in self._identities:
-            self._identities[path] = model_identity(path)
-        return (self._identities[path], adapter)
+        return (self.models.current.identity, adapter)
 
     def _insert(self, request: EngineRequest) -> None:
         """Reuses the longest cached prefix of the prompt, then queues the rest for prefill."""

@@ -388,9 +388,9 @@ def openapi_document() -> dict[str, Any]:
             _ok(obj({"input_tokens": INTEGER}, ("input_tokens",))), (400, 401, 404, 413, 503, 504), anthropic=True)},
         **auxiliary_paths(_operation, _ok, ref),  # /v1/embeddings and the other auxiliary models' routes
         "/v1/tokenize": {"post": _operation("Token ids of a prompt or of templated chat messages", "TokenizeRequest",
-                                            _ok(ref("TokenizeResult")), CALL_ERRORS + (413,))},
+                                            _ok(ref("TokenizeResult")), CALL_ERRORS + (404, 413))},
         "/v1/detokenize": {"post": _operation("Text of token ids", "DetokenizeRequest",
-                                              _ok(ref("DetokenizeResult")), CALL_ERRORS + (413,))},
+                                              _ok(ref("DetokenizeResult")), CALL_ERRORS + (404, 413))},
         "/v1/models": {"get": _operation("MLX models this engine can serve", None,
                                          _ok(obj({"object": {"type": "string", "enum": ["list"]},
                                                   "data": arr(ref("Model"))}, ("object", "data"))), CALL_ERRORS)},

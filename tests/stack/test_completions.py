@@ -175,8 +175,8 @@ def test_tokenize_errors(frontend: Frontend, model_id: str) -> None:
         assert r.status_code == 400 and error_of(r)["param"] == "prompt"
         r = http.post("/v1/tokenize", json={"messages": [{"role": "wizard", "content": "x"}]})
         assert r.status_code == 400 and "role" in error_of(r)["param"]
-        r = http.post("/v1/tokenize", json={"model": "some-other/model", "prompt": "x"})
-        assert r.status_code == 400 and error_of(r)["param"] == "model"
+        r = http.post("/v1/tokenize", json={"model": "some-other/model", "prompt": "x"})  # as generation: unknown
+        assert r.status_code == 404 and error_of(r)["param"] == "model"
 
 
 def test_tokenize_without_a_loaded_model_is_a_clear_400(ipc_dir: Path, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ exactly a cold engine's. A damaged file is skipped with a log line, never served
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -114,3 +115,32 @@ def test_two_engines_on_one_directory_keep_each_others_prefixes(tiny_model: Path
     for got, reference, first in zip(restored, cold, opened):
         assert got.usage.prompt_tokens_details.cached_tokens >= 0.95 * first.usage.prompt_tokens
         assert got.choices[0].message.content == reference.choices[0].message.content
+
+
+def test_weights_rewritten_in_place_never_get_the_old_prefixes(other_model: Path, ipc_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """Red team: new weights copied over a model's files (their mtime put back, as `touch -d` does) while the
+    engine ran another model; switched back, the engine served the old weights' KV from disk (863 of 883 tokens
+    "cached", nonsense of the old model). The key now covers size, mtime, inode and ctime of the weights and
+    config.json, taken as each load starts: the next turn is computed afresh and equals a cold engine's."""
+    model_dir = tmp_path / "models"
+    model_a = build_model(model_dir / "tiny-a", size="tiny", seed=0)
+    replacement = build_model(tmp_path / "new" / "tiny-a", size="tiny", seed=2)
+    first, second = turns(str(model_a))
+    for run in ("live", "cold"):
+        (tmp_path / run).mkdir()
+    with running_stack(f"ipc://{ipc_dir}/disk-w.sock", tmp_path / "live", model=str(model_a),
+                       engine_args=["--prompt-cache-dir", str(tmp_path / "kv"), "--model-switch-delay", "0",
+                                    "--model-dir", str(other_model.parent)]) as (_, fe):
+        ask(fe, str(model_a), first)
+        ask(fe, str(other_model), first)  # A's prefixes go to disk as B loads
+        weights = model_a / "model.safetensors"
+        before = weights.stat()
+        weights.write_bytes((replacement / "model.safetensors").read_bytes())
+        os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))  # same size, same mtime
+        back = ask(fe, str(model_a), second)
+        assert back.usage.prompt_tokens_details.cached_tokens == 0
+        assert stats(fe)["model_loads"] == 3
+    with running_stack(f"ipc://{ipc_dir}/disk-wc.sock", tmp_path / "cold", model=str(model_a)) as (_, fe):
+        cold = ask(fe, str(model_a), second)
+    assert back.choices[0].message.content == cold.choices[0].message.content

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from engine_daemon.models.identity import model_identity
 from engine_daemon.prefix_cache.disk import DiskTier, key_digest
 from engine_daemon.prefix_cache.memory import MemoryTier
-from engine_daemon.prefix_cache.tiered import PrefixCache, model_identity
+from engine_daemon.prefix_cache.tiered import PrefixCache
 
 KEY = ("model-identity", None)
 
@@ -131,3 +132,53 @@ def test_tiers_together_and_the_identity_of_weights(tmp_path: Path) -> None:
     assert cache.spill_all() == 1 and len(cache) == 0
     (model / "model.safetensors").write_bytes(b"new weights!")
     assert model_identity(model) != identity  # changed weights: their old prefixes are never served
+
+
+def test_the_identity_sees_rewrites_whose_mtime_was_put_back_and_config_changes(tmp_path: Path) -> None:
+    """Red team: same-size weights with their mtime restored (`touch -d`), or a changed `rope_theta`, kept the
+    identity, so the disk tier served the old weights' KV. ctime, inode and config.json now take part."""
+    import os
+
+    model = tmp_path / "model"
+    model.mkdir()
+    weights, config = model / "model.safetensors", model / "config.json"
+    weights.write_bytes(b"weights-1")
+    config.write_text('{"rope_theta": 1000000}')
+    identity = model_identity(model)
+    assert model_identity(model) == identity  # nothing changed: the same key (a restart finds its prefixes)
+    before = weights.stat()
+    weights.write_bytes(b"weights-2")  # same size
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    rewritten = model_identity(model)
+    assert rewritten != identity
+    config.write_text('{"rope_theta": 10}')
+    assert model_identity(model) != rewritten
+
+
+def test_the_disk_tier_skips_what_is_not_a_plain_file_and_cleans_up(tmp_path: Path, caplog) -> None:
+    """Red team: a FIFO named `*.safetensors` hung the engine at start; junk was re-read and logged on every
+    refresh; a crashed write's temporary file stayed forever; an entry larger than the cap was written anyway."""
+    import logging
+    import os
+    import time
+
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    os.mkfifo(directory / "pipe.safetensors")
+    (directory / "junk.safetensors").write_bytes(b"not ours")
+    stale = directory / ".abc-def.tmp.safetensors"
+    stale.write_bytes(b"x" * 1000)
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    fresh = directory / ".abc-123.tmp.safetensors"  # another engine's write in progress
+    fresh.write_bytes(b"y")
+    with caplog.at_level(logging.WARNING, logger="engine_daemon.prefix_cache.disk"):
+        tier = DiskTier(directory, max_bytes=300_000, min_tokens=16)  # returns: the FIFO is not opened
+        for _ in range(3):
+            tier._listing_mtime = -1  # as if the directory changed
+            tier.refresh()
+    assert sum("junk.safetensors" in record.message for record in caplog.records) == 1
+    assert not stale.exists() and fresh.exists()
+    assert not tier.store("k", np.arange(300, dtype=np.int32), kv(300, layers=8), trimmable=True)  # > the cap
+    assert tier.store("k", np.arange(100, dtype=np.int32), kv(100), trimmable=True)
+    assert len(tier) == 1 and tier.nbytes() <= 300_000
