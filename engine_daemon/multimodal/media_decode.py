@@ -30,6 +30,11 @@ MAX_RESIZE_SIDE = 8192
 MAX_REQUEST_PIXELS = 2 * MAX_IMAGE_PIXELS
 # Seconds of audio in one request, all clips together (the transcription routes' ceiling).
 MAX_AUDIO_SECONDS = 600.0
+MIN_AUDIO_SECONDS = 0.1  # a clip of a few samples broke the audio tower inside the batch (a 500)
+# Larger images are scaled down to this many pixels here, before the model's processor, which runs on the mlx
+# thread and would otherwise resize every pixel there (two 7000x7000 images: a 2.5 s stall of every stream).
+# Processors' own ceilings are lower (Qwen2-VL: 12.8 M), so what the model sees is barely changed.
+MAX_PROCESSOR_PIXELS = 16_000_000
 # PyAV's demuxer name for each audio format a request may declare.
 _CONTAINERS = {"wav": "wav", "mp3": "mp3"}
 
@@ -127,6 +132,16 @@ def audio_seconds(data: bytes, declared: str, index: int, limit: float) -> float
     return seconds
 
 
+def _within(image: Any, pixels: int) -> Any:
+    """The image, scaled down (aspect kept) when it has more than `pixels` pixels."""
+    from PIL import Image
+
+    if image.width * image.height <= pixels:
+        return image
+    scale = (pixels / (image.width * image.height)) ** 0.5
+    return image.resize((max(1, int(image.width * scale)), max(1, int(image.height * scale))), Image.BICUBIC)
+
+
 def decode_media(body: dict[str, Any], loaded: LoadedModel) -> list[Any]:
     """Every media item of the request decoded, in `media` order: RGB PIL images and float32 samples."""
     from PIL import Image
@@ -146,7 +161,7 @@ def decode_media(body: dict[str, Any], loaded: LoadedModel) -> list[Any]:
             if pixels > MAX_REQUEST_PIXELS:
                 raise _media_error(f"The request's images hold {pixels} pixels, more than {MAX_REQUEST_PIXELS}",
                                    code="image_too_large")
-            decoded.append(decode_image(item, images))
+            decoded.append(_within(decode_image(item, images), MAX_PROCESSOR_PIXELS))
             images += 1
             continue
         if item.get("format") not in AUDIO_FORMATS:
@@ -154,8 +169,9 @@ def decode_media(body: dict[str, Any], loaded: LoadedModel) -> list[Any]:
                                code="unsupported_audio_format")
         seconds += audio_seconds(item["data"], item["format"], clips, MAX_AUDIO_SECONDS - seconds)
         samples = decode_audio(item, clips, rate)
-        if not samples.size or not np.isfinite(samples).all():
-            raise _media_error(f"Audio {clips + 1} decodes to no samples or to non-finite ones", code="invalid_audio")
+        if samples.size < MIN_AUDIO_SECONDS * rate or not np.isfinite(samples).all():
+            raise _media_error(f"Audio {clips + 1} is shorter than {MIN_AUDIO_SECONDS:g} s or not finite samples",
+                               code="invalid_audio")  # an audio tower's windows need a few frames (was a 500)
         decoded.append(samples)
         clips += 1
     return decoded

@@ -21,7 +21,7 @@ import binascii
 import logging
 from typing import Any
 
-from http_frontend.errors import bad_request
+from http_frontend.errors import APIError, bad_request
 from http_frontend.parsing.pdf_text import MAX_CHARS, MAX_PAGES, MAX_PDF_SECONDS, extract  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ def _pdf_text(data: str, param: str) -> str:
         raise bad_request(f"{param}: the PDF is larger than {MAX_PDF_BYTES >> 20} MiB", param=param,
                           code="invalid_value")
     result = extract(raw)
+    if result.busy:
+        raise APIError(503, f"{param}: {result.error}; retry", code="pdf_reader_busy", param=param,
+                       error_type="server_error", headers={"Retry-After": "5"})
     if result.error is not None or result.texts is None:
         raise bad_request(f"{param}: the PDF could not be read ({result.error})"[:300], param=param,
                           code="invalid_value")

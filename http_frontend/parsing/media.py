@@ -288,7 +288,7 @@ class MediaCollector:
                                                extensions=extensions)
                 try:
                     response = await client.send(request, stream=True)
-                except httpx.HTTPError as exc:
+                except Exception as exc:  # httpx's errors, and what its socket layer lets through (an ExceptionGroup)
                     raise _error(f"The image in '{param}' could not be fetched: {type(exc).__name__}: {exc}", param,
                                  "image_fetch_failed") from None
                 try:
@@ -296,6 +296,9 @@ class MediaCollector:
                         url = urljoin(str(target), response.headers["location"])
                         continue
                     return await self._body(response, param, limit)
+                except httpx.HTTPError as exc:  # a body cut short, a malformed chunk
+                    raise _error(f"The image in '{param}' could not be read: {type(exc).__name__}", param,
+                                 "image_fetch_failed") from None
                 finally:
                     await response.aclose()
         raise _error(f"The image URL in '{param}' redirects more than {MAX_REDIRECTS} times", param,
@@ -313,6 +316,8 @@ class MediaCollector:
         if target.scheme not in ("http", "https") or not host:
             raise _error(f"'{param}': image URLs (and their redirects) must be http(s) URLs with a host", param,
                          "invalid_image_url")
+        if target.port is not None and not 0 < target.port < 65536:
+            raise _error(f"'{param}': the URL's port {target.port} is out of range", param, "invalid_image_url")
         if target.userinfo:
             raise _error(f"'{param}': image URLs may not carry credentials", param, "invalid_image_url")
         return target
@@ -321,7 +326,7 @@ class MediaCollector:
         """The address to connect to: resolved once, refused when not public (unless allowed)."""
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (socket.gaierror, UnicodeError) as exc:
+        except (socket.gaierror, UnicodeError, OverflowError, ValueError) as exc:  # a port past 65535 too
             raise _error(f"The image host in '{param}' could not be resolved: {exc}", param,
                          "image_fetch_failed") from None
         addresses = [info[4][0] for info in infos]

@@ -34,17 +34,22 @@ class PdfText:
     texts: list[str] | None = None
     error: str | None = None
     timed_out: bool = False
+    busy: bool = False  # no reader free in time: the request may be retried
 
 
 def extract(raw: bytes, seconds: float | None = None) -> PdfText:
     """Runs the child on `raw` for at most `seconds` (`MAX_PDF_SECONDS`); blocking (callers are off the loop)."""
     seconds = MAX_PDF_SECONDS if seconds is None else seconds
-    with _SLOTS:
+    if not _SLOTS.acquire(timeout=seconds):  # a queue behind hostile PDFs must not grow without bound
+        return PdfText(busy=True, error=f"this worker is reading other PDFs; none finished within {seconds:g} s")
+    try:
         try:
             done = subprocess.run([sys.executable, "-m", "http_frontend.parsing.pdf_text"], input=raw,
                                   capture_output=True, timeout=seconds, check=False)
         except subprocess.TimeoutExpired:  # subprocess.run kills the child before raising
             return PdfText(timed_out=True, error=f"its text could not be read within {seconds:g} s")
+    finally:
+        _SLOTS.release()
     try:
         result = json.loads(done.stdout)
     except ValueError:

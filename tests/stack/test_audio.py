@@ -222,5 +222,6 @@ def test_hostile_audio_is_measured_and_refused_off_the_mlx_thread(client: openai
     assert refused(long_wav.getvalue())["code"] == "audio_too_long"
     assert refused(adts_aac(), "mp3")["code"] == "invalid_audio"
     assert refused(sine_wav(440, seconds=0))["code"] == "invalid_audio"  # a header and no samples
-    assert stats()["media_decoded"] == before + 3  # every one measured on the admission pool
+    assert refused(sine_wav(440, seconds=0.005))["code"] == "invalid_audio"  # 80 samples: was a 500
+    assert stats()["media_decoded"] == before + 4  # every one measured on the admission pool
     assert audio_chat(client, CLIP).usage.completion_tokens == MAX_TOKENS

@@ -61,6 +61,13 @@ class _Images(http.server.BaseHTTPRequestHandler):
             self._redirect("/image.png")
         elif self.path == "/to-file":
             self._redirect("file:///etc/passwd")
+        elif self.path == "/short.png":  # promises 100 KB, sends 10 bytes, hangs up
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            self.wfile.write(IMAGE[:10])
+            self.close_connection = True
         elif self.path == "/deflated.png":  # ~100 KB on the wire, 100 MB inflated: compressed whatever was asked
             _Images.accept_encodings.append(self.headers.get("Accept-Encoding"))
             self._send(200, "image/png", ZEROS_GZIP, {"Content-Encoding": "gzip"})
@@ -327,6 +334,9 @@ def test_compressed_bodies_and_bad_hosts_are_refused(client: openai.OpenAI, imag
     expect_400(lambda: image_chat(client, f"{image_server}/deflated.png"), "image_fetch_failed")
     assert _Images.accept_encodings[-1] == "identity"
     expect_400(lambda: image_chat(client, "http://xn--/a.png"), "invalid_image_url")
+    # Red team, re-verification: a body cut short and a port past 65535 were 500s.
+    expect_400(lambda: image_chat(client, f"{image_server}/short.png"), "image_fetch_failed")
+    expect_400(lambda: image_chat(client, "http://127.0.0.1:99999/a.png"), "invalid_image_url")
 
 
 def test_resize_shape_changes_the_image_tokens(client: openai.OpenAI, reference: dict[str, Any]) -> None:

@@ -145,3 +145,20 @@ def test_a_pdf_that_would_cost_minutes_is_cut_off_at_its_deadline(monkeypatch) -
         {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": B64(bomb)}}]}])
     assert response.status_code == 400 and "within 1.5 s" in response.json["error"]["message"], response.json
     assert pdf_text.extract(pdf("Invoice total 42")).texts == ["Invoice total 42"]
+
+
+def test_pdfs_waiting_behind_busy_readers_get_a_503_in_bounded_time(monkeypatch) -> None:
+    """Re-verification: behind six hostile PDFs a normal one waited 59 s (2 readers a worker, no bound on the
+    wait). A reader not free within the deadline is a 503 `pdf_reader_busy` with Retry-After."""
+    from http_frontend.parsing import pdf_text
+
+    monkeypatch.setattr(pdf_text, "MAX_PDF_SECONDS", 0.5)
+    taken = [pdf_text._SLOTS.acquire(timeout=1) for _ in range(pdf_text.MAX_CONCURRENT)]
+    try:
+        response = post(FakeEngine(), [{"role": "user", "content": [{"type": "document", "source": {
+            "type": "base64", "media_type": "application/pdf", "data": B64(pdf("Invoice total 42"))}}]}])
+    finally:
+        for _ in taken:
+            pdf_text._SLOTS.release()
+    assert response.status_code == 503 and response.headers["retry-after"] == "5", response.json
+    assert response.json["error"]["type"] == "api_error" or response.json["type"] == "error"

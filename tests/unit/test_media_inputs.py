@@ -65,3 +65,14 @@ def test_wav_audio_is_decoded_to_the_processor_rate() -> None:
     with pytest.raises(vision.RequestError) as caught:
         vision.decode_audio({"format": "wav", "data": b"RIFF\0\0\0\0WAVEjunk"}, 0, 16000)
     assert caught.value.code == "invalid_audio"
+
+
+def test_huge_images_reach_the_processor_scaled_down() -> None:
+    """Re-verification: two 7000x7000 images were resized pixel by pixel by the processor on the mlx thread
+    (a 2.5 s stall of every stream); the admission pool scales them to MAX_PROCESSOR_PIXELS first."""
+    from engine_daemon.multimodal import media_decode
+
+    big = media_decode._within(Image.new("RGB", (8000, 4000)), media_decode.MAX_PROCESSOR_PIXELS)
+    assert big.width * big.height <= media_decode.MAX_PROCESSOR_PIXELS and abs(big.width / big.height - 2) < 0.01
+    small = Image.new("RGB", (640, 480))
+    assert media_decode._within(small, media_decode.MAX_PROCESSOR_PIXELS) is small  # untouched: same pixels
