@@ -6,7 +6,7 @@ document becomes its text under a header naming its title: a plain-text source a
 is, a content source's text blocks joined, a PDF's pages extracted with pypdf.
 
 Bounds, because the bytes are a client's: the decoded PDF is at most `MAX_PDF_BYTES`
-(the body limit applies first), at most `MAX_PAGES` pages are read and at most
+(the body limit applies first), at most `pdf_text.MAX_PAGES` pages are read and at most
 `MAX_CHARS` characters kept (the rest is dropped with a note saying so), by a child process
 killed after `MAX_PDF_SECONDS` (`pdf_text`). A PDF pypdf cannot read, or not in time, is a
 400 naming the block. Extraction is CPU work: the Anthropic route runs
@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from http_frontend.errors import APIError, bad_request
-from http_frontend.parsing.pdf_text import MAX_CHARS, MAX_PAGES, MAX_PDF_SECONDS, extract  # noqa: F401
+from http_frontend.parsing.pdf_text import MAX_CHARS, extract
 
 log = logging.getLogger(__name__)
 

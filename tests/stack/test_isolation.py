@@ -266,6 +266,18 @@ def order_of(log: str, event: str) -> list[str]:
     return [line.split("rid=")[1].split()[0] for line in log.splitlines() if f" {event} " in line and "rid=" in line]
 
 
+def send_while_held(sock: zmq.Socket, engine: Engine, name: str, max_tokens: int) -> list[tuple[str, str]]:
+    """Client a's four requests, then client b's one, sent while the mlx thread sleeps: admitted together."""
+    sock.connect(engine.endpoint)
+    sock.send(encode(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": name}))
+    sock.send(encode(MsgType.CALL, {"cid": "hold", "method": "debug_sleep", "args": {"seconds": 1.5}}))
+    rids = [("a", f"{name}:a{i}") for i in range(4)] + [("b", f"{name}:b0")]
+    for client, rid in rids:
+        sock.send(encode(MsgType.ADD, {"rid": rid, "client": client, "prompt": [1, 2, 3, 4],
+                                       "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}))
+    return rids
+
+
 @pytest.mark.parametrize("ceiling", [0, 1])
 def test_decode_slots_are_shared_between_clients(tiny_model: Path, ipc_dir: Path, tmp_path: Path,
                                                  ceiling: int) -> None:
@@ -280,13 +292,7 @@ def test_decode_slots_are_shared_between_clients(tiny_model: Path, ipc_dir: Path
     sock.setsockopt(zmq.LINGER, 0)
     try:
         engine.wait_ready()
-        sock.connect(engine.endpoint)
-        sock.send(encode(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": "fair"}))
-        sock.send(encode(MsgType.CALL, {"cid": "hold", "method": "debug_sleep", "args": {"seconds": 1.5}}))
-        rids = [("a", f"fair:a{i}") for i in range(4)] + [("b", "fair:b0")]
-        for client, rid in rids:
-            sock.send(encode(MsgType.ADD, {"rid": rid, "client": client, "prompt": [1, 2, 3, 4],
-                                           "params": {"max_tokens": 24, "temperature": 0, "ignore_eos": True}}))
+        rids = send_while_held(sock, engine, "fair", 24)
         finished: set[str] = set()
         deadline = time.monotonic() + 120
         while len(finished) < len(rids) and time.monotonic() < deadline:
@@ -321,13 +327,7 @@ def test_one_client_cannot_fill_the_queue(tiny_model: Path, ipc_dir: Path, tmp_p
     sock.setsockopt(zmq.LINGER, 0)
     try:
         engine.wait_ready()
-        sock.connect(engine.endpoint)
-        sock.send(encode(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": "queue"}))
-        sock.send(encode(MsgType.CALL, {"cid": "hold", "method": "debug_sleep", "args": {"seconds": 1.5}}))
-        rids = [("a", f"queue:a{i}") for i in range(4)] + [("b", "queue:b0")]
-        for client, rid in rids:  # handled together once the mlx thread wakes: a0 runs, a1 and a2 queue
-            sock.send(encode(MsgType.ADD, {"rid": rid, "client": client, "prompt": [1, 2, 3, 4],
-                                           "params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}))
+        rids = send_while_held(sock, engine, "queue", 8)  # a0 runs, a1 and a2 queue, a3 and b0 find it full
         finished: set[str] = set()
         refused: dict[str, str] = {}
         deadline = time.monotonic() + 120
