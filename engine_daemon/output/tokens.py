@@ -26,7 +26,7 @@ def consume_token(request: EngineRequest, token: int | None) -> ParsedDelta:
         request.finish_reason = request.finish_reason or "length"
         return _parsed(request, request.stop.flush())
     detokenizer = request.detokenizer
-    if token in request.eos_token_ids:
+    if token in request.eos_token_ids or _format_ends(request, token):
         request.finish_reason = "stop"
     else:
         detokenizer.add_token(token)
@@ -43,6 +43,16 @@ def consume_token(request: EngineRequest, token: int | None) -> ParsedDelta:
     elif request.finish_reason is not None:
         text += request.stop.flush()
     return _parsed(request, text)
+
+
+def _format_ends(request: EngineRequest, token: int) -> bool:
+    """An EOS that a grammar constraint allowed: the format is complete, whatever `ignore_eos` says."""
+    return any(processor.ends_output(token) for processor in request.processors if hasattr(processor, "ends_output"))
+
+
+def format_failure(request: EngineRequest) -> str | None:
+    """Why a grammar constraint gave up on the request's output (it was steered to EOS), or None."""
+    return next((why for processor in request.processors if (why := getattr(processor, "failure", None))), None)
 
 
 def _parsed(request: EngineRequest, text: str) -> ParsedDelta:

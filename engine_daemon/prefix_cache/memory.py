@@ -38,6 +38,7 @@ class Entry:
     cache: list[Any]
     nbytes: int
     plan_id: int | None = None  # an engine group's name for the entry on every rank (`PlannedPrefixCache`)
+    at_prefill: bool = False  # shared when its prompt's prefill ended, while that request still ran
 
 
 @dataclass
@@ -85,12 +86,16 @@ class MemoryTier:
             trim_prompt_cache(cache, len(entry.tokens) - match.length)
         return cache
 
-    def insert(self, key: Hashable, tokens: Sequence[int], cache: list[Any]) -> None:
-        """Adds an entry; trimmable entries that are prefixes of it are dropped (it serves them all)."""
+    def insert(self, key: Hashable, tokens: Sequence[int], cache: list[Any], at_prefill: bool = False) -> None:
+        """Adds an entry; trimmable entries that are prefixes of it are dropped (it serves them all).
+
+        A finished request's entry thus replaces the one its prompt published at the end of its
+        prefill (`at_prefill`), so hits on `at_prefill` entries are hits while the publisher ran.
+        """
         array = as_tokens(tokens)
         if not len(array) or not cache:
             return
-        entry = Entry(key, array, cache, sum(c.nbytes for c in cache))
+        entry = Entry(key, array, cache, sum(c.nbytes for c in cache), at_prefill=at_prefill)
         self._drop((key, array.tobytes()))
         if can_trim_prompt_cache(cache):
             for other in [e for e in self._entries.values() if e.key == key and len(e.tokens) < len(array)]:

@@ -25,7 +25,7 @@ class PrefixCache:
     def __init__(self, max_entries: int, max_bytes: int, disk: DiskTier | None = None):
         self.disk = disk
         self.memory = MemoryTier(max_entries, max_bytes, on_evict=self._spill)
-        self.hits = {"memory": 0, "disk": 0}
+        self.hits = {"memory": 0, "disk": 0, "in_flight": 0}
         self.prefill_tokens_per_second: float | None = None  # measured by the scheduler
 
     def __len__(self) -> int:
@@ -62,11 +62,12 @@ class PrefixCache:
                     return cache, shared
         if match is None:
             return None, 0
-        self.hits["memory"] += 1
+        self.hits["in_flight" if match.entry.at_prefill else "memory"] += 1
         return self.memory.take(match), match.length
 
-    def insert(self, key: CacheKey, tokens: Sequence[int], cache: list[Any]) -> None:
-        self.memory.insert(key, tokens, cache)
+    def insert(self, key: CacheKey, tokens: Sequence[int], cache: list[Any], at_prefill: bool = False) -> None:
+        """Keeps `cache` as the KV of `tokens`; `at_prefill`: shared by a request still running."""
+        self.memory.insert(key, tokens, cache, at_prefill=at_prefill)
 
     def spill_all(self) -> int:
         """Empties memory into the disk tier (a model switch, a clean shutdown); returns files written."""
@@ -85,5 +86,6 @@ class PrefixCache:
 
     def stats(self) -> dict[str, int]:
         found = {"prompt_cache_entries": len(self.memory), "prompt_cache_bytes": self.memory.nbytes,
-                 "prompt_cache_memory_hits": self.hits["memory"], "prompt_cache_disk_loads": self.hits["disk"]}
+                 "prompt_cache_memory_hits": self.hits["memory"], "prompt_cache_disk_loads": self.hits["disk"],
+                 "prompt_cache_in_flight_hits": self.hits["in_flight"]}
         return {**found, **(self.disk.stats() if self.disk is not None else {})}

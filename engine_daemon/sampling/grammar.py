@@ -87,6 +87,20 @@ class GrammarConstraint:
         """The grammar is complete (or failed): only EOS can follow."""
         return self.failed or self.matcher.is_stopped()
 
+    def ends_output(self, token: int) -> bool:
+        """Whether sampling `token` ends the output: an EOS the grammar allowed, so even with `ignore_eos`.
+
+        Once the grammar is complete it allows only EOS; with `ignore_eos` the request used to go on
+        sampling EOS, and every one came back as "<|im_end|>" text until `max_tokens`.
+        """
+        return self.active and token in self.eos_token_ids
+
+    @property
+    def failure(self) -> str | None:
+        """Why the output stopped following the grammar (None: it did not), for the client's error."""
+        return f"the output stopped following its {self.description} after {self.consumed} tokens" \
+            if self.failed else None
+
     def _observe(self, token: int) -> None:
         if self.gate is not None:
             self.recent = (self.recent + [token])[-len(self.gate):]

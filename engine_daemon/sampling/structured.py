@@ -166,6 +166,8 @@ def _client_message(error: str) -> str:
             break
         lines.append(line.strip())
     text = " ".join(line for line in lines if line)
+    # A failure while matching carries the matcher's state and the whole grammar (~1 KB): not the client's.
+    text = re.sub(r"<(state|grammar)>.*?(</\1>|$)", "", text, flags=re.DOTALL).strip()
     return re.sub(r"^at \d+\(\d+\): (failed to compile JSON schema: )?", "", text)
 
 

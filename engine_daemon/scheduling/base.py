@@ -25,7 +25,7 @@ from engine_daemon.lora.adapters import AdapterManager
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.models.store import NO_MODELS_NOTE, InvalidModelName, ModelNotFound, ModelRef
-from engine_daemon.output.tokens import consume_token, logprob_entries, usage
+from engine_daemon.output.tokens import consume_token, format_failure, logprob_entries, usage
 from engine_daemon.request.admission import prepare
 from engine_daemon.request.state import EngineRequest, PreparedPrompt
 from protocol import MsgType
@@ -305,6 +305,14 @@ class BaseScheduler:
                 item["logprobs"] = logprob_entries(self.models.current.tokenizer, logprobs, token,
                                                       request.params.get("top_logprobs") or 0)
         request.seq += 1
+        if request.finish_reason is not None and (failure := format_failure(request)) is not None:
+            # The grammar gave up and steered to EOS: what was sent does not follow the format, so the
+            # client gets an error rather than a "stop" that promises a complete reply.
+            self.stats.requests_finished += 1
+            log.warning("rid=%s ended: %s", request.rid, failure)
+            return error_event(request, RequestError(
+                500, "output_constraint_failed", f"Generation failed: {failure}; the reply is incomplete",
+                error_type="server_error"))
         if request.finish_reason is not None:
             item["finish_reason"] = request.finish_reason
             item["usage"] = usage(request, request.cached_tokens)

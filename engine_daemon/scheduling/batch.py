@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
+from functools import partial
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -434,13 +435,14 @@ class BatchScheduler(BaseScheduler):
         """
         ended, self._ended_prefills = self._ended_prefills, []
         if ended and self.generator is not None:
-            self.sharing.publish(ended, self.by_uid, self.generator, self._remember)
+            self.sharing.publish(ended, self.by_uid, self.generator, partial(self._remember, at_prefill=True))
 
-    def _remember(self, tokens: list[int], cache: list[Any], adapter: str | None = None, uid: int = -1) -> None:
-        """Keeps a finished request's KV for the next turn of its conversation (with the same adapter)."""
+    def _remember(self, tokens: list[int], cache: list[Any], adapter: str | None = None, uid: int = -1,
+                  at_prefill: bool = False) -> None:
+        """Keeps a finished request's KV for its next turn; `at_prefill`: a prompt's, shared while it runs."""
         if not tokens or not cache:
             return
         if self.lockstep is not None:  # followers keep their shard's KV of generator uid under the same id
             self.prompt_cache.insert_planned(self._cache_key(adapter), tokens, cache, uid)
             return
-        self.prompt_cache.insert(self._cache_key(adapter), tokens, cache)
+        self.prompt_cache.insert(self._cache_key(adapter), tokens, cache, at_prefill=at_prefill)

@@ -16,7 +16,7 @@ from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
 from http_frontend.parsing.documents import document_text
 from http_frontend.parsing.generation_fields import parse_response_format, parse_tool_choice, parse_tools
-from http_frontend.parsing.media import MediaCollector
+from http_frontend.parsing.media import SOURCE_PARAM, MediaCollector
 from http_frontend.parsing.messages import check_message_count, parse_messages
 from http_frontend.parsing.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, check_max_tokens, check_stop_lengths
 from http_frontend.settings import FrontendSettings
@@ -67,7 +67,7 @@ def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
     else:
         raise bad_request(f"{param}.source: expected a base64 source (media_type, data) or a url source",
                           param=f"{param}.source", code="invalid_value")
-    return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "image_url", "image_url": {"url": url}, SOURCE_PARAM: param}
 
 
 def _tool_result(block: dict[str, Any], param: str) -> tuple[str, list[dict[str, Any]]]:

@@ -53,6 +53,9 @@ MAX_RESIZE_SIDE = 8192
 MAX_TOTAL_MEDIA_BYTES = MAX_FRAME_BYTES - 2 * 1024 * 1024
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 DEFAULT_PORTS = {"http": 80, "https": 443}
+# A translated part (Anthropic's image block) names itself as its client spelled it: errors then point at
+# `messages.0.content.1`, not at the index of the OpenAI message it became (a system prompt shifts them).
+SOURCE_PARAM = "_source_param"
 
 
 def _error(message: str, param: str, code: str) -> APIError:
@@ -161,6 +164,8 @@ class MediaCollector:
     def add_part(self, part: dict[str, Any], param: str, role: str) -> str:
         """Registers an image/audio content part; returns its placeholder for the message text."""
         kind = "image" if part["type"] in IMAGE_PART_TYPES else "audio"
+        if isinstance(part.get(SOURCE_PARAM), str):
+            param = part[SOURCE_PARAM]
         if role != "user":
             raise _error(f"'{param}': {part['type']} parts are only allowed in user messages", param,
                          "invalid_value")

@@ -245,14 +245,17 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
     one("mlx_engine_prompt_cache_bytes", "gauge", "Bytes held by the prompt cache.", "prompt_cache_bytes")
     tiers = [(("tier", tier), stats[key]) for tier, key in (
         ("memory", "prompt_cache_memory_hits"), ("disk", "prompt_cache_disk_loads"),
-        ("in_flight", "prefix_published_at_prefill"), ("vision_kv", "vision_kv_hits"),
+        ("in_flight", "prompt_cache_in_flight_hits"), ("vision_kv", "vision_kv_hits"),
         ("vision_disk", "vision_kv_disk_hits"))
         if isinstance(stats.get(key), int)]
     if tiers:
         lines += family("mlx_engine_prefix_cache_hits_total", "counter",
-                        "Prefix reuse by tier: memory hits, disk loads, prompts shared at the end of their prefill, "
-                        "vision models' KV blocks (mlx-vlm's prefix cache) and their disk loads.",
+                        "Prefix reuse by tier: memory hits, disk loads, hits on prompts shared at the end of their "
+                        "prefill while their request still ran (in_flight), vision models' KV blocks (mlx-vlm's "
+                        "prefix cache) and their disk loads.",
                         [("", const + (label,), value) for label, value in tiers])
+    one("mlx_engine_prefix_published_at_prefill_total", "counter",
+        "Prompts whose KV entered the prefix cache the step their prefill ended.", "prefix_published_at_prefill")
     one("mlx_engine_prefix_waits_total", "counter", "Requests that waited for another's prefill of a shared prefix.",
         "prefix_waits_for_shared_prefill")
     one("mlx_engine_prompt_cache_disk_entries", "gauge", "Files in --prompt-cache-dir.", "prompt_cache_disk_entries")

@@ -47,6 +47,11 @@ def test_a_prompt_is_shared_while_its_request_still_decodes(frontend: Frontend, 
     shared_tokens = reply.usage.prompt_tokens - 20  # everything but the user turn's own tokens, roughly
     assert reply.usage.prompt_tokens_details.cached_tokens >= shared_tokens
     assert during["prefix_published_at_prefill"] > before["prefix_published_at_prefill"]
+    # The hit is counted in the in-flight tier (the entry's publisher still ran), not as a plain memory hit.
+    assert during["prompt_cache_in_flight_hits"] == before["prompt_cache_in_flight_hits"] + 1
+    assert during["prompt_cache_memory_hits"] == before["prompt_cache_memory_hits"]
+    metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=30).text
+    assert f'tier="in_flight"}} {during["prompt_cache_in_flight_hits"]}' in metrics
 
 
 @pytest.fixture(scope="module")

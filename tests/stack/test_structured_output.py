@@ -272,6 +272,45 @@ def test_matcher_failure_forces_eos(tiny: tuple[Any, Any]) -> None:
     assert allowed == set(tokenizer.eos_token_ids)
 
 
+def test_a_failed_constraint_ends_in_an_error_not_a_stop(tiny: tuple[Any, Any]) -> None:
+    """Output the grammar gave up on does not follow the format: the client is told, not sent "stop"."""
+    from engine_daemon.config import SchedulerConfig
+    from engine_daemon.models.manager import ModelManager
+    from engine_daemon.output.stop_strings import StopStringMatcher
+    from engine_daemon.output.token_text import request_detokenizer
+    from engine_daemon.request.state import EngineRequest
+    from engine_daemon.scheduling.base import BaseScheduler
+    from protocol import MsgType
+
+    _, tokenizer = tiny
+    scheduler = BaseScheduler(ModelManager(), SchedulerConfig())
+    events = {}
+    for failed in (False, True):
+        constraint = constraint_for(tokenizer, RESPONSE_FORMAT, None, None, None, False)
+        constraint(mx.array([1, 2]), mx.zeros((1, 2048)))
+        if failed:
+            constraint(mx.array([1, 2, tokenizer.encode("hello", add_special_tokens=False)[0]]), mx.zeros((1, 2048)))
+        request = EngineRequest(rid=f"r{failed}", peer=b"p", body={}, prompt_tokens=[1, 2], max_tokens=50,
+                                stop=StopStringMatcher(None), detokenizer=request_detokenizer(tokenizer, False),
+                                eos_token_ids=frozenset(tokenizer.eos_token_ids), processors=[constraint])
+        events[failed] = scheduler.token_event(request, min(tokenizer.eos_token_ids))
+    assert events[False][1] == MsgType.DELTAS and events[False][2]["finish_reason"] == "stop"
+    kind, body = events[True][1:]
+    assert kind == MsgType.ERROR and body["status"] == 500 and body["code"] == "output_constraint_failed", body
+    assert "json_schema" in body["message"] or "format" in body["message"], body
+
+
+def test_a_completed_format_ends_the_reply_even_with_ignore_eos(frontend: Frontend, model_id: str) -> None:
+    """Once the grammar is complete only EOS may follow: with ignore_eos every EOS came back as text."""
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    reply = client_for(frontend).chat.completions.create(
+        model=model_id, messages=[{"role": "user", "content": "Yes or no?"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+        extra_body={"ignore_eos": True})
+    assert json.loads(reply.choices[0].message.content) in ("yes", "no"), reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens < 10, reply
+
+
 def test_padded_output_layer_is_masked(tiny: tuple[Any, Any]) -> None:
     """Models often have more logits than tokenizer entries: the extra ids are never allowed."""
     _, tokenizer = tiny
@@ -377,7 +416,9 @@ def test_bad_formats_are_400(tiny: tuple[Any, Any], response_format: Any, tools:
         constraint_for(tokenizer, response_format, tools, tool_choice, None, False)
     assert info.value.status == 400
     assert info.value.param == param
-    assert str(info.value)
+    # The reason, without llguidance's matcher state and grammar text (a ~1 KB quote of our own grammar).
+    assert str(info.value) and "<state>" not in str(info.value) and "<grammar>" not in str(info.value)
+    assert len(str(info.value)) < 400, str(info.value)
 
 
 def test_unenforceable_keywords_are_refused_not_ignored(tiny: tuple[Any, Any]) -> None:

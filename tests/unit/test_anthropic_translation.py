@@ -12,6 +12,7 @@ from http_frontend.anthropic.request import chat_messages, engine_request
 from http_frontend.anthropic.stream import BlockBuilder, anthropic_sse, stop_reason
 from http_frontend.engine.client import Update
 from http_frontend.errors import APIError, anthropic_error_body, is_anthropic_path
+from http_frontend.parsing.media import SOURCE_PARAM, MediaCollector
 from http_frontend.settings import FrontendSettings
 
 PROMPT = [{"role": "user", "content": "Tell me a story about a fox."}]
@@ -71,8 +72,25 @@ def test_image_blocks_become_image_url_parts() -> None:
         {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.jpg"}}]}]})
     assert messages == [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-        {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}}]}]
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}, SOURCE_PARAM: "messages.0.content.1"},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"},
+         SOURCE_PARAM: "messages.0.content.2"}]}]
+
+
+def test_an_image_error_names_the_block_as_the_client_sent_it() -> None:
+    """A system prompt and tool results shift the translated messages: the error still names Anthropic's block."""
+    body = {"model": "m", "max_tokens": 8, "system": "Be brief.", "messages": [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"},
+                                     {"type": "text", "text": "And this?"},
+                                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": "bm90IGFuIGltYWdl"}}]}]}
+    settings = FrontendSettings()
+    with pytest.raises(APIError) as info:
+        engine_request(body, settings, media=MediaCollector.for_request(body, settings))
+    assert info.value.param == "messages.2.content.2", info.value.param
+    assert "'messages.2.content.2'" in info.value.message, info.value.message
 
 
 @pytest.mark.parametrize("body", [
