@@ -7,7 +7,8 @@ in a message's content. Here the placeholders become the model's own image marke
 mlx-vlm's processor turns both into token ids and pixel arrays. Every problem with the
 input is a 400 before the request is admitted, never an error on the model thread later.
 
-Decoding runs on the admission pool first (`media_decode`); the rest here runs on the mlx thread.
+All of it runs on the admission pool (`prepare_media_inputs`); on the mlx thread only when that could not
+(a model loaded for the request meanwhile).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
@@ -139,7 +141,7 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel, decoded: list[Any] |
     except Exception as exc:  # jinja and mlx-vlm's formatters raise their own types
         raise RequestError(400, "invalid_messages", f"The chat template rejected the messages: {describe(exc)}",
                            param="messages") from None
-    # Decoded on the admission pool (`decode_media` via `Preprocessor`), else here, with the same bounds.
+    # Decoded on the admission pool (`prepare_media_inputs`), else here, with the same bounds.
     decoded = decoded if decoded is not None else decode_media(body, loaded)
     images = [decoded[i] for i in image_order] or None
     audio = [decoded[i] for i in audio_order] or None
@@ -158,12 +160,28 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel, decoded: list[Any] |
                         + [f"audio:{_image_key(media[i])}" for i in audio_order])
 
 
-def prepare(request: EngineRequest, loaded: LoadedModel) -> None:
+def prepare_media_inputs(body: dict[str, Any], loaded: LoadedModel) -> VisionInputs:
+    """A vision request's model inputs, built on the admission pool (`Preprocessor`), not the mlx thread.
+
+    Why: the chat template, the processor's resize and normalisation of every image and the audio
+    features all run on what a client sent; on the mlx thread they stopped every stream meanwhile.
+    MLX streams are per thread (an array built lazily here cannot be evaluated on the mlx thread),
+    so every array is evaluated here before it is handed on.
+    """
+    inputs = build_inputs(body, loaded, decode_media(body, loaded))
+    arrays = [leaf for _, leaf in tree_flatten([inputs.input_ids, inputs.pixel_values, inputs.mask, inputs.extra])
+              if isinstance(leaf, mx.array)]
+    mx.eval(arrays)
+    return inputs
+
+
+def prepare(request: EngineRequest, loaded: LoadedModel) -> bool:
     """Admission of a request with media to a vision model: builds its inputs, then hands the rest on.
 
     The request's body becomes a token-id prompt (media dropped), so the shared admission
     (limits, sampling, stop strings, output parsing) runs on it exactly as on any request;
-    the processed inputs wait on the request until it joins the batch.
+    the processed inputs wait on the request until it joins the batch. True when they were built here
+    rather than on the admission pool.
     """
     prepared = request.prepared
     decoded = None
@@ -171,10 +189,13 @@ def prepare(request: EngineRequest, loaded: LoadedModel) -> None:
         if prepared.error is not None:
             raise prepared.error
         decoded = prepared.media
-    inputs = build_inputs(request.body, loaded, decoded)
+    # Built on the admission pool (`prepare_media_inputs`), else here from the media decoded there (or not).
+    built_here = not isinstance(decoded, VisionInputs)
+    inputs = build_inputs(request.body, loaded, decoded) if built_here else decoded
     setattr(request, _INPUTS_ATTR, inputs)
     request.body = {**request.body, "messages": None, "media": None,
                     "prompt": [int(t) for t in inputs.input_ids[0].tolist()]}
+    return built_here
 
 
 def take_inputs(request: EngineRequest) -> VisionInputs:

@@ -5,8 +5,9 @@ A chat template and a tokenizer run on whatever a client sends: 4 MB of messages
 ADD for the loaded text model is rendered and tokenized here, on a small thread pool (the
 tokenizers release the GIL; MLX work releases it too), and reaches the mlx thread with
 its token ids ready (`PreparedPrompt`); the mlx thread uses them when the same model is
-still loaded, and otherwise (a model switch meanwhile, a vision model, another model's
-name) renders the prompt itself as before.
+still loaded, and otherwise (a model switch meanwhile, another model's name) renders the
+prompt itself as before. A vision request's inputs (template, media, processor) are built here
+too (`prepare_media_inputs`, injected).
 
 Before any rendering, a prompt that could not fit the context window even if every token
 covered the longest token of the vocabulary is refused by its byte size alone.
@@ -31,11 +32,13 @@ from engine_daemon.sampling.thinking import prompt_in_thinking
 log = logging.getLogger(__name__)
 
 PREPROCESS_THREADS = 2
+# Models whose text prompts render here: a vision model's text-only chat renders as a text model's does.
+PROMPT_KINDS = ("text", "vision", "audio")
 _LONGEST_TOKEN_ATTR = "_longest_token_bytes"
 
 # (peer, ADD body, what was prepared or None) -> handed to the mlx thread
 Deliver = Callable[[bytes, dict[str, Any], "PreparedPrompt | None"], None]
-# (ADD body, loaded vision model) -> its media decoded in order, or RequestError (`decode_media`)
+# (ADD body, loaded vision model) -> its model inputs, or RequestError (`prepare_media_inputs`)
 DecodeMedia = Callable[[dict[str, Any], LoadedModel], list[Any]]
 
 
@@ -138,7 +141,8 @@ class Preprocessor:
         if (body.get("media") and loaded is not None and loaded.vision is not None and self._decode_media
                 and names_loaded_model(body, loaded)):
             job = self._run_media
-        elif (loaded is None or loaded.kind != "text" or body.get("media") or not names_loaded_model(body, loaded)
+        elif (loaded is None or loaded.kind not in PROMPT_KINDS or body.get("media")
+                or not names_loaded_model(body, loaded)
                 or (body.get("messages") is None and not isinstance(body.get("prompt"), str))):
             self._deliver(peer, body, None)
             return
@@ -149,7 +153,7 @@ class Preprocessor:
         self._pool.submit(job, peer, body, loaded)
 
     def _run_media(self, peer: bytes, body: dict[str, Any], loaded: LoadedModel) -> None:
-        """Decodes a vision request's media here; the mlx thread builds the model inputs from them."""
+        """Builds a vision request's model inputs here (template, media, processor); the mlx thread takes them."""
         try:
             prepared = PreparedPrompt(model_key(loaded), media=self._decode_media(body, loaded))
         except RequestError as exc:

@@ -25,8 +25,9 @@ class PreparedPrompt:
     # (`in_thinking`: whether they end inside a thinking block): a grammar can take seconds to compile.
     processors: list[Any] | None = None
     in_thinking: bool | None = None
-    # A vision request's images (RGB PIL) and audio (float32 samples), decoded in `media` order (`decode_media`).
-    media: list[Any] | None = None
+    # A vision request's model inputs (`VisionInputs`, built by `prepare_media_inputs`), or its images (RGB PIL)
+    # and audio (float32 samples) decoded in `media` order (`decode_media`).
+    media: Any = None
 
 
 @dataclass

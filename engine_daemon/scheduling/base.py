@@ -60,6 +60,8 @@ class SchedulerStats:
     # Requests taken while an idle engine waited for companions of the one that woke it (`--coalesce-ms`).
     coalesce_waits: int = 0
     coalesced_requests: int = 0
+    # Vision requests whose template and processor ran on the mlx thread: the admission pool had not built them.
+    media_inputs_on_mlx_thread: int = 0
     rejections: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:

@@ -120,7 +120,7 @@ class BatchScheduler(BaseScheduler):
         has_media = bool(request.body.get("media"))
         if has_media:
             vision.check_media_allowed(request.body, self.models.current)
-            vision.prepare(request, self.models.current)  # the body becomes a token prompt
+            self.stats.media_inputs_on_mlx_thread += vision.prepare(request, self.models.current)  # a token prompt
         try:
             super().accept(request)
         except RequestError as exc:

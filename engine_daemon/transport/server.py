@@ -26,7 +26,7 @@ from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
 from engine_daemon.group.settings import GroupSettings
 from engine_daemon.models import store as model_store
-from engine_daemon.multimodal.media_decode import decode_media
+from engine_daemon.multimodal.inputs import prepare_media_inputs
 from engine_daemon.request.preprocess import Preprocessor
 from engine_daemon.scheduling.commands import (
     AbortCommand,
@@ -101,7 +101,7 @@ class EngineServer:
         self.preprocessor = Preprocessor(
             lambda: self.worker.models.current,
             lambda peer, body, prepared: self.worker.commands.put(AddCommand(peer, body, prepared)),
-            decode_media=decode_media)
+            decode_media=prepare_media_inputs)
         self.worker.offload = self.preprocessor.run_call  # auxiliary jobs' tokenizing / decoding, off the mlx thread
         self._stop = threading.Event()
         self._lock: BinaryIO | None = None

@@ -323,8 +323,15 @@ def test_a_requests_images_are_decoded_off_the_mlx_thread_within_a_pixel_budget(
         {"type": "image_url", "image_url": {"url": data_url(blank.getvalue())}} for _ in range(3)]
     expect_400(lambda: client.chat.completions.create(model=VLM, max_tokens=4, messages=[
         {"role": "user", "content": parts}]), "image_too_large")
+    on_mlx_thread = stats(stack)["media_inputs_on_mlx_thread"]
     image_chat(client, data_url(IMAGE), max_tokens=2)
     assert stats(stack)["media_decoded"] == before + 2
+    # The template and the processor ran on the admission pool too: the mlx thread took the inputs as built.
+    assert stats(stack)["media_inputs_on_mlx_thread"] == on_mlx_thread
+    # And a text-only chat to the vision model is rendered there as a text model's is.
+    prepared = stats(stack)["prompts_prepared"]
+    client.chat.completions.create(model=VLM, max_tokens=2, messages=[{"role": "user", "content": PROMPT}])
+    assert stats(stack)["prompts_prepared"] == prepared + 1
 
 
 def test_compressed_bodies_and_bad_hosts_are_refused(client: openai.OpenAI, image_server: str) -> None:
