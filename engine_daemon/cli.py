@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most decode slots one client (API key, else `user`) may hold at once; 0: no ceiling. "
                              "Slots are always handed out fewest-running-client first. "
                              "[MLX_ENGINE_MAX_SLOTS_PER_KEY] (default: %(default)s)")
+    parser.add_argument("--fair-preemption", action=argparse.BooleanOptionalAction,
+                        default=os.environ.get("MLX_ENGINE_FAIR_PREEMPTION", "1").lower() not in ("0", "false", "no"),
+                        help="when every decode slot is taken and a waiting client holds 2+ fewer than the client "
+                             "holding most, pause that client's newest request (after 16 tokens) and resume it from "
+                             "its KV when a slot frees; its output is unchanged. [MLX_ENGINE_FAIR_PREEMPTION] "
+                             "(default: on)")
     parser.add_argument("--decode-concurrency", type=int,
                         default=int(os.environ.get("MLX_ENGINE_DECODE_CONCURRENCY", "32")),
                         help="most requests decoding in one batch. [MLX_ENGINE_DECODE_CONCURRENCY] "
@@ -342,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens_overflow=args.max_tokens_overflow,
         sampling_defaults=defaults,
         decode_concurrency=args.decode_concurrency,
-        max_slots_per_key=max(0, args.max_slots_per_key),
+        max_slots_per_key=max(0, args.max_slots_per_key), fair_preemption=args.fair_preemption,
         max_stop_strings=max(1, args.max_stop_strings),
         max_stop_length=max(1, args.max_stop_length),
         max_queued=args.max_queued,

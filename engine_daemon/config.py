@@ -53,6 +53,8 @@ class SchedulerConfig:
     max_stop_length: int = 1024
     # Most decode slots one client may hold (--max-slots-per-key); 0: no ceiling.
     max_slots_per_key: int = 0
+    # A client holding 2+ more decode slots than a waiting one pauses its newest request (--fair-preemption).
+    fair_preemption: bool = True
     prompt_concurrency: int = 8
     max_queued: int = 256
     prompt_cache_size: int = 10

@@ -129,6 +129,11 @@ class GroupedGenerator:
             uids.append(uid)
         return uids
 
+    def preemptible(self, uid: int) -> bool:
+        """Whether `uid` can be paused and resumed from its KV: a batch's sequence, not the speculative lane's."""
+        where = self._where.get(uid)
+        return where is not None and where[0] != LANE
+
     def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         found: dict[int, Any] = {}
         by_group: dict[str | None, dict[int, int]] = {}  # group -> its uid -> ours

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from engine_daemon.errors import RequestError
 from engine_daemon.group.checksum import TokenChecksum, mismatched_ranks
 from engine_daemon.group.control import ControlServer
 from engine_daemon.group.plan import AddOp, StepPlan
@@ -123,3 +124,13 @@ class Lockstep:
                 "plan_us_mean": round(self.plan_seconds / self.plans * 1e6, 1) if self.plans else None,
                 "checksums": self.checksums, "checksum_tokens": self.checksum.tokens,
                 "wakes": self.control.wakes}
+
+
+def check_replayable(request: Any) -> None:
+    """What followers cannot replay from a plan is refused in a group, never half-served."""
+    if request.body.get("adapter"):
+        raise RequestError(400, "unsupported_in_group", "LoRA adapters are not served by an engine group",
+                           param="model")
+    if request.processors and request.processor_spec is None:  # processors followers could not rebuild
+        raise RequestError(400, "unsupported_in_group", "This request's logits processors cannot be replayed "
+                           "by an engine group", param="response_format")

@@ -59,6 +59,9 @@ class EngineRequest:
     context_overflow: dict[str, Any] | None = None
     # The prompt as prepared off the mlx thread, if it was (`Preprocessor`).
     prepared: PreparedPrompt | None = None
+    # Its sampler, made once: a seeded one's key chain goes on after a pause (`engine_daemon.scheduling.preemption`).
+    sampler: Any = None
+    preempted: Any = None  # while paused for another client: the KV it resumes from (`Preempted`)
 
     @property
     def client(self) -> str:

@@ -9,6 +9,7 @@ mlx-lm's BatchGenerator sample them in one batched call.
 from __future__ import annotations
 
 import functools
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -40,17 +41,43 @@ def seeded_sampler(seed: int, temperature: float, top_p: float, min_p: float, to
     """A sampler that draws from its own key chain, one split per token."""
     if temperature == 0:
         return shared_sampler(0.0, 0.0, 0.0, 0)
-    chain = _filters(top_p, min_p, top_k)
-    key = mx.random.key(seed)
+    return SeededSampler(seed, temperature, _filters(top_p, min_p, top_k))
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, draw = mx.random.split(key)
-        for method in chain:
+
+class SeededSampler:
+    """One request's draws from its own key chain, one split per token, which can be wound back.
+
+    Why wind back: the batch samples a step ahead of what it has returned, so a request paused
+    for another client (`engine_daemon.scheduling.fair_slots`) has used one key more than it kept;
+    resuming from `rewind(kept)` draws exactly what it would have without the pause.
+    """
+
+    HISTORY = 16  # keys kept to wind back through
+
+    def __init__(self, seed: int, temperature: float, chain: list[Callable[[mx.array], mx.array]]):
+        self.key = mx.random.key(seed)
+        self.temperature = temperature
+        self.chain = chain
+        self.draws = 0
+        self._before: deque[mx.array] = deque(maxlen=self.HISTORY)  # the key before each recent draw
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self._before.append(self.key)
+        self.key, draw = mx.random.split(self.key)
+        self.draws += 1
+        for method in self.chain:
             logprobs = method(logprobs)
-        return mx.random.categorical(logprobs * (1.0 / temperature), key=draw)
+        return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)
 
-    return sample
+    def rewind(self, draws: int) -> bool:
+        """Back to the state after `draws` draws; False when that is further back than the history."""
+        back = self.draws - draws
+        if back < 0 or back > len(self._before):
+            return False
+        for _ in range(back):
+            self.key = self._before.pop()
+        self.draws = draws
+        return True
 
 
 def make_request_sampler(sampling: dict[str, Any]) -> Sampler:

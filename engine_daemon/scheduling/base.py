@@ -60,6 +60,8 @@ class SchedulerStats:
     # Requests taken while an idle engine waited for companions of the one that woke it (`--coalesce-ms`).
     coalesce_waits: int = 0
     coalesced_requests: int = 0
+    # Requests paused to give a waiting client a slot, and resumed (`engine_daemon.scheduling.preemption`).
+    requests_preempted: int = 0
     # Vision requests whose template and processor ran on the mlx thread: the admission pool had not built them.
     media_inputs_on_mlx_thread: int = 0
     rejections: Counter = field(default_factory=Counter)
@@ -228,7 +230,7 @@ class BaseScheduler:
         client's newest queued request gives up its place (max-min fair: one client cannot fill the queue)."""
         if self.queued() < self.config.max_queued:
             return []
-        queued = self.queued_requests()
+        queued = [other for other in self.queued_requests() if other.preempted is None]  # not paused streams
         counts = Counter(other.client for other in queued)
         top, most = counts.most_common(1)[0] if counts else ("", 0)
         if top == request.client or most < counts[request.client] + 2:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from functools import partial
 from typing import Any
 
@@ -24,7 +24,7 @@ from engine_daemon.generation import vision_batch
 from engine_daemon.generation.grouped import GroupedGenerator
 from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.generation.speculative import eligible as speculative_eligible
-from engine_daemon.group.lockstep import GroupFailed, Lockstep, agree_seed
+from engine_daemon.group.lockstep import GroupFailed, Lockstep, agree_seed, check_replayable
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.models.store import ModelRef
 from engine_daemon.models.vision_support import cache_stats as vision_cache_stats
@@ -33,7 +33,7 @@ from engine_daemon.prefix_cache.disk import DiskTier
 from engine_daemon.prefix_cache.tiered import PrefixCache
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
-from engine_daemon.scheduling import coalesce
+from engine_daemon.scheduling import coalesce, fair_slots
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
 from engine_daemon.scheduling.prefill_pacer import ROW_TILE, PrefillPacer, StepPeriods
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
@@ -128,17 +128,7 @@ class BatchScheduler(BaseScheduler):
                 exc.param = "messages"  # the client sent a chat, not a raw prompt
             raise
         if self.lockstep is not None:
-            self._check_group_request(request)
-
-    @staticmethod
-    def _check_group_request(request: EngineRequest) -> None:
-        """What followers cannot replay from a plan is refused in a group, never half-served."""
-        if request.body.get("adapter"):
-            raise RequestError(400, "unsupported_in_group", "LoRA adapters are not served by an engine group",
-                               param="model")
-        if request.processors and request.processor_spec is None:  # processors followers could not rebuild
-            raise RequestError(400, "unsupported_in_group", "This request's logits processors cannot be replayed "
-                               "by an engine group", param="response_format")
+            check_replayable(request)
 
     def resolve_model(self, name: str | None, download: bool = True) -> ModelRef:
         """An engine group serves the one model it was started with: no switch (every rank would reload)."""
@@ -155,23 +145,11 @@ class BatchScheduler(BaseScheduler):
         return self._fill_slots()
 
     def _next_pending(self) -> EngineRequest | None:
-        """The next request to take a slot: of the client holding fewest slots, oldest first.
-
-        Max-min fair between clients (API keys): one client's burst (`n`=16 three times) cannot
-        keep another client's request out of the batch while slots free up, and with
-        --max-slots-per-key no client holds more than that many slots at once.
-        """
-        held = Counter(request.client for request in self.by_uid.values())
-        ceiling = self.config.max_slots_per_key
+        """Of the client holding fewest slots, oldest first (`fair_slots.next_pending`)."""
         text = self.models.current is not None and self.models.current.kind == "text"
-        best: EngineRequest | None = None
-        for request in self.pending:
-            if ceiling and held[request.client] >= ceiling:
-                continue
-            if text and self.lockstep is None and self.sharing.should_wait(request, self.by_uid):
-                continue  # a prompt in flight is computing its prefix: take it from the cache next step
-            if best is None or held[request.client] < held[best.client]:
-                best = request
+        # A prompt in flight computing a waiter's prefix: the waiter takes it from the cache next step.
+        best = fair_slots.next_pending(self.pending, self.by_uid, self.config.max_slots_per_key, lambda request: (
+            text and self.lockstep is None and self.sharing.should_wait(request, self.by_uid)))
         if best is not None:
             self.pending.remove(best)
         return best
@@ -183,6 +161,7 @@ class BatchScheduler(BaseScheduler):
             if request is None:
                 break  # every waiting client is at its --max-slots-per-key ceiling
             self.sharing.admitted(request.rid)
+            resumed = request.preempted is not None
             try:
                 self._ensure_generator()
                 self._insert(request)
@@ -190,8 +169,28 @@ class BatchScheduler(BaseScheduler):
                 log.exception("rid=%s could not join the batch", request.rid)
                 events.append(error_event(request, engine_failure(exc)))
                 continue
-            events.append(self.accepted_event(request))
+            if not resumed:
+                events.append(self.accepted_event(request))
+        if self.pending and len(self.by_uid) >= self.config.decode_concurrency and self._preempt():
+            events += self._fill_slots()
         return events
+
+    def _preempt(self) -> bool:
+        """Pauses a request of the client holding most slots when a client holding 2+ fewer waits (`fair_slots`)."""
+        generator = self.generator  # a GroupedGenerator: text models only (vision batches on mlx-vlm)
+        if not (self.config.fair_preemption and self.lockstep is None and isinstance(generator, GroupedGenerator)):
+            return False
+        uid = fair_slots.choose_victim(self.by_uid, self.pending, self.config.max_slots_per_key, generator.preemptible)
+        if uid is None:
+            return False
+        request = self.by_uid.pop(uid)
+        del self.uid_of[request.rid]
+        self._prefill_progress.forget(uid)
+        self.sharing.forget((uid,))
+        fair_slots.pause(generator, uid, request)
+        self.pending.appendleft(request)
+        self.stats.requests_preempted += 1
+        return True
 
     def _new_prefix_cache(self) -> PrefixCache:
         return PrefixCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes or 1 << 62, self.disk_cache)
@@ -212,28 +211,31 @@ class BatchScheduler(BaseScheduler):
         adapter = request.body.get("adapter")  # the adapter key admission settled (BaseScheduler.accept)
         # Memory, then disk; the prompt's last token is always computed (its logits give the first token).
         cache, cached, entry, entry_len = None, 0, -1, 0
-        if self.lockstep is None:
+        resume, request.preempted = request.preempted, None  # a paused request goes on from its own KV
+        if resume is not None:
+            cache, context, rest = resume.cache, resume.context, resume.rest
+        elif self.lockstep is None:
             cache, cached = self.prompt_cache.fetch(self._cache_key(adapter), prompt)
         else:  # rank 0 decides the reuse for every rank (`PlannedPrefixCache`)
             request.sampling = agree_seed(request.sampling)  # every rank draws from the same key chain
             cache, cached, entry, entry_len = self.prompt_cache.fetch_planned(self._cache_key(adapter), prompt)
-        rest = prompt[cached:]
-        request.cached_tokens = cached
-        if cached:
-            self.stats.prompt_cache_hits += 1
+        if resume is None:
+            rest, context, request.cached_tokens = prompt[cached:], prompt[:cached], cached
+            self.stats.prompt_tokens += len(prompt)
+            self.stats.prompt_cache_hits += bool(cached)
+            self.stats.prompt_cache_misses += not cached
             self.stats.cached_tokens += cached
-        else:
-            self.stats.prompt_cache_misses += 1
+        request.sampler = request.sampler or make_request_sampler(request.sampling)
         eos = StopSequences([[token] for token in request.eos_token_ids])
         processors = make_request_processors(request.sampling) + request.processors
         (uid,) = self.generator.insert(
-            [rest], max_tokens=[request.max_tokens], caches=[cache], all_tokens=[prompt[:cached]],
-            samplers=[make_request_sampler(request.sampling)], logits_processors=[processors],
-            stop_sequences=[eos], adapters=[adapter],
-            speculative=[speculative_eligible(request.sampling, request.processors)])
+            [rest], max_tokens=[request.max_tokens - request.generated], caches=[cache], all_tokens=[context],
+            samplers=[request.sampler], logits_processors=[processors], stop_sequences=[eos], adapters=[adapter],
+            speculative=[resume is None and speculative_eligible(request.sampling, request.processors)])
         self.by_uid[uid] = request
         self.uid_of[request.rid] = uid
-        self.stats.prompt_tokens += len(prompt)
+        if resume is not None:
+            self.sharing.prefilled.add(uid)  # its prompt is in its KV already: nothing to share again
         if self.lockstep is not None:
             self.lockstep.added(uid, rest, request.max_tokens, request.sampling, list(request.eos_token_ids),
                                 cached, entry, entry_len, request.processor_spec if request.processors else None)

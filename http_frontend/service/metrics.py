@@ -267,6 +267,8 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
         "vision_kv_disk_writes")
     one("mlx_engine_vision_prompt_cache_disk_corrupt_total", "counter",
         "Damaged cache files a vision model skipped and deleted.", "vision_kv_disk_corrupt")
+    one("mlx_engine_requests_preempted_total", "counter",
+        "Requests paused so a client holding fewer decode slots got one (--fair-preemption).", "requests_preempted")
     one("mlx_engine_model_loads_total", "counter", "Model loads since the engine started.", "model_loads")
     outcomes = [(("outcome", outcome.removeprefix("requests_")), stats[outcome])
                 for outcome in ("requests_added", "requests_finished", "requests_aborted", "requests_rejected")
