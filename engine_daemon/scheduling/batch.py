@@ -145,11 +145,11 @@ class BatchScheduler(BaseScheduler):
         return self._fill_slots()
 
     def _next_pending(self) -> EngineRequest | None:
-        """Of the client holding fewest slots, oldest first (`fair_slots.next_pending`)."""
-        text = self.models.current is not None and self.models.current.kind == "text"
-        # A prompt in flight computing a waiter's prefix: the waiter takes it from the cache next step.
+        """Of the client holding fewest slots, oldest first (`fair_slots.next_pending`); a new prompt whose prefix
+        a prompt in flight computes waits for it (a paused request's prompt is in its own KV already)."""
+        sharing = self.models.current is not None and self.models.current.kind == "text" and self.lockstep is None
         best = fair_slots.next_pending(self.pending, self.by_uid, self.config.max_slots_per_key, lambda request: (
-            text and self.lockstep is None and self.sharing.should_wait(request, self.by_uid)))
+            sharing and request.preempted is None and self.sharing.should_wait(request, self.by_uid)))
         if best is not None:
             self.pending.remove(best)
         return best
