@@ -68,6 +68,13 @@ class _Images(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(IMAGE[:10])
             self.close_connection = True
+        elif self.path == "/bad-chunks.png":  # chunked, then a chunk size that is not hex
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"a\r\n" + IMAGE[:10] + b"\r\nzz\r\n" + IMAGE[10:40] + b"\r\n0\r\n\r\n")
+            self.close_connection = True
         elif self.path == "/deflated.png":  # ~100 KB on the wire, 100 MB inflated: compressed whatever was asked
             _Images.accept_encodings.append(self.headers.get("Accept-Encoding"))
             self._send(200, "image/png", ZEROS_GZIP, {"Content-Encoding": "gzip"})
@@ -343,6 +350,7 @@ def test_compressed_bodies_and_bad_hosts_are_refused(client: openai.OpenAI, imag
     expect_400(lambda: image_chat(client, "http://xn--/a.png"), "invalid_image_url")
     # Red team, re-verification: a body cut short and a port past 65535 were 500s.
     expect_400(lambda: image_chat(client, f"{image_server}/short.png"), "image_fetch_failed")
+    expect_400(lambda: image_chat(client, f"{image_server}/bad-chunks.png"), "image_fetch_failed")
     expect_400(lambda: image_chat(client, "http://127.0.0.1:99999/a.png"), "invalid_image_url")
 
 
