@@ -22,6 +22,7 @@ PARAM_RANGES: dict[str, tuple[float, float]] = {
     "repetition_penalty": (1e-6, 100.0),
     "seed": (0, 2**63 - 1),
     "max_tokens": (1, 2**31 - 1),
+    "min_tokens": (0, 2**31 - 1),
     "top_logprobs": (0, 20),
     "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0),

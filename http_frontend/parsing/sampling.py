@@ -65,7 +65,11 @@ def parse_sampling(body: dict[str, Any], max_stops: int = MAX_STOP_STRINGS,
         "seed": get_field(body, "seed", (int,)),
         "stop": parse_stop(body, max_stops, max_stop_length),
         "ignore_eos": get_field(body, "ignore_eos", (bool,)),
+        "min_tokens": get_field(body, "min_tokens", (int,), minimum=0) or None,  # vLLM's: no EOS before this many
     }
+    if params["min_tokens"] and max_tokens is not None and params["min_tokens"] > max_tokens:
+        raise bad_request(f"'min_tokens' ({params['min_tokens']}) must not exceed 'max_tokens' ({max_tokens})",
+                          param="min_tokens")
     for name in ("presence_penalty", "frequency_penalty"):
         params[name] = get_field(body, name, (float,), minimum=-2, maximum=2)
     params["logit_bias"] = parse_logit_bias(body)

@@ -87,6 +87,7 @@ SAMPLING: dict[str, Schema] = {
     "stream": nullable(BOOLEAN),
     "stream_options": nullable(obj({"include_usage": BOOLEAN})),
     "ignore_eos": nullable(BOOLEAN),
+    "min_tokens": nullable({"type": "integer", "minimum": 0}),
     "user": nullable(STRING),
     "response_format": nullable(RESPONSE_FORMAT),
 }

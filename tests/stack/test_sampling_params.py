@@ -46,3 +46,24 @@ def test_bad_values_are_400_with_param(frontend: Frontend, model_id: str) -> Non
         r = chat(frontend, model_id, **extra)
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["error"]["param"] == param
+
+
+def test_min_tokens_holds_eos_back(frontend: Frontend, model_id: str) -> None:
+    """vLLM's `min_tokens`: with EOS forced, the reply still runs that many tokens (it was silently ignored)."""
+    from mlx_lm import load
+
+    _, tokenizer = load(model_id)
+    eos = {str(token): 100 for token in tokenizer.eos_token_ids}
+    for min_tokens, expected in ((None, 0), (5, 5)):
+        r = chat(frontend, model_id, logit_bias=eos, **({"min_tokens": min_tokens} if min_tokens else {}))
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == expected, (min_tokens, r.json())
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+    # A completed format outranks it: the reply ends with the grammar instead of sampling from nothing.
+    schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string", "enum": ["yes"]}}}
+    r = chat(frontend, model_id, min_tokens=10, response_format=schema)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == '"yes"', r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    for bad in (-1, 13, "5"):  # max_tokens is 12
+        r = chat(frontend, model_id, min_tokens=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", (bad, r.text)
