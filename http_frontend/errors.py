@@ -24,6 +24,11 @@ _TYPE_BY_STATUS = {
 }
 
 
+class ResponseCut(Exception):
+    """A response that failed after its body started and has no way to say so but ending the connection
+    without its last chunk: the client then sees a broken transfer rather than a short, whole-looking body."""
+
+
 class APIError(Exception):
     """An error answered to the client in the OpenAI shape with its HTTP status."""
 

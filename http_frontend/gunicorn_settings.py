@@ -20,6 +20,10 @@ DEFAULT_KEEP_ALIVE = 5
 DEFAULT_WORKER_CLASS = "http_frontend.middleware.connections.GuardedASGIWorker"
 
 
+# gunicorn's default access line without `%(u)s` (the Basic-auth user name: an API key sent with `curl -u`).
+ACCESS_LOG_FORMAT = '%(h)s %(l)s - %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s"'
+
+
 def options() -> dict[str, Any]:
     host = os.environ.get("MLX_FRONTEND_HOST", "127.0.0.1")
     port = os.environ.get("MLX_FRONTEND_PORT", "8080")
@@ -36,6 +40,8 @@ def options() -> dict[str, Any]:
         "worker_connections": int(os.environ.get("MLX_FRONTEND_WORKER_CONNECTIONS", "1000")),
         "loglevel": os.environ.get("MLX_FRONTEND_LOG_LEVEL", "info").lower(),
         "accesslog": os.environ.get("MLX_FRONTEND_ACCESS_LOG", "-"),
+        # gunicorn's default names the Basic-auth user, and a key sent as `curl -u sk-...:` is that user.
+        "access_log_format": ACCESS_LOG_FORMAT,
         "errorlog": "-",
         "preload_app": False,  # each worker creates its own ZMQ socket after the fork
         # gunicorn >= 24 opens a control socket at one per-user path: two front-ends would collide.

@@ -4,7 +4,8 @@ ASGI reports a gone client only to whoever calls `receive()`. Falcon reads the b
 through it and, for SSE responses, watches for the disconnect only between two
 events. This wrapper owns `receive()`: once the body is read it keeps listening,
 and exposes an asyncio.Event in `scope["mlx_engined.disconnected"]` so a handler
-waiting on the engine (a non-streamed completion) can abort at once.
+waiting on the engine (a non-streamed completion) can abort at once. A body that fails
+half-way (`ResponseCut`) ends the connection without its last chunk.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from http_frontend.errors import ResponseCut
 from http_frontend.middleware.asgi import HttpWrapper, Receive, Send
 
 SCOPE_KEY = "mlx_engined.disconnected"
@@ -46,6 +48,10 @@ class DisconnectWatch(HttpWrapper):
 
         try:
             await self.app(scope, wrapped_receive, send)
+        except ResponseCut:
+            # gunicorn closes the connection mid-body on a cancellation, quietly (any other exception
+            # is logged as an application error with its traceback): the reason was logged already.
+            raise asyncio.CancelledError() from None
         finally:
             if watcher is not None:
                 watcher.cancel()

@@ -31,7 +31,7 @@ from falcon.asgi import SSEvent
 
 from http_frontend.engine.client import EngineError, EngineUnavailable
 from http_frontend.engine.frames import UnsendableRequest
-from http_frontend.errors import APIError, bad_request
+from http_frontend.errors import APIError, ResponseCut, bad_request
 from http_frontend.openai.transcripts import RESPONSE_FORMATS, render
 from http_frontend.parsing.audio_decode import decode_upload
 from http_frontend.parsing.audio_encode import FORMATS, MAX_SPEED, MIN_SPEED, StreamingEncoder, media_type
@@ -234,6 +234,15 @@ class Transcriptions:
             call.cancel()
 
 
+class SpeechCut(ResponseCut):
+    """Speech that failed after its first bytes: raw audio ends the connection without its last chunk
+    (`ResponseCut`), SSE sends an error event instead of `speech.audio.done`."""
+
+    def __init__(self, error: APIError):
+        super().__init__(error.message)
+        self.error = error
+
+
 class Speech:
     """`client.audio.speech.create`: the engine's TTS audio, encoded here and streamed as it is made."""
 
@@ -296,9 +305,9 @@ class Speech:
                 item = await call.next()
             try:
                 call.result()
-            except APIError as exc:  # after the first bytes only a cut stream can say it
+            except APIError as exc:  # after the first bytes: an SSE error event, or a cut connection (`SpeechCut`)
                 log.warning("speech failed mid-stream: %s", exc.message)
-                return
+                raise SpeechCut(exc) from None
             data = await run(encoder.finish)
             if data:
                 yield data
@@ -306,7 +315,11 @@ class Speech:
             call.cancel()
 
     async def _sse(self, chunks: AsyncIterator[bytes], encoder: StreamingEncoder) -> AsyncIterator[SSEvent]:
-        async for data in chunks:
-            yield SSEvent(json={"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+        try:
+            async for data in chunks:
+                yield SSEvent(json={"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+        except SpeechCut as cut:  # an error event and no `done`: the audio so far is not the whole input
+            yield SSEvent(json={"type": "error", **cut.error.to_dict()})
+            return
         yield SSEvent(json={"type": "speech.audio.done",
                             "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}})

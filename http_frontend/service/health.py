@@ -61,6 +61,10 @@ class Health:
             if "engines" in media:
                 resp.media["engines"] = [{"id": one["id"], "status": one["status"]} for one in media["engines"]]
 
+    async def on_head(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """The same status code for load balancers that probe with HEAD (a 405 failed them); no body."""
+        await self.on_get(req, resp)
+
     async def _answer(self, resp: falcon.asgi.Response) -> None:
         if not isinstance(self.client, EnginePool) or self.client.single:
             await self._one(resp)

@@ -11,6 +11,7 @@ this process on the same decoded samples with the same options and seed; speech 
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import struct
 import subprocess
@@ -362,3 +363,30 @@ def test_chat_stream_runs_on_while_audio_is_served(client: openai.OpenAI, stack:
     assert after["model_loads"] == before["model_loads"], "audio must never reload the chat model"
     assert after["tokens_generated"] - before["tokens_generated"] >= 300 and "".join(chunks)
     assert after["auxiliary_jobs"]["slices"] - before["auxiliary_jobs"]["slices"] >= 3  # 2 windows + 1 segment
+
+
+# -- last: it unloads the models ---------------------------------------------------------------------
+@pytest.mark.parametrize("stream_format", ["sse", "audio"])
+def test_speech_cut_short_is_not_passed_off_as_whole(stack: Frontend, stream_format: str) -> None:
+    """Red team: speech that failed mid-way (the model unloaded) ended as a clean 200, SSE even said `done`.
+
+    SSE now ends with an error event and no `done`; raw audio ends without its last chunk (a broken transfer)."""
+    body = {"model": "tts-1", "voice": "alloy", "input": " ".join(f"Sentence number {i} of many." for i in range(40)),
+            "response_format": "wav", "stream_format": stream_format}
+    events: list[str] = []
+    with httpx.stream("POST", f"{stack.base_url}/v1/audio/speech", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines() if stream_format == "sse" else response.iter_bytes()
+        try:
+            for item in lines:
+                if stream_format == "sse" and not item.startswith("data:"):
+                    continue
+                if not events:  # the first audio is out: the model goes while the rest is made
+                    assert httpx.post(f"{stack.base_url}/unload", timeout=60).status_code == 200
+                events.append(json.loads(item[5:])["type"] if stream_format == "sse" else "bytes")
+        except httpx.RemoteProtocolError:
+            events.append("cut")
+    if stream_format == "sse":
+        assert events[-1] == "error" and "speech.audio.done" not in events, events
+    else:
+        assert events[-1] == "cut", events[-3:]

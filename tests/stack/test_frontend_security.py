@@ -89,9 +89,22 @@ def test_health_is_public(secured: Frontend) -> None:
     assert response.json() == {"status": "healthy"}
     full = httpx.get(f"{secured.base_url}/health", headers=auth(), timeout=10).json()
     assert full["status"] == "healthy" and full["loaded_model"] and full["engine"]["pid"]
-    # ...but only GET: the public exception is not a prefix or a method wildcard.
+    # Load balancers probe with HEAD too (it was a 405): the same status, no body.
+    head = httpx.head(f"{secured.base_url}/health", timeout=10)
+    assert head.status_code == 200 and not head.content
+    # ...but only GET and HEAD: the public exception is not a prefix or a method wildcard.
     assert httpx.post(f"{secured.base_url}/health", timeout=10).status_code == 401
     assert httpx.get(f"{secured.base_url}/health/x", timeout=10).status_code == 401
+
+
+def test_a_key_sent_as_basic_auth_is_not_logged(secured: Frontend) -> None:
+    """Red team: `curl -u sk-...:` put the key in gunicorn's access line (its Basic-auth user field)."""
+    for path in ("/stats", "/health"):
+        httpx.get(f"{secured.base_url}{path}", auth=(SECOND_KEY, ""), timeout=10)
+    httpx.get(f"{secured.base_url}/health", timeout=10)  # a line after them: theirs are flushed
+    log = secured.log()
+    assert '"GET /stats HTTP/1.1" 401' in log
+    assert SECOND_KEY not in log
 
 
 def test_openai_sdk_with_right_and_wrong_key(secured: Frontend, model_id: str) -> None:
