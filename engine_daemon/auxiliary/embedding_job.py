@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from engine_daemon.auxiliary.embedding import EmbeddingModel
 
 BYTES_SLACK = 4
+# Inputs tokenized together before their lengths are checked (`EmbeddingJob.prepare`).
+TOKENIZE_SLICE = 64
 
 
 @dataclass
@@ -66,7 +68,12 @@ class EmbeddingJob(AuxiliaryJob):
                     raise RequestError(400, "context_length_exceeded",
                                        f"input[{i}] is {size} bytes: far more than the model's maximum input length "
                                        f"of {model.max_tokens} tokens could hold; shorten it", param="input")
-            self.tokens = [list(ids) for ids in model.tokenizer(self.inputs, add_special_tokens=True)["input_ids"]]
+            # In slices, each checked before the next: a batch whose first input is too long is refused after
+            # one slice, not after all of it (2,048 inputs of 4.5 KB took 21-29 s to refuse for input[0]).
+            for start in range(0, len(self.inputs), TOKENIZE_SLICE):
+                part = model.tokenizer(self.inputs[start:start + TOKENIZE_SLICE], add_special_tokens=True)
+                self.tokens += [list(ids) for ids in part["input_ids"]]
+                self._check_lengths(start)
         else:
             self.tokens = self.inputs
             for i, ids in enumerate(self.tokens):
@@ -76,14 +83,18 @@ class EmbeddingJob(AuxiliaryJob):
                                        f"input[{i}] holds token id {bad}, outside the model's vocabulary "
                                        f"[0, {model.vocab_size}); token arrays must come from this model's tokenizer "
                                        "(LangChain: check_embedding_ctx_length=False sends text)", param="input")
-        for i, ids in enumerate(self.tokens):
-            if len(ids) > model.max_tokens:
-                raise RequestError(400, "context_length_exceeded",
-                                   f"input[{i}] has {len(ids)} tokens; the model's maximum input length is "
-                                   f"{model.max_tokens} tokens", param="input")
+        self._check_lengths(0)
         self.inputs = []  # the text is no longer needed: free it before the job waits in the queue
         self.vectors = [None] * len(self.tokens)
         self._left = len(self.tokens)
+
+    def _check_lengths(self, start: int) -> None:
+        """400 for the first input from `start` on that is longer than the model takes."""
+        for i, ids in enumerate(self.tokens[start:], start):
+            if len(ids) > self.model.max_tokens:
+                raise RequestError(400, "context_length_exceeded",
+                                   f"input[{i}] has {len(ids)} tokens; the model's maximum input length is "
+                                   f"{self.model.max_tokens} tokens", param="input")
 
     # -- mlx thread -------------------------------------------------------------------------------
     def queued(self) -> None:

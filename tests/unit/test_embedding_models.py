@@ -114,3 +114,31 @@ def test_a_layer_slice_holds_as_many_layers_as_the_budget_prices(root: Path) -> 
     assert job.last_slice_tokens == tokens // layers
     assert job.step(tokens * layers) is True and model.layered is None  # the other layers and the pooling
     assert job.last_slice_tokens == tokens * (layers - 1) // layers
+
+
+def test_a_batch_is_refused_after_the_slice_holding_its_first_long_input() -> None:
+    """Red team: 2,048 inputs were all tokenized before input[0] was refused (21-29 s a request)."""
+    from types import SimpleNamespace
+
+    from engine_daemon.auxiliary.embedding_job import TOKENIZE_SLICE, EmbeddingJob
+    from engine_daemon.errors import RequestError
+
+    tokenized: list[int] = []
+
+    def tokenizer(texts: list[str], add_special_tokens: bool) -> dict[str, list[list[int]]]:
+        tokenized.append(len(texts))
+        return {"input_ids": [[1] * len(text) for text in texts]}
+
+    model = SimpleNamespace(tokenizer=tokenizer, max_tokens=8, vocab_size=100, dimensions=4, name="m",
+                            longest_token_bytes=lambda: 4)
+    job = EmbeddingJob(model, ["x" * 20] + ["ok"] * (4 * TOKENIZE_SLICE), None)
+    try:
+        job.prepare()
+    except RequestError as exc:
+        assert exc.code == "context_length_exceeded" and "input[0]" in str(exc)
+    else:
+        raise AssertionError("an input of 20 tokens passed a limit of 8")
+    assert tokenized == [TOKENIZE_SLICE]
+    fine = EmbeddingJob(model, ["ok"] * (2 * TOKENIZE_SLICE + 3), None)
+    fine.prepare()
+    assert len(fine.tokens) == 2 * TOKENIZE_SLICE + 3
