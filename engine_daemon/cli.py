@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queued", type=int, default=int(os.environ.get("MLX_ENGINE_MAX_QUEUED", "256")),
                         help="requests waiting to start before new ones get 429. [MLX_ENGINE_MAX_QUEUED] "
                              "(default: %(default)s)")
+    parser.add_argument("--max-queued-audio-seconds", type=float,
+                        default=float(os.environ.get("MLX_ENGINE_MAX_QUEUED_AUDIO_SECONDS", "3600")),
+                        help="seconds of uploaded audio that waiting and running transcriptions may hold together "
+                             "(16 kHz float32: 3600 s is 230 MB); past it new ones get 429. "
+                             "[MLX_ENGINE_MAX_QUEUED_AUDIO_SECONDS] (default: %(default)s)")
     parser.add_argument("--prompt-cache-size", type=int,
                         default=int(os.environ.get("MLX_ENGINE_PROMPT_CACHE_SIZE", "10")),
                         help="most prefix-cache entries (LRU). [MLX_ENGINE_PROMPT_CACHE_SIZE] (default: %(default)s)")
@@ -351,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         max_slots_per_key=max(0, args.max_slots_per_key), fair_preemption=args.fair_preemption,
         max_stop_strings=max(1, args.max_stop_strings),
         max_stop_length=max(1, args.max_stop_length),
-        max_queued=args.max_queued,
+        max_queued=args.max_queued, max_queued_audio_seconds=args.max_queued_audio_seconds,
         prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes or (budget // 4 if budget else None),
         prompt_cache_dir=args.prompt_cache_dir,

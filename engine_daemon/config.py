@@ -57,6 +57,8 @@ class SchedulerConfig:
     fair_preemption: bool = True
     prompt_concurrency: int = 8
     max_queued: int = 256
+    # Seconds of uploaded audio (16 kHz float32) queued auxiliary jobs may hold together (--max-queued-audio-seconds).
+    max_queued_audio_seconds: float = 3600.0
     prompt_cache_size: int = 10
     prompt_cache_bytes: int | None = None
     # --prompt-cache-dir: the disk tier of the prefix cache (DiskTier) and its byte cap.

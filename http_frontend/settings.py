@@ -35,6 +35,7 @@ IMAGE_FETCH_TIMEOUT_ENV = "MLX_FRONTEND_IMAGE_FETCH_TIMEOUT"
 MAX_AUDIO_BYTES_ENV = "MLX_FRONTEND_MAX_AUDIO_BYTES"
 MAX_AUDIO_SECONDS_ENV = "MLX_FRONTEND_MAX_AUDIO_SECONDS"
 MAX_SPEECH_CHARS_ENV = "MLX_FRONTEND_MAX_SPEECH_CHARS"
+MAX_AUDIO_JOBS_ENV = "MLX_FRONTEND_MAX_AUDIO_JOBS"
 # The browser playground at / (http_frontend.playground); "0" turns it off for API-only deployments.
 PLAYGROUND_ENV = "MLX_FRONTEND_PLAYGROUND"
 
@@ -50,6 +51,8 @@ DEFAULT_MAX_AUDIO_BYTES = 25 * 1024 * 1024  # OpenAI's upload limit for /v1/audi
 DEFAULT_MAX_AUDIO_SECONDS = 480.0
 MAX_AUDIO_SECONDS_CEILING = 520.0
 DEFAULT_MAX_SPEECH_CHARS = 4096  # OpenAI's limit on /v1/audio/speech `input`
+# Uploads one worker decodes and holds at once: a 91 KB FLAC of 470 s silence is 30 MB of samples (and copies).
+DEFAULT_MAX_AUDIO_JOBS = 4
 
 
 def split_list(value: str | None) -> tuple[str, ...]:
@@ -126,6 +129,7 @@ class FrontendSettings:
     max_audio_bytes: int = DEFAULT_MAX_AUDIO_BYTES  # one uploaded audio file (transcriptions, translations)
     max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS  # decoded length of one upload
     max_speech_chars: int = DEFAULT_MAX_SPEECH_CHARS  # characters of /v1/audio/speech `input`
+    max_audio_jobs: int = DEFAULT_MAX_AUDIO_JOBS  # uploads decoded and in flight at once, per worker; others wait
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> FrontendSettings:
@@ -155,6 +159,7 @@ class FrontendSettings:
             max_audio_bytes=_positive_int(env, MAX_AUDIO_BYTES_ENV, DEFAULT_MAX_AUDIO_BYTES),
             max_audio_seconds=_audio_seconds(env),
             max_speech_chars=_positive_int(env, MAX_SPEECH_CHARS_ENV, DEFAULT_MAX_SPEECH_CHARS),
+            max_audio_jobs=_positive_int(env, MAX_AUDIO_JOBS_ENV, DEFAULT_MAX_AUDIO_JOBS),
         )
 
     def __repr__(self) -> str:
@@ -167,7 +172,7 @@ class FrontendSettings:
                 f"allow_private_image_urls={self.allow_private_image_urls}, max_image_bytes={self.max_image_bytes}, "
                 f"image_fetch_timeout={self.image_fetch_timeout}, playground={self.playground}, "
                 f"max_audio_bytes={self.max_audio_bytes}, max_audio_seconds={self.max_audio_seconds}, "
-                f"max_speech_chars={self.max_speech_chars})")
+                f"max_speech_chars={self.max_speech_chars}, max_audio_jobs={self.max_audio_jobs})")
 
 
 # -- the `frontend` command's flags for these settings ---------------------------------------
@@ -290,6 +295,11 @@ def add_audio_flags(parser: argparse.ArgumentParser) -> None:
                         default=env(MAX_SPEECH_CHARS_ENV, str(DEFAULT_MAX_SPEECH_CHARS)),
                         help="most characters of /v1/audio/speech `input`; more gets 400 (0 = the default, "
                              f"OpenAI's 4096). [{MAX_SPEECH_CHARS_ENV}] (default: %(default)s)")
+    parser.add_argument("--max-audio-jobs", type=_limit_arg,
+                        default=env(MAX_AUDIO_JOBS_ENV, str(DEFAULT_MAX_AUDIO_JOBS)),
+                        help="uploads one worker decodes and keeps in flight at once (a few KB of compressed "
+                             "silence decodes to tens of MB); more wait their turn (0 = the default). "
+                             f"[{MAX_AUDIO_JOBS_ENV}] (default: %(default)s)")
 
 
 def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
@@ -319,6 +329,7 @@ def flags_to_env(args: argparse.Namespace) -> dict[str, str]:
         MAX_AUDIO_BYTES_ENV: str(getattr(args, "max_audio_bytes", 0) or DEFAULT_MAX_AUDIO_BYTES),
         MAX_AUDIO_SECONDS_ENV: str(getattr(args, "max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)),
         MAX_SPEECH_CHARS_ENV: str(getattr(args, "max_speech_chars", 0) or DEFAULT_MAX_SPEECH_CHARS),
+        MAX_AUDIO_JOBS_ENV: str(getattr(args, "max_audio_jobs", 0) or DEFAULT_MAX_AUDIO_JOBS),
     }
 
 

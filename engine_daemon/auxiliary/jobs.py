@@ -36,6 +36,7 @@ class AuxiliaryJob:
     """
 
     kind: str = ""
+    held_bytes: int = 0  # what the job keeps from its request (an upload's samples): `--max-queued-audio-seconds`
     # Tokens of work the last `step` did (the queue learns the cost of a token from it); None: the budget.
     last_slice_tokens: int | None = None
 
@@ -114,6 +115,9 @@ class AuxiliaryQueue:
 
     def has_work(self) -> bool:
         return bool(self.entries)
+
+    def held_bytes(self) -> int:
+        return sum(entry.job.held_bytes for entry in self.entries)
 
     def slice_budget(self, decode_seconds: float | None, kind: str = "") -> int:
         """Tokens for the next slice of a `kind` job; `decode_seconds`: a decode step's cost, None when

@@ -96,13 +96,17 @@ class TranscriptionJob(AuxiliaryJob):
         from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
         raw = self.args["audio"]
-        self.audio = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+        self.audio = np.frombuffer(raw, dtype="<f4")  # a view of the CALL's bytes: one copy of the samples, not two
         if self.language is not None:
             code = self.language if self.language in LANGUAGES else TO_LANGUAGE_CODE.get(self.language)
             if code is None:
                 raise RequestError(400, "invalid_value", f"Unknown language {self.language[:32]!r}: expected an "
                                                          "ISO-639-1 code Whisper knows, such as 'en'", param="language")
             self.language = code
+
+    @property
+    def held_bytes(self) -> int:
+        return len(self.args.get("audio") or b"")
 
     def step(self, budget: int) -> bool:
         if self._done:

@@ -99,6 +99,7 @@ class MlxWorker(threading.Thread):
             memory_budget_bytes=config.memory_budget_bytes, preload=config.auxiliary_models,
             main_weight_bytes=lambda: self.models.current.weights_bytes if self.models.current else 0)
         self.aux_jobs = AuxiliaryQueue(config.aux_step_tokens)
+        self._preparing: set[Any] = set()  # auxiliary jobs on the admission pool (what they hold counts too)
         # Seconds between consecutive steps while requests decode (`_time_step`); read by CALL step_gaps.
         self.step_gaps: deque[float] = deque(maxlen=4096)
         self.step_gap_count = 0
@@ -369,6 +370,7 @@ class MlxWorker(threading.Thread):
         if isinstance(command, AuxiliaryCommand):
             return self._start_auxiliary(command)
         if isinstance(command, AuxiliaryReadyCommand):
+            self._preparing.discard(command.job)
             if command.error is not None:
                 return [(command.peer, MsgType.ERROR, {**command.error.to_body(None), "cid": command.cid})]
             self.aux_jobs.add(command.peer, command.cid, command.job)
@@ -379,6 +381,15 @@ class MlxWorker(threading.Thread):
             return [(command.peer, MsgType.RESULT, {"cid": command.cid, "result": command.result})]
         return []  # StopCommand: the loop sees _stopping
 
+    def _check_audio_room(self, size: int) -> None:
+        """429 when uploads held by queued and preparing jobs would pass --max-queued-audio-seconds (16 kHz float32)."""
+        held = self.aux_jobs.held_bytes() + sum(job.held_bytes for job in self._preparing)
+        limit = int(self.scheduler.config.max_queued_audio_seconds * 16_000 * 4)
+        if size and held + size > limit:
+            raise RequestError(429, "audio_queue_full", f"The engine holds {held // 64_000} s of queued audio; "
+                               f"{size // 64_000} s more would pass its limit of {limit // 64_000} s; retry later",
+                               error_type="rate_limit_error")
+
     def _start_auxiliary(self, command: AuxiliaryCommand) -> list[Event]:
         """Loads the job's model (its kind's slot; never the generation model) and prepares the job off-thread."""
         request = command.request
@@ -386,7 +397,9 @@ class MlxWorker(threading.Thread):
             if len(self.aux_jobs.entries) >= self.scheduler.config.max_queued:  # --max-queued bounds these too
                 raise RequestError(429, "queue_full", f"The engine queue is full ({len(self.aux_jobs.entries)} "
                                    "auxiliary requests waiting); retry later", error_type="rate_limit_error")
+            self._check_audio_room(len(request.args.get("audio") or b""))
             job = self.aux.get(request.kind, request.model).job(request.args)
+            self._preparing.add(job)
         except RequestError as exc:
             return [(command.peer, MsgType.ERROR, {**exc.to_body(None), "cid": command.cid})]
 

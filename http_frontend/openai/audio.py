@@ -127,6 +127,16 @@ async def _first(req: falcon.asgi.Request, call: _PartialCall) -> Any:
         raise
 
 
+_SLOTS: dict[int, asyncio.Semaphore] = {}
+
+
+def _audio_slots(size: int) -> asyncio.Semaphore:
+    """The worker's semaphore of `--max-audio-jobs` uploads in flight, shared by transcriptions and translations."""
+    if size not in _SLOTS:
+        _SLOTS[size] = asyncio.Semaphore(size)
+    return _SLOTS[size]
+
+
 class Transcriptions:
     """`client.audio.transcriptions.create` (task transcribe) and `.translations.create` (task translate)."""
 
@@ -142,10 +152,20 @@ class Transcriptions:
         args, response_format, words, stream = self._args(form)
         if form.file is None:
             raise bad_request("Missing required parameter: 'file'", param="file", code="missing_required_parameter")
-        pcm = await decode_upload(form.file, self.settings.max_audio_seconds)
-        args["audio"] = pcm.astype("<f4", copy=False).tobytes()
-        args["stream"] = stream
-        call = _PartialCall(self.client, CallMethod.TRANSCRIBE, args, self.request_timeout)
+        # A slot from decoding until the engine's answer (the samples stay in the CALL until then): a few KB
+        # of compressed silence decode to tens of MB, and 20 at once held ~2 GB in one worker.
+        slots = _audio_slots(self.settings.max_audio_jobs)
+        await until_disconnect(req, slots.acquire())
+        try:
+            pcm = await decode_upload(form.file, self.settings.max_audio_seconds)
+            args["audio"] = memoryview(pcm.astype("<f4", copy=False)).cast("B")  # packed as msgpack bin, no copy
+            args["stream"] = stream
+            call = _PartialCall(self.client, CallMethod.TRANSCRIBE, args, self.request_timeout)
+        except BaseException:
+            slots.release()
+            raise
+        del pcm
+        call.task.add_done_callback(lambda _: slots.release())
         if stream:
             first = await _first(req, call)
             if first is _DONE:  # finished (or refused) before any segment: a refusal is a plain HTTP error

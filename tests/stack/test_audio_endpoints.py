@@ -19,6 +19,7 @@ import threading
 import time
 import wave
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -363,6 +364,32 @@ def test_chat_stream_runs_on_while_audio_is_served(client: openai.OpenAI, stack:
     assert after["model_loads"] == before["model_loads"], "audio must never reload the chat model"
     assert after["tokens_generated"] - before["tokens_generated"] >= 300 and "".join(chunks)
     assert after["auxiliary_jobs"]["slices"] - before["auxiliary_jobs"]["slices"] >= 3  # 2 windows + 1 segment
+
+
+def test_uploads_held_at_once_are_bounded(models: dict[str, Path], ipc_dir: Path,
+                                          tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Red team: 20 uploads of a 91 KB FLAC (470 s of silence) held ~1.6 GB in the engine and ~2 GB in a worker.
+
+    A worker decodes and holds --max-audio-jobs uploads at once (the rest wait, then succeed); the engine
+    refuses audio past --max-queued-audio-seconds with a 429."""
+    logs = tmp_path_factory.mktemp("audio-bounds")
+    (logs / "models.yaml").write_text(f"models:\n  - alias: whisper-1\n    path: {models['whisper']}\n")
+    with running_stack(f"ipc://{ipc_dir}/audio-bounds.sock", logs, model=str(models["chat"]),
+                       engine_args=["--model-dir", str(models["chat"].parent), "--models-config",
+                                    str(logs / "models.yaml"), "--transcription-model", "whisper-1",
+                                    "--max-queued-audio-seconds", "20"],
+                       frontend_args=["--max-audio-jobs", "1"]) as (_, frontend):
+        client = client_for(frontend)
+        t = np.arange(8 * RATE) / RATE
+        short = wav_bytes(0.3 * np.sin(2 * np.pi * 300 * t))
+        with ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(lambda i: client.audio.transcriptions.create(
+                model="whisper-1", file=(f"{i}.wav", short, "audio/wav"), temperature=0.0).text, range(3)))
+        assert len(texts) == 3  # one at a time through the worker's slot, none refused
+        long = wav_bytes(0.3 * np.sin(2 * np.pi * 300 * np.arange(25 * RATE) / RATE))
+        with pytest.raises(openai.RateLimitError) as info:
+            client.audio.transcriptions.create(model="whisper-1", file=("long.wav", long, "audio/wav"))
+        assert error_of(info.value.response)["code"] == "audio_queue_full"
 
 
 # -- last: it unloads the models ---------------------------------------------------------------------
