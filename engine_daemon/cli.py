@@ -164,10 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "[MLX_ENGINE_MAX_SLOTS_PER_KEY] (default: %(default)s)")
     parser.add_argument("--fair-preemption", action=argparse.BooleanOptionalAction,
                         default=os.environ.get("MLX_ENGINE_FAIR_PREEMPTION", "1").lower() not in ("0", "false", "no"),
-                        help="when every decode slot is taken and a waiting client holds 2+ fewer than the client "
-                             "holding most, pause that client's newest request (after 16 tokens) and resume it from "
-                             "its KV when a slot frees; its output is unchanged. [MLX_ENGINE_FAIR_PREEMPTION] "
-                             "(default: on)")
+                        help="with every decode slot taken and a waiting client holding 2+ fewer than the top one, "
+                             "pause that one's newest request and resume it from its KV later, output unchanged. "
+                             "[MLX_ENGINE_FAIR_PREEMPTION] (default: on)")
     parser.add_argument("--decode-concurrency", type=int,
                         default=int(os.environ.get("MLX_ENGINE_DECODE_CONCURRENCY", "32")),
                         help="most requests decoding in one batch. [MLX_ENGINE_DECODE_CONCURRENCY] "
