@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in (*server_keys, args.curve_client_key):
         if key and not os.path.isfile(key):
             parser.error(f"{key}: no such file")
+    if (wrong := curve.check_key_files(server_keys, args.curve_client_key)) is not None:
+        parser.error(wrong)
     try:
         parse_specs(endpoints, server_keys)
     except ValueError as exc:

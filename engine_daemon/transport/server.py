@@ -37,6 +37,7 @@ from engine_daemon.scheduling.commands import (
     ReplyCommand,
 )
 from engine_daemon.scheduling.worker import MlxWorker
+from engine_daemon.transport.handshake_log import HandshakeLog
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 
@@ -145,6 +146,9 @@ class EngineServer:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(outbox, zmq.POLLIN)
+        handshakes = HandshakeLog(router) if self._auth is not None else None  # why a CURVE peer was refused
+        if handshakes is not None:
+            poller.register(handshakes.monitor, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
         try:
             while not self._stop.is_set():
@@ -163,6 +167,8 @@ class EngineServer:
                         except zmq.Again:
                             break
                         self._receive(router, parts)
+                if handshakes is not None and handshakes.monitor in ready:
+                    handshakes.drain()
                 if not self.worker.is_alive():
                     # A dead mlx thread would leave every stream hanging behind a live socket:
                     # stop now, and let the exit status tell the supervisor to restart us.
@@ -177,6 +183,8 @@ class EngineServer:
             self.preprocessor.close()
             self.worker.stop()
             self.worker.join(timeout=60)  # a clean stop writes the hot prefixes to --prompt-cache-dir
+            if handshakes is not None:
+                handshakes.close()
             router.close()
             outbox.close()
             if self._auth is not None:

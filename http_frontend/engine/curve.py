@@ -43,3 +43,23 @@ def apply_client_curve(sock: zmq.Socket, server_key: str | None = None, client_k
     sock.curve_secretkey = client_secret
     log.info("CURVE client: engine key from %s, client key from %s", server_key, client_key)
     return True
+
+
+def check_key_files(server_keys: list[str], client_key: str | None) -> str | None:
+    """Why the CURVE key files cannot work (for the command line's error), or None.
+
+    Read once in the `frontend` command, so a wrong file is a one-line error at start rather than
+    every worker failing to boot with a traceback. A server key file that holds the engine's secret
+    half works but should not be on a front-end host: that is logged.
+    """
+    for path in (*server_keys, *([client_key] if client_key else [])):
+        try:
+            public, secret = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as exc:
+            return f"{path}: not a CURVE certificate ({exc})"
+        if path == client_key and not secret:
+            return f"--curve-client-key {path} holds no secret key (give the client's .key_secret file)"
+        if path != client_key and secret:
+            log.warning("--curve-server-key %s holds the engine's secret key: give the front-end its public "
+                        "server.key only", path)
+    return None

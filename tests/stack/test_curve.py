@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -74,6 +74,27 @@ def test_authorized_client_gets_pong_others_get_nothing(curve_engine: Engine, ke
     # Denied peers cost the engine nothing: authorized clients are still served.
     assert curve_ping(curve_engine.endpoint, keys / "server.key", keys / "frontend.key_secret", 2.0) is not None
     assert "CURVE on tcp://127.0.0.1" in curve_engine.log()
+    # Red team: neither side logged why; the engine now says (rate-limited) what it refused.
+    wait_for_line(curve_engine.log, "CURVE handshake was refused: a front-end key not in --curve-authorized-keys")
+    wait_for_line(curve_engine.log, "CURVE handshake failed")  # the plain one
+
+
+def wait_for_line(log: Callable[[], str], line: str, timeout: float = 20.0) -> None:
+    """Waits for the process to log `line` (its log is what it reports; no client clock is judged)."""
+    deadline = time.monotonic() + timeout
+    while line not in log():
+        assert time.monotonic() < deadline, f"{line!r} never logged:\n{log()[-3000:]}"
+        time.sleep(0.1)
+
+
+def test_a_frontend_with_a_key_the_engine_refuses_says_so(curve_engine: Engine, keys: Path, intruder: Path,
+                                                            tmp_path: Path) -> None:
+    frontend = Frontend(curve_engine.endpoint, tmp_path / "frontend.log", workers=1,
+                        args=["--curve-server-key", str(keys / "server.key"), "--curve-client-key", str(intruder)])
+    try:
+        wait_for_line(frontend.log, f"CURVE handshake with the engine at {curve_engine.endpoint} was refused")
+    finally:
+        frontend.stop()
 
 
 def test_frontend_with_client_keys_serves_chat(curve_engine: Engine, keys: Path, tmp_path: Path) -> None:
@@ -115,6 +136,20 @@ def test_frontend_refuses_half_a_curve_configuration(keys: Path, tmp_path: Path)
                              "--curve-server-key", str(keys / "server.key")],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode != 0 and "go together" in result.stderr
+
+
+def test_frontend_refuses_wrong_key_files_in_one_line(keys: Path, tmp_path: Path) -> None:
+    """Red team: a public key as --curve-client-key or a garbage server key failed every worker's boot with a
+    traceback; they are now refused by the command, naming the file."""
+    garbage = tmp_path / "garbage.key"
+    garbage.write_text("not a certificate\n")
+    for server, client, expected in ((keys / "server.key", keys / "frontend.key", "holds no secret key"),
+                                     (garbage, keys / "frontend.key_secret", "not a CURVE certificate")):
+        result = subprocess.run([sys.executable, "-m", "http_frontend.cli", "--endpoint", "tcp://127.0.0.1:1",
+                                 "--curve-server-key", str(server), "--curve-client-key", str(client)],
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 2 and expected in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
 
 
 def test_engine_refuses_plain_tcp_on_all_interfaces_unless_allowed(tmp_path: Path) -> None:

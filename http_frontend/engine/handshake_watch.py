@@ -1,0 +1,54 @@
+"""Failed CURVE handshakes with the engine, logged: otherwise a wrong key looks exactly like a dead engine.
+
+A front-end whose key is not on the engine's allow-list, or that has the wrong server key, or
+that speaks plain ZeroMQ to a CURVE engine, gets no answer and its clients get 503
+`engine_unavailable`; ZeroMQ reports why only on a socket monitor. This reads the DEALER's
+monitor and logs each kind of failure at most once per `QUIET_SECONDS` (a reconnect retries every
+second), with how many were folded into the line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger(__name__)
+
+QUIET_SECONDS = 30.0
+FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed: does the engine run CURVE, with the key of --curve-server-key?",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed: the engine speaks another security mechanism or key (protocol "
+                                         "error; check --curve-server-key, and that the engine runs CURVE)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "was refused: this front-end's key is not in the engine's "
+                                     "--curve-authorized-keys",
+}
+
+
+async def watch_handshakes(sock: zmq.asyncio.Socket, endpoint: str) -> None:
+    """Runs until cancelled; logs failed handshakes of `sock` with the engine at `endpoint`."""
+    events = 0
+    for event in FAILURES:
+        events |= event
+    monitor = sock.get_monitor_socket(events)
+    last: dict[int, float] = {}
+    folded: dict[int, int] = {}
+    try:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event not in FAILURES:
+                continue
+            now = time.monotonic()
+            if now - last.get(event, -QUIET_SECONDS) < QUIET_SECONDS:
+                folded[event] = folded.get(event, 0) + 1
+                continue
+            more = folded.pop(event, 0)
+            last[event] = now
+            log.warning("CURVE handshake with the engine at %s %s%s", endpoint, FAILURES[event],
+                        f" ({more} more since the last line)" if more else "")
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
