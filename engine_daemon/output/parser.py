@@ -24,6 +24,7 @@ CONTENT, REASONING, TOOL, JSON_TOOL = "content", "reasoning", "tool", "json_tool
 # A call cut short (max_tokens): its name once complete, then whatever arguments text followed.
 _JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+_JSON_CALL_START = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a call (or a list of them) writes its name first
 # Key/value markup families: Qwen3-Coder's `<function=f><parameter=k>v</parameter>`, GLM's
 # `f<arg_key>k</arg_key><arg_value>v</arg_value>`; an unclosed last value runs to the end.
 _XML_NAME = re.compile(r"<function=([^>\s]+)>")
@@ -53,7 +54,11 @@ def _held_back(text: str, markers: list[str]) -> int:
 
 
 def _call_dict(parsed: Any) -> list[dict[str, Any]]:
-    """A tool parser's result (one call or a list) as [{"name", "arguments"}], arguments a JSON string."""
+    """A tool parser's result (one call or a list) as [{"name", "arguments"}], arguments a JSON string.
+
+    NaN and Infinity are not JSON (strict clients' `JSON.parse` rejects them): such a call is unparsable.
+    A lone surrogate (`"\\ud800"` decoded) cannot travel as UTF-8: it stays an escape.
+    """
     calls = parsed if isinstance(parsed, list) else [parsed]
     out = []
     for call in calls:
@@ -61,14 +66,33 @@ def _call_dict(parsed: Any) -> list[dict[str, Any]]:
             raise ValueError(f"not a tool call: {call!r}")
         arguments = call.get("arguments", call.get("parameters", {}))
         if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        out.append({"name": call["name"], "arguments": arguments})
+            arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        out.append({"name": _encodable(call["name"]), "arguments": _encodable(arguments)})
     return out
+
+
+def _encodable(text: str) -> str:
+    """`text` with any lone surrogate as its `\\uXXXX` escape (the output frame is UTF-8)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def parse_json_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The JSON fallback (Llama 3 style): `{"name", "arguments"|"parameters"}` or a list of those."""
     return _call_dict(json.loads(text.strip()))
+
+
+def leading_json_calls(text: str) -> tuple[list[dict[str, Any]], str] | None:
+    """The JSON fallback's calls at the start of `text` and the text after them (`{...}\\n\\nI called f.`)."""
+    stripped = text.lstrip()
+    try:
+        value, end = json.JSONDecoder().raw_decode(stripped)
+        return _call_dict(value), stripped[end:]
+    except (ValueError, RecursionError):
+        return None
 
 
 def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
@@ -81,7 +105,7 @@ def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[s
     is no call to return, and the markup is never returned as text either: None.
     """
     name = _JSON_NAME.search(text)
-    if name is not None:
+    if name is not None and _JSON_CALL_START.match(text):  # a top-level name: a nested "name" is no call
         after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
         arguments = text[after.end():].rstrip() if after is not None else ""
         return {"name": name.group(1), "arguments": arguments, "partial": True}
@@ -103,8 +127,9 @@ def _partial_object(name: str, pairs: list[tuple[str | None, str | None, bool]],
     properties: dict[str, Any] = {}
     for tool in tools or ():
         function = tool.get("function") or {}
-        if function.get("name") == name:
-            properties = (function.get("parameters") or {}).get("properties") or {}
+        if function.get("name") == name and isinstance(function.get("parameters"), dict):
+            found = function["parameters"].get("properties")
+            properties = found if isinstance(found, dict) else {}  # a schema may be `true`, a list, anything
     parts = []
     for key, value, closed in pairs:
         if key is None:  # the key itself is unfinished: nothing of it is known
@@ -116,7 +141,8 @@ def _partial_object(name: str, pairs: list[tuple[str | None, str | None, bool]],
         if not closed:  # an unfinished value: an unterminated JSON string, as a streamed string would be
             parts.append(head + json.dumps(_unclosed(value), ensure_ascii=False)[:-1])
             break
-        parts.append(head + _json_value(value.strip(), (properties.get(key.strip()) or {}).get("type")))
+        schema = properties.get(key.strip())
+        parts.append(head + _json_value(value.strip(), schema.get("type") if isinstance(schema, dict) else None))
     return "{" + ", ".join(parts)
 
 
@@ -133,8 +159,8 @@ def _json_value(value: str, kind: Any) -> str:
     """A finished markup value as JSON: a string where the schema says so, else JSON if it parses."""
     if kind != "string":
         try:
-            return json.dumps(json.loads(value), ensure_ascii=False)
-        except ValueError:
+            return json.dumps(json.loads(value), ensure_ascii=False, allow_nan=False)
+        except (ValueError, RecursionError):  # not JSON, NaN, or nested past what json can follow
             pass
     return json.dumps(value, ensure_ascii=False)
 
@@ -156,6 +182,7 @@ class OutputParser:
         self.buffer = ""
         self.tool_text = ""
         self.tool_calls = 0
+        self.partial_calls = 0  # of them, calls written only in part (cut, or ended mid-call)
         self.seen_content = False
         self.after_thinking = False  # the newlines a template puts after </think> are not answer text
         # Whitespace at the end of the answer text so far, held until real text follows: next to
@@ -269,7 +296,17 @@ class OutputParser:
         try:
             calls = _call_dict(parse(text, self.tools))
         except Exception as exc:
-            written = partial_call(text, self.tools) if raw_if_invalid is not None else None
+            if self.state == JSON_TOOL and (leading := leading_json_calls(text)) is not None:
+                calls, rest = leading  # whole calls, then the model's own text: both kept
+                out.text += rest
+                self._add_calls(out, calls, cut=False)
+                return
+            try:  # the parse of a hostile text must end this call, never the request (or the batch)
+                # A JSON answer the model ended itself is the answer (a nested "name" made it a call).
+                wanted = raw_if_invalid is not None and (cut or self.state == TOOL)
+                written = partial_call(text, self.tools) if wanted else None
+            except (ValueError, RecursionError):
+                written = None
             if written is not None and self.state == JSON_TOOL and written["name"] not in self._tool_names():
                 written = None  # a cut JSON answer that names no tool is the answer, not a call
             if written is not None:  # cut by max_tokens: the call as far as it got, as OpenAI returns it
@@ -281,9 +318,13 @@ class OutputParser:
                 log.info("unparsable tool call (%s): returned as text", exc)
                 out.text += raw_if_invalid if raw_if_invalid is not None else text
                 return
+        self._add_calls(out, calls, cut)
+
+    def _add_calls(self, out: ParsedDelta, calls: list[dict[str, Any]], cut: bool) -> None:
         for call in calls:
             if cut:
                 call["partial"] = True
+            self.partial_calls += bool(call.get("partial"))
             call["index"] = self.tool_calls
             # Always our own id: a model-made one may be anything (a 100-digit number once made the
             # DELTAS frame unencodable), and clients expect a unique string.

@@ -61,7 +61,10 @@ def _parsed(request: EngineRequest, text: str) -> ParsedDelta:
         return ParsedDelta(text=text)
     # "length": max_tokens or the context window ended it, so an open tool call was cut (`partial`).
     delta = request.parser.feed(text, final=final, cut=request.finish_reason == "length")
-    if final and request.finish_reason == "stop" and request.parser.tool_calls:
+    # Only whole calls make a "tool_calls" finish: a call a stop string or an EOS cut off stays "stop".
+    parser = request.parser
+    if final and request.finish_reason == "stop" and parser.tool_calls and not parser.partial_calls \
+            and request.stop.matched is None:
         request.finish_reason = "tool_calls"
     return delta
 

@@ -27,6 +27,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.sampling.custom_grammar import custom_lark, input_rule
 from engine_daemon.sampling.grammar import GrammarConstraint
+from engine_daemon.sampling.schema_depth import MAX_SCHEMA_DEPTH, schema_depth_within
 from engine_daemon.sampling.tool_call_grammar import (
     FunctionSpec,
     can_offer_calls_beside_answer,
@@ -214,13 +215,23 @@ def first_steps_error(matcher: LLMatcher, vocab_size: int, steps: int = PROBE_ST
 
 
 def check_constraint_size(schema: Any, specs: list[FunctionSpec], forced: bool) -> None:
-    """Refuses schemas past MAX_CONSTRAINT_BYTES before compiling them (a 10 MB enum took 8 s to refuse)."""
+    """Refuses schemas past MAX_CONSTRAINT_BYTES, or nested past MAX_SCHEMA_DEPTH, before compiling them.
+
+    Why: a 10 MB enum took 8 s to refuse; a chain of ~1,100 `$defs` (80 KB, each referring to the next)
+    crashed the whole engine inside llguidance's compile (its stack, not an exception).
+    """
     size = len(json.dumps(schema, separators=(",", ":"))) if schema is not None else 0
     size += sum(len(json.dumps(spec.parameters, separators=(",", ":"))) + len(spec.arguments or "") for spec in specs)
     if size > MAX_CONSTRAINT_BYTES:
         raise RequestError(400, "invalid_value",
                            f"The output constraint's schemas are {size} bytes; at most {MAX_CONSTRAINT_BYTES} are "
                            "compiled into a grammar", param="tools" if forced or schema is None else "response_format")
+    named = [(schema, "response_format")] if schema is not None else []
+    named += [(spec.parameters, f"tools[{spec.index}].function.parameters") for spec in specs]
+    for value, param in named:
+        if not schema_depth_within(value, MAX_SCHEMA_DEPTH):
+            raise RequestError(400, "invalid_value", f"The JSON schema in '{param}' nests deeper than "
+                               f"{MAX_SCHEMA_DEPTH} levels (counting the schemas its $refs lead to)", param=param)
 
 
 def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice: Any,

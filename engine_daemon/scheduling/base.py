@@ -19,7 +19,7 @@ from engine_daemon.auxiliary.embedding import pooling_of
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.cpu import parallel_ops as cpu_parallel
 from engine_daemon.cpu import prefill_attention, prefill_swiglu
-from engine_daemon.errors import RequestError
+from engine_daemon.errors import RequestError, engine_failure
 from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.lora.adapters import AdapterManager
 from engine_daemon.models.loaded import LoadedModel
@@ -292,7 +292,21 @@ class BaseScheduler:
 
     # -- output ---------------------------------------------------------------------
     def token_event(self, request: EngineRequest, token: int | None, logprobs: Any = None) -> Event:
-        """DELTAS item for one sampled token (None: the generation ended with no new token)."""
+        """DELTAS item for one sampled token (None: the generation ended with no new token).
+
+        What the model generated is parsed here (stop strings, reasoning, tool calls): if that fails on
+        some output, this request ends with an error (`finish_reason` "error" takes it out of the batch);
+        raised on, the step would fail every request in flight.
+        """
+        try:
+            return self._token_event(request, token, logprobs)
+        except Exception as exc:
+            log.exception("rid=%s: its output could not be processed; it ends with an error", request.rid)
+            request.finish_reason = "error"
+            self.stats.requests_aborted += 1
+            return error_event(request, engine_failure(exc))
+
+    def _token_event(self, request: EngineRequest, token: int | None, logprobs: Any = None) -> Event:
         if request.seq == 0 and log.isEnabledFor(logging.DEBUG):  # the engine's share of a client's TTFT
             log.debug("rid=%s first token %.1f ms after the engine got it", request.rid,
                       (time.monotonic() - request.arrived) * 1000)

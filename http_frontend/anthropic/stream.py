@@ -31,7 +31,7 @@ def tool_input(arguments: Any) -> dict[str, Any]:
         return arguments
     try:
         parsed = json.loads(arguments or "{}")
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # nested past what json follows: as if not JSON
         parsed = closed_json(arguments) if isinstance(arguments, str) else None
         if parsed is None:
             log.warning("tool call arguments are not JSON, sent as an empty input: %.200r", arguments)
@@ -75,7 +75,7 @@ def closed_json(text: str) -> Any:
     for attempt in attempts:
         try:
             return json.loads(attempt)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
     return None
 

@@ -139,8 +139,8 @@ def custom_input(arguments: str) -> str:
     """A custom call's raw text from the function-call arguments the model wrote (`{"input": …}`)."""
     try:
         parsed = json.loads(arguments)
-    except ValueError:
-        return arguments  # cut short (max tokens): the partial text as written
+    except (ValueError, RecursionError):
+        return arguments  # cut short (max tokens), or nested past what json follows: the text as written
     if isinstance(parsed, dict) and isinstance(parsed.get("input"), str):
         return parsed["input"]
     return arguments

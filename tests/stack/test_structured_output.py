@@ -388,6 +388,10 @@ def test_non_json_tool_formats_are_refused(tiny: tuple[Any, Any]) -> None:
 
 
 RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+# A flat chain of $defs, each an array of the next: 1,200 of them crashed the engine in llguidance's compile.
+CHAIN = {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "required": ["x"],
+         "$defs": {**{f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(1200)},
+                   "d1200": {"type": "integer"}}}
 
 
 @pytest.mark.parametrize("response_format,tools,tool_choice,param", [
@@ -405,6 +409,9 @@ RECURSIVE = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": [
      "required", "tools[0].function.parameters"),
     # Compiles, then fails on its first mask (llguidance's item limit): was a 200 with no call at all.
     (None, [{"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}], "required", "tool_choice"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": CHAIN}}, None, None, "response_format"),
+    (None, [{"type": "function", "function": {"name": "f", "parameters": CHAIN}}], "required",
+     "tools[0].function.parameters"),
     # Past MAX_CONSTRAINT_BYTES: refused before compiling (a 10 MB enum took ~8 s to refuse).
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [f"v{i}" for i in range(200_000)]}}},
      None, None, "response_format"),

@@ -130,3 +130,58 @@ def test_json_fallback_for_families_without_a_parser() -> None:
     plain = OutputParser(NO_PARSER, in_thinking=False, tools=TOOLS)
     _, total = run(plain, ["Hello", " {not json}"])
     assert total.text == "Hello {not json}" and not total.tool_calls
+
+
+# -- red team: output a model may write ---------------------------------------------------------------
+def test_a_json_answer_naming_a_tool_inside_is_no_call() -> None:
+    """The JSON fallback took `{"items": [{"name": "get_weather", ...}]}` for a call with empty arguments."""
+    parser = OutputParser(NO_PARSER, in_thinking=False, tools=TOOLS)
+    answer = '{"items": [{"name": "get_weather", "qty": 2}]}'
+    _, total = run(parser, split_chars(answer))
+    assert total.text == answer and not total.tool_calls
+
+
+def test_a_json_call_then_text_keeps_both() -> None:
+    """`{call}\n\nI called f.` became one partial call whose arguments swallowed the text."""
+    parser = OutputParser(NO_PARSER, in_thinking=False, tools=TOOLS)
+    _, total = run(parser, ['{"name": "get_weather", "parameters": {"city": "Oslo"}}', "\n\nI called it."])
+    (call,) = total.tool_calls
+    assert json.loads(call["arguments"]) == {"city": "Oslo"} and not call.get("partial")
+    assert total.text.strip() == "I called it."
+
+
+def test_calls_with_nan_or_lone_surrogates_stay_valid_json_and_utf8() -> None:
+    nan = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    _, total = run(nan, ['<tool_call>{"name": "get_weather", "arguments": {"x": [NaN]}}</tool_call>'])
+    assert not total.tool_calls and "NaN" in total.text  # not JSON: the text, never `{"x": [NaN]}` as arguments
+    surrogate = OutputParser(QWEN, in_thinking=False, tools=TOOLS)
+    _, total = run(surrogate, ['<tool_call>{"name": "get_weather", "arguments": {"x": "\\ud800"}}</tool_call>'])
+    (call,) = total.tool_calls
+    call["arguments"].encode("utf-8")  # the output frame is UTF-8: a lone surrogate stays an escape
+    assert json.loads(call["arguments"]) == {"x": "\ud800"}
+
+
+def test_partial_calls_survive_odd_schemas_and_deep_values() -> None:
+    """A `true` property schema and 1,200 nested brackets raised inside the parser (and failed the batch)."""
+    from engine_daemon.output.parser import partial_call
+
+    odd = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": True}}}},
+           {"type": "function", "function": {"name": "g", "parameters": {"properties": [1]}}}]
+    for name in ("f", "g"):
+        for text in (f"<function={name}><parameter=x>\n1\n</parameter>", f"<function={name}><parameter=x>\n[1"):
+            assert partial_call(text, odd)["name"] == name
+    deep = partial_call("<function=f><parameter=x>\n" + "[" * 1200 + "\n</parameter><parameter=y>", odd)
+    assert deep["name"] == "f" and deep["arguments"].startswith('{"x": "[[[')
+
+
+def test_a_call_a_stop_string_or_eos_cut_does_not_finish_as_tool_calls() -> None:
+    from engine_daemon.output.tokens import _parsed
+
+    whole = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    cut = '<tool_call>{"name": "get_weather", '
+    for text, matched, expected in ((whole, None, "tool_calls"), (cut + '"arguments": {"a', None, "stop"),
+                                    (whole, "END", "stop")):
+        request = SimpleNamespace(parser=OutputParser(QWEN, in_thinking=False, tools=TOOLS), finish_reason="stop",
+                                  stop=SimpleNamespace(matched=matched))
+        _parsed(request, text)
+        assert request.finish_reason == expected, (text, matched)
