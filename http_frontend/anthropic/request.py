@@ -90,6 +90,11 @@ def _tool_result(block: dict[str, Any], param: str) -> tuple[str, list[dict[str,
         elif part["type"] == "image":
             images.append(_image_part(part, where))
             texts.append(f"[image {len(images)}: shown in the next user turn]")
+        elif part["type"] == "tool_reference":  # tool search found a deferred tool: every tool is in the prompt
+            if not isinstance(part.get("tool_name"), str) or not part["tool_name"]:
+                raise bad_request(f"{where}.tool_name: expected a string", param=f"{where}.tool_name",
+                                  code="invalid_type")
+            texts.append(f"Tool {part['tool_name']} loaded: it can be called now.")
         elif part["type"] not in IGNORED_BLOCKS:
             raise bad_request(f"{where}: '{part['type']}' blocks in a tool_result are not supported",
                               param=where, code="unsupported_content")
@@ -171,18 +176,41 @@ def _assistant_turn(blocks: list[dict[str, Any]], param: str) -> dict[str, Any]:
     return message
 
 
-def parse_system(body: dict[str, Any]) -> str | None:
-    """`system`: a string or an array of text blocks (joined by newlines)."""
+def parse_system(body: dict[str, Any], param: str = "system") -> str | None:
+    """`system`: a string or an array of text blocks (joined by newlines).
+
+    A system turn inside `messages` (`param` names it) may also carry Claude Code's tool changes
+    (`tool_addition` / `tool_removal`, beta `mid-conversation-tool-changes`): they become notes the
+    model reads, since the tools of the prompt are rendered once, from `tools`.
+    """
     system = get_field(body, "system", (str, list))
     if system is None or isinstance(system, str):
         return system or None
     texts = []
-    for index, block in enumerate(_blocks(system, "system")):
-        if block["type"] != "text":
-            raise bad_request(f"system.{index}: only text blocks are allowed in 'system'", param=f"system.{index}",
+    for index, block in enumerate(_blocks(system, param)):
+        where = f"{param}.{index}"
+        if block["type"] in ("tool_addition", "tool_removal") and param != "system":
+            texts.append(_tool_change(block, where))
+        elif block["type"] != "text":
+            raise bad_request(f"{where}: only text blocks are allowed in a system turn", param=where,
                               code="invalid_value")
-        texts.append(_text(block, f"system.{index}"))
+        else:
+            texts.append(_text(block, where))
     return "\n".join(texts) or None
+
+
+def _tool_change(block: dict[str, Any], where: str) -> str:
+    """A tool added or removed mid-conversation, as a note: its name, and an added tool's description and schema."""
+    tool = block.get("tool") if isinstance(block.get("tool"), dict) else {}
+    definition = tool.get("definition") if isinstance(tool.get("definition"), dict) else tool
+    name = definition.get("name") or tool.get("name") or tool.get("tool_name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"{where}.tool: expected a tool with a 'name'", param=f"{where}.tool", code="invalid_value")
+    if block["type"] == "tool_removal":
+        return f"The tool {name} is no longer available: do not call it."
+    description = definition.get("description") if isinstance(definition.get("description"), str) else ""
+    schema = json.dumps(definition.get("input_schema") or {}, ensure_ascii=False)
+    return f"A new tool is available: {name}. {description} Its input follows this JSON schema: {schema}".strip()
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -203,7 +231,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             # Claude Code (beta `mid-conversation-system-…`) puts system turns inside `messages`: the client
             # users run wins over the documented shape. They reach the template as system turns (the engine
             # folds them into the next user turn where a template takes no system turn there).
-            text = parse_system({"system": message.get("content")})
+            text = parse_system({"system": message.get("content")}, f"{param}.content")
             if text:
                 converted.append({"role": "system", "content": text})
             continue

@@ -188,3 +188,28 @@ def test_error_envelope_switches_on_the_path() -> None:
     assert kinds == {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                      413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
                      504: "timeout_error"}
+
+
+def test_claude_codes_tool_search_and_tool_changes_are_read_not_refused() -> None:
+    """Red team with Claude Code: a `tool_reference` in a tool_result got 400 three times and Claude Code turned
+    tool search off; `tool_addition` / `tool_removal` in a system turn got a 400 naming `system.0`."""
+    messages = chat_messages({"messages": [
+        {"role": "user", "content": "Find a tool"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                           "input": {"query": "select:WebFetch"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "tool_reference", "tool_name": "WebFetch"}]}]},
+        {"role": "system", "content": [
+            {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": {
+                "name": "mcp__db__query", "description": "Run SQL.", "input_schema": {"type": "object"}}}},
+            {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "Read"}}]},
+        {"role": "user", "content": "Go on"}]})
+    tool_turn = next(turn for turn in messages if turn["role"] == "tool")
+    assert "WebFetch" in tool_turn["content"]
+    note = next(turn for turn in messages if turn["role"] == "system")["content"]
+    assert "mcp__db__query" in note and "Run SQL." in note and "Read is no longer available" in note
+    with pytest.raises(APIError) as info:  # anything else in a system turn is still refused, named where it is
+        chat_messages({"messages": [{"role": "user", "content": "hi"},
+                                    {"role": "system", "content": [{"type": "image", "source": {}}]},
+                                    {"role": "user", "content": "hi"}]})
+    assert info.value.param == "messages.1.content.0"
