@@ -155,6 +155,9 @@ async def serve_generation(
                 client.release(stream, reason)
 
 
+LOST_ENGINE_CODES = ("engine_unavailable", "engine_restarted", "engine_group_failed")
+
+
 async def accepted_somewhere(req: falcon.asgi.Request, client: EngineLink, streams: list[RequestStream], index: int,
                              body: dict[str, Any], hint: RouteHint, timeout: float) -> dict[str, Any]:
     """ACCEPTED for `streams[index]`; behind several engines, one lost before it accepted passes the
@@ -165,7 +168,8 @@ async def accepted_somewhere(req: falcon.asgi.Request, client: EngineLink, strea
         try:
             return await until_disconnect(req, wait_accepted(stream, timeout))
         except APIError as exc:
-            if (exc.code not in ("engine_unavailable", "engine_restarted") or not isinstance(client, EnginePool)
+            # A group that just failed is lost the same way (its newest requests were not accepted either).
+            if (exc.code not in LOST_ENGINE_CODES or not isinstance(client, EnginePool)
                     or client.single or stream.engine_id is None):
                 raise
             lost.add(stream.engine_id)

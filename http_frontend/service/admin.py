@@ -12,6 +12,7 @@ import falcon.asgi
 
 from http_frontend.engine.calls import call_engine
 from http_frontend.engine.pool import EnginePool
+from http_frontend.errors import APIError
 from protocol import CallMethod
 
 
@@ -32,9 +33,16 @@ class Unload:
             return
         engine = req.get_param("engine")
         targets = [engine] if engine else self.client.ids
-        results = {target: await call_engine(self.client, CallMethod.UNLOAD, timeout=60.0, engine=target)
-                   for target in targets}
-        resp.media = results[targets[0]] if engine else {"engines": results}
+        if engine:
+            resp.media = await call_engine(self.client, CallMethod.UNLOAD, timeout=60.0, engine=engine)
+            return
+        results: dict[str, Any] = {}
+        for target in targets:  # one engine refusing (a group) or down must not keep the others loaded
+            try:
+                results[target] = await call_engine(self.client, CallMethod.UNLOAD, timeout=60.0, engine=target)
+            except APIError as exc:
+                results[target] = exc.to_dict()
+        resp.media = {"engines": results}
 
 
 class Stats:

@@ -366,3 +366,18 @@ def test_requests_sent_to_a_freezing_engine_are_served_by_the_other(pair: Pair) 
         pair.engines["a"].signal(signal.SIGCONT)
         wait_for(lambda: engines_view(front)["a"]["state"] == "ready", "a answers again")
         front.stop()
+
+
+def test_unload_reaches_every_engine_when_one_cannot(pair: Pair, front: Frontend) -> None:
+    """Red team: the first engine's refusal (a group's 400, or an engine down) ended POST /unload: the engines
+    after it stayed loaded. Each engine now answers for itself. (Last here: it stops `b`, then restarts it.)"""
+    pair.engines["b"].stop()
+    try:
+        answer = httpx.post(f"{front.base_url}/unload", timeout=120)
+        assert answer.status_code == 200, answer.text
+        engines = answer.json()["engines"]
+        assert engines["a"] == {"status": "success"}, engines
+        assert engines["b"]["error"]["code"] in ("engine_unavailable", "engine_restarted"), engines
+        assert call_engine(pair.endpoints["a"], "status")["model"] is None  # unloaded, though `b` could not be
+    finally:
+        pair.start_engine("b")
