@@ -174,15 +174,21 @@ class EnginePool:
             if link is None:
                 raise EngineUnavailable(f"No engine '{engine}' behind this front-end")
             return await link.call(method, args, timeout=timeout)
-        first = self.primary()
         failure: EngineUnavailable | None = None
-        for engine_id in [first, *(other for other in self.links if other != first)]:
+        for engine_id in self._call_order((args or {}).get("model")):
             try:
                 return await self.links[engine_id].call(method, args, timeout=timeout)
             except EngineUnavailable as exc:  # tokenize, count_tokens: any live engine answers alike
                 log.warning("engine %s did not answer %s: trying the next one", engine_id, method)
                 failure = exc
         raise failure or EngineUnavailable("No engine behind this front-end answered")
+
+    def _call_order(self, model: Any) -> list[str]:
+        """Engines for a CALL: those serving the `model` it names first (a tokenize or count_tokens for the
+        model of engine b was answered by engine a: 404), then `primary`, then the rest."""
+        serving = [engine_id for engine_id, link in self.links.items()
+                   if isinstance(model, str) and getattr(link, "model", None) == model and self.routable(engine_id)]
+        return list(dict.fromkeys([*serving, self.primary(), *self.links]))
 
     async def call_streaming(self, method: CallMethod | str, args: dict[str, Any] | None = None,
                              timeout: float = 600.0, on_partial: Any = None, engine: str | None = None) -> Any:

@@ -162,3 +162,23 @@ def test_pool_skips_draining_and_dead_engines() -> None:
     assert pool.choose(RouteHint(key)) == second
     links[first].engine_state, links[second].alive = "ready", False
     assert pool.choose(RouteHint(key)) == first
+
+
+def test_calls_naming_a_model_go_first_to_an_engine_serving_it() -> None:
+    """Red team: /v1/tokenize and count_tokens for engine b's model were sent to engine a (primary): 404."""
+    import asyncio
+
+    class Answering(Link):
+        def __init__(self, name: str, model: str):
+            super().__init__()
+            self.name, self.model = name, model
+
+        async def call(self, method, args=None, timeout=5.0):  # noqa: ANN001
+            return {"engine": self.name}
+
+    pool = EnginePool({"a": Answering("a", "alpha"), "b": Answering("b", "beta")})
+    assert asyncio.run(pool.call("tokenize", {"model": "beta"}))["engine"] == "b"
+    assert asyncio.run(pool.call("tokenize", {"model": "alpha"}))["engine"] == "a"
+    assert asyncio.run(pool.call("tokenize", {"model": "gamma"}))["engine"] == "a"  # none serves it: the primary
+    pool.links["b"].alive = False
+    assert asyncio.run(pool.call("tokenize", {"model": "beta"}))["engine"] == "a"  # b is down: another answers
