@@ -20,6 +20,10 @@ from mlx_lm.tokenizer_utils import _byte_decoder  # GPT-2's byte alphabet: the B
 SPM_WORD_MARKER = "\u2581".encode("utf-8")
 
 
+# Bytes (GPT-2 alphabet characters) a byte-level BPE detokenizer may hold back waiting for a character to complete.
+MAX_UNFLUSHED = 16
+
+
 def request_detokenizer(tokenizer: Any, continues_prompt: bool) -> Any:
     """A fresh streaming detokenizer; one that keeps the first leading space when the reply continues raw text."""
     detokenizer = tokenizer.detokenizer  # mlx-lm's TokenizerWrapper hands out a reset copy per call
@@ -28,7 +32,26 @@ def request_detokenizer(tokenizer: Any, continues_prompt: bool) -> Any:
             detokenizer.trim_space = False
         if hasattr(detokenizer, "_maybe_trim_space"):  # mlx-lm's byte-level BPE trims unconditionally
             detokenizer._maybe_trim_space = _unchanged
+    if hasattr(detokenizer, "_unflushed") and hasattr(detokenizer, "_decode_bytes"):
+        _bound_unflushed(detokenizer)
     return detokenizer
+
+
+def _bound_unflushed(detokenizer: Any) -> None:
+    """mlx-lm's byte-level BPE detokenizer holds text back while it ends in an incomplete character and
+    decodes all it holds on every token: a model writing invalid UTF-8 (a run of 0xFF bytes) sent no text
+    at all and cost O(n²) (8,000 tokens: 9 s of the mlx thread). Past `MAX_UNFLUSHED` held bytes, all but
+    the last three (the most a character can still be waiting for) go out, invalid bytes as U+FFFD."""
+    add = detokenizer.add_token
+
+    def add_token(token: int) -> None:
+        add(token)
+        held = detokenizer._unflushed
+        if len(held) > MAX_UNFLUSHED:
+            head, detokenizer._unflushed = held[:-3], held[-3:]
+            detokenizer.text += detokenizer._maybe_trim_space(detokenizer._decode_bytes(head))
+
+    detokenizer.add_token = add_token
 
 
 def _unchanged(text: str) -> str:

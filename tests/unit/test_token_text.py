@@ -73,3 +73,20 @@ def test_sentencepiece_word_marker_and_byte_tokens() -> None:
     assert detokenized(request_detokenizer(wrapper, continues_prompt=True), [1, 4]) == " theres"
     assert detokenized(request_detokenizer(wrapper, continues_prompt=False), [1, 4]) == "theres"
     assert [token_bytes(wrapper, token) for token in (1, 2, 3)] == [b" there", b"\xc3", b"\xa9"]
+
+
+def test_invalid_utf8_output_streams_as_replacement_characters(tokenizer) -> None:
+    """Red team: a run of 0xFF byte tokens sent no text at all until the end, re-decoding all of it every token
+    (O(n²): 8,000 tokens took 9 s of the mlx thread). Held bytes are now bounded; valid characters still join."""
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    alphabet = {byte: char for char, byte in _byte_decoder().items()}
+    ff, c3, a9 = (tokenizer.convert_tokens_to_ids(alphabet[byte]) for byte in (0xFF, 0xC3, 0xA9))
+    detokenizer = request_detokenizer(tokenizer, continues_prompt=False)
+    for _ in range(1000):
+        detokenizer.add_token(ff)
+    assert len(detokenizer.text) >= 1000 - 20 and set(detokenizer.text) == {"\ufffd"}  # sent as it goes
+    for token in [c3, a9] * 50:  # "é" split over two byte tokens, many times: never broken by the bound
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    assert detokenizer.text.endswith("é" * 50) and detokenizer.text.count("\ufffd") == 1000
