@@ -185,3 +185,27 @@ def test_a_call_a_stop_string_or_eos_cut_does_not_finish_as_tool_calls() -> None
                                   stop=SimpleNamespace(matched=matched))
         _parsed(request, text)
         assert request.finish_reason == expected, (text, matched)
+
+
+def test_output_that_breaks_its_parser_ends_only_its_own_request() -> None:
+    """Red team: a parser exception on one request's output failed the whole step (every request in flight)."""
+    from engine_daemon.config import SchedulerConfig
+    from engine_daemon.models.manager import ModelManager
+    from engine_daemon.scheduling.base import BaseScheduler
+    from protocol import MsgType
+
+    class Breaking:
+        in_reasoning = False
+
+        def feed(self, text: str, final: bool = False, cut: bool = False) -> ParsedDelta:
+            raise RecursionError("maximum recursion depth exceeded")
+
+    detokenizer = SimpleNamespace(add_token=lambda token: None, finalize=lambda: None, last_segment="x")
+    stop = SimpleNamespace(feed=lambda text: text, flush=lambda: "", matched=None)
+    request = SimpleNamespace(rid="r1", peer=b"p", seq=0, arrived=0.0, finish_reason=None, eos_token_ids=frozenset(),
+                              detokenizer=detokenizer, generated=0, max_tokens=10, parser=Breaking(), stop=stop,
+                              params={}, processors=[])
+    scheduler = BaseScheduler(ModelManager(), SchedulerConfig())
+    peer, kind, body = scheduler.token_event(request, 5)
+    assert kind == MsgType.ERROR and body["status"] == 500 and body["rid"] == "r1", body
+    assert request.finish_reason == "error"  # the batch takes it out; the others go on
