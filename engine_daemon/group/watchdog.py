@@ -16,6 +16,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# A gap this long between two of the watchdog's own 0.1 s ticks means the process was not running.
+SUSPENDED_GAP = 1.0
+
 
 class StepWatchdog(threading.Thread):
     def __init__(self, lockstep: Any, timeout: float, on_hang: Callable[[float], None], period: float = 0.1):
@@ -28,11 +31,21 @@ class StepWatchdog(threading.Thread):
         self._halt.set()
 
     def run(self) -> None:
+        last = time.monotonic()
+        step, stood_still = None, 0.0
         while not self._halt.wait(self.period):
+            now = time.monotonic()
+            gap, last = now - last, now
             since = self.lockstep.in_step_since
-            if since and time.monotonic() - since > self.timeout:
+            if since != step:
+                step, stood_still = since, 0.0
+            if gap > SUSPENDED_GAP:
+                # This process stood still (SIGSTOP, a paused VM): not time its ranks took. Counted, a 6 s
+                # pause of rank 0 failed a healthy group and blamed rank 1, which never stopped.
+                stood_still += gap - self.period
+            if since and now - since - stood_still > self.timeout:
                 self.fired = True
-                waited = time.monotonic() - since
+                waited = now - since - stood_still
                 log.critical("group step watchdog: tick %d has run %.1f s (--group-step-timeout %g): a rank hangs",
                              self.lockstep.tick, waited, self.timeout)
                 self.on_hang(waited)
