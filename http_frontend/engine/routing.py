@@ -105,13 +105,15 @@ def pick(key: str, candidates: Sequence[Candidate], epsilon: float = DEFAULT_EPS
     """The engine for a request with `key`; None when no engine can take it.
 
     Only routable engines count; of those, the ones serving the model when there are
-    any. `preferred` (the engine holding a previous response) goes first when it is
+    any, else the idle ones. `preferred` (the engine holding a previous response) goes first when it is
     eligible; then the key's rendezvous order, skipping engines over the load bound.
     When every eligible engine is over the bound (cannot happen with epsilon > 0, kept
     for safety) the least loaded one in rendezvous order takes it.
     """
     routable = [c for c in candidates if c.routable]
-    eligible = [c for c in routable if c.serves_model] or routable
+    # No engine serves the model: an idle one loads it (a busy one first ran its streams out, then switched
+    # models and back for them: 18-37 s for that request); only when none is idle does a busy one queue it.
+    eligible = [c for c in routable if c.serves_model] or [c for c in routable if not c.load] or routable
     if not eligible:
         return None
     by_id = {c.engine_id: c for c in eligible}

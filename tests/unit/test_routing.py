@@ -182,3 +182,15 @@ def test_calls_naming_a_model_go_first_to_an_engine_serving_it() -> None:
     assert asyncio.run(pool.call("tokenize", {"model": "gamma"}))["engine"] == "a"  # none serves it: the primary
     pool.links["b"].alive = False
     assert asyncio.run(pool.call("tokenize", {"model": "beta"}))["engine"] == "a"  # b is down: another answers
+
+
+def test_a_model_no_engine_serves_goes_to_an_idle_engine() -> None:
+    """Red team: a request for a model whose engine was down went to a busy engine, which ran its streams out,
+    switched models and switched back (18-37 s for that request)."""
+    for key in (f"k{i}" for i in range(20)):
+        busy = [Candidate("a", 3, serves_model=False), Candidate("b", 0, serves_model=False),
+                Candidate("c", 1, serves_model=False)]
+        assert pick(key, busy) == "b"
+        assert pick(key, [Candidate("a", 3, serves_model=False), Candidate("c", 1, serves_model=False)]) in "ac"
+        serving = [Candidate("a", 3, serves_model=True), Candidate("b", 0, serves_model=False)]
+        assert pick(key, serving) == "a"  # an engine that serves it still wins
