@@ -269,6 +269,15 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
         "Damaged cache files a vision model skipped and deleted.", "vision_kv_disk_corrupt")
     one("mlx_engine_requests_preempted_total", "counter",
         "Requests paused so a client holding fewer decode slots got one (--fair-preemption).", "requests_preempted")
+    group = stats.get("group")
+    if isinstance(group, dict):  # an engine group: alerting tells its failure from a slow step
+        lines += family("mlx_engine_group_ranks", "gauge", "Ranks of the engine group.",
+                        [("", const + (("mode", str(group.get("mode") or "")),), group.get("size") or 0)])
+        lines += family("mlx_engine_group_failed", "gauge", "1 once the engine group failed (it exits to restart).",
+                        [("", const, 1 if group.get("failed") else 0)])
+        if isinstance(group.get("failed_rank"), int):
+            lines += family("mlx_engine_group_failed_rank", "gauge", "The rank the group's failure was traced to.",
+                            [("", const, group["failed_rank"])])
     one("mlx_engine_model_loads_total", "counter", "Model loads since the engine started.", "model_loads")
     outcomes = [(("outcome", outcome.removeprefix("requests_")), stats[outcome])
                 for outcome in ("requests_added", "requests_finished", "requests_aborted", "requests_rejected")

@@ -100,3 +100,16 @@ def test_openapi_document_is_served(engine: FakeEngine) -> None:
     document = client_for(engine).simulate_get("/openapi.json").json
     assert document["openapi"].startswith("3.") and "/v1/chat/completions" in document["paths"]
     assert engine.calls == []
+
+
+def test_metrics_show_an_engine_groups_failure() -> None:
+    """Red team: while a group failed, /metrics only said `state="stalled"`, like any slow step."""
+    from http_frontend.service.metrics import engine_lines
+
+    healthy = "\n".join(engine_lines({"state": "ready", "group": {"mode": "tp", "size": 2, "failed": False}}))
+    assert 'mlx_engine_group_ranks{mode="tp"} 2' in healthy and "mlx_engine_group_failed 0" in healthy
+    assert "mlx_engine_group_failed_rank" not in healthy
+    failed = "\n".join(engine_lines({"state": "stalled", "group": {"mode": "tp", "size": 2, "failed": True,
+                                                                   "failed_rank": 1}}))
+    assert "mlx_engine_group_failed 1" in failed and "mlx_engine_group_failed_rank 1" in failed
+    assert "mlx_engine_group" not in "\n".join(engine_lines({"state": "ready"}))  # one engine: none of them
