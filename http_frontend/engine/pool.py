@@ -131,6 +131,12 @@ class EnginePool:
             raise EngineUnavailable("No engine is available (all are down, stalled or draining)")
         return chosen
 
+    def serves_while_down(self, model: str | None) -> bool:
+        """Whether an engine that is down (or stalled, draining) last served `model`."""
+        return bool(model) and not self.single and any(
+            getattr(link, "model", None) == model and not self.routable(engine_id)
+            for engine_id, link in self.links.items())
+
     def primary(self) -> str:
         """The engine for CALLs that any engine answers alike (tokenize, adapters list): the first routable."""
         return next((engine_id for engine_id in self.links if self.routable(engine_id)), next(iter(self.links)))

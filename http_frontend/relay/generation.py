@@ -156,6 +156,7 @@ async def serve_generation(
 
 
 LOST_ENGINE_CODES = ("engine_unavailable", "engine_restarted", "engine_group_failed")
+MODEL_REFUSALS = ("invalid_model_name", "model_not_found")  # an engine that cannot load the model named
 
 
 async def accepted_somewhere(req: falcon.asgi.Request, client: EngineLink, streams: list[RequestStream], index: int,
@@ -168,6 +169,11 @@ async def accepted_somewhere(req: falcon.asgi.Request, client: EngineLink, strea
         try:
             return await until_disconnect(req, wait_accepted(stream, timeout))
         except APIError as exc:
+            if exc.code in MODEL_REFUSALS and isinstance(client, EnginePool) and client.serves_while_down(hint.model):
+                # Another engine refused a model whose own engine is down: that is the engine's outage, and
+                # a client retries a 503 (a 400 told it the request itself was wrong).
+                raise APIError(503, f"The engine serving '{hint.model}' is unavailable; retry shortly",
+                               code="engine_unavailable", headers={"Retry-After": "1"}) from None
             # A group that just failed is lost the same way (its newest requests were not accepted either).
             if (exc.code not in LOST_ENGINE_CODES or not isinstance(client, EnginePool)
                     or client.single or stream.engine_id is None):

@@ -381,3 +381,35 @@ def test_unload_reaches_every_engine_when_one_cannot(pair: Pair, front: Frontend
         assert call_engine(pair.endpoints["a"], "status")["model"] is None  # unloaded, though `b` could not be
     finally:
         pair.start_engine("b")
+
+
+def test_a_model_whose_engine_is_down_gets_a_503_not_another_engines_400(
+        tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Red team: with the engine serving model B down, requests for B went to the engine serving A, which cannot
+    load it: a 400 `invalid_model_name` a client does not retry. It is the engine's outage: 503, Retry-After."""
+    from model_builders.text import build_model
+
+    logs = tmp_path_factory.mktemp("routing-models")
+    other = build_model(logs / "tiny-other", size="tiny", seed=5)
+    endpoints = {"a": f"ipc://{ipc_dir}/models-a.sock", "b": f"ipc://{ipc_dir}/models-b.sock"}
+    engines = {"a": Engine(endpoints["a"], logs / "a.log", model=str(tiny_model)),
+               "b": Engine(endpoints["b"], logs / "b.log", model=str(other))}
+    front = None
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        front = Frontend(f"a={endpoints['a']}", logs / "frontend.log", workers=1,
+                         args=["--endpoint", f"b={endpoints['b']}"])
+        front.wait_healthy()
+        wait_for(lambda: engines_view(front)["b"]["model"] == str(other), "b reports its model")
+        engines["b"].stop()
+        wait_for(lambda: not engines_view(front)["b"]["routable"], "the front-end sees b down")
+        answer = httpx.post(f"{front.base_url}/v1/chat/completions", timeout=60, json={
+            "model": str(other), "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 503 and answer.headers.get("retry-after"), answer.text
+        assert answer.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        if front is not None:
+            front.stop()
+        for engine in engines.values():
+            engine.stop()
