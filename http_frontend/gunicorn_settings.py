@@ -20,8 +20,9 @@ DEFAULT_KEEP_ALIVE = 5
 DEFAULT_WORKER_CLASS = "http_frontend.middleware.connections.GuardedASGIWorker"
 
 
-# gunicorn's default access line without `%(u)s` (the Basic-auth user name: an API key sent with `curl -u`).
-ACCESS_LOG_FORMAT = '%(h)s %(l)s - %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s"'
+# gunicorn's default access line without `%(u)s` (the Basic-auth user name: an API key sent with `curl -u`) and
+# without the query string (`?api_key=…` is refused, but the key would be logged): method, path, protocol.
+ACCESS_LOG_FORMAT = '%(h)s %(l)s - %(t)s "%(m)s %(U)s %(H)s" %(s)s %(b)s "%(f)s" "%(a)s"'
 
 
 def options() -> dict[str, Any]:

@@ -98,9 +98,11 @@ def test_health_is_public(secured: Frontend) -> None:
 
 
 def test_a_key_sent_as_basic_auth_is_not_logged(secured: Frontend) -> None:
-    """Red team: `curl -u sk-...:` put the key in gunicorn's access line (its Basic-auth user field)."""
+    """Red team: `curl -u sk-...:` put the key in gunicorn's access line (its Basic-auth user field), and so did
+    a key in the query string (the request line)."""
     for path in ("/stats", "/health"):
         httpx.get(f"{secured.base_url}{path}", auth=(SECOND_KEY, ""), timeout=10)
+    httpx.get(f"{secured.base_url}/stats?api_key={SECOND_KEY}", timeout=10)  # refused, and not logged either
     httpx.get(f"{secured.base_url}/health", timeout=10)  # a line after them: theirs are flushed
     log = secured.log()
     assert '"GET /stats HTTP/1.1" 401' in log
