@@ -199,3 +199,12 @@ def test_responses_cut_custom_call_input_is_its_text() -> None:
     (item,) = events[-1]["response"]["output"]
     assert (item["type"], item["status"], item["input"]) == ("custom_tool_call", "incomplete",
                                                              "*** Begin Patch\n*** Add")
+
+
+def test_arguments_nested_past_what_json_follows_are_no_500() -> None:
+    """Red team: 1,000+ nested brackets in a cut call's arguments raised RecursionError: /v1/messages answered 500."""
+    from http_frontend.openai.responses_tools import custom_input
+
+    deep = '{"x": ' + "[" * 5000
+    assert tool_input(deep) == {} and closed_json(deep) is None
+    assert custom_input(deep) == deep  # a custom tool's input: the text as written
