@@ -209,9 +209,12 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
 # `text` is answer text; `reasoning` is text inside the model's thinking block; `tool_calls`
 # holds complete parsed calls: [{"index", "id", "name", "arguments" (a JSON string)}]; a call cut by
 # max_tokens comes with `"partial": true` and its arguments as far as they got (not valid JSON).
+# `tool_call_deltas` streams the call being written: [{"index", "arguments" (the next piece)}], the first
+# piece of a call with its "id" and "name"; its complete `tool_calls` entry (same index and id) comes
+# later, its arguments starting with the pieces. A reader that ignores the key still gets every call whole.
 # `stop_sequence` on the last item names the stop string that ended the request, if one did.
-DELTA_ITEM_KEYS = ("rid", "seq", "text", "reasoning", "tool_calls", "token_ids", "logprobs", "finish_reason",
-                   "stop_sequence", "usage")
+DELTA_ITEM_KEYS = ("rid", "seq", "text", "reasoning", "tool_calls", "tool_call_deltas", "token_ids", "logprobs",
+                   "finish_reason", "stop_sequence", "usage")
 
 # Engine states reported in WELCOME / PONG.
 ENGINE_STATES = ("idle", "loading", "ready", "stalled", "draining")

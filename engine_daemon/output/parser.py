@@ -12,34 +12,31 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_daemon.output.call_text import partial_call, settled_call, written_arguments
+
 log = logging.getLogger(__name__)
 
 CONTENT, REASONING, TOOL, JSON_TOOL = "content", "reasoning", "tool", "json_tool"
-# A call cut short (max_tokens): its name once complete, then whatever arguments text followed.
-_JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
-_JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
-_JSON_CALL_START = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a call (or a list of them) writes its name first
-# Key/value markup families: Qwen3-Coder's `<function=f><parameter=k>v</parameter>`, GLM's
-# `f<arg_key>k</arg_key><arg_value>v</arg_value>`; an unclosed last value runs to the end.
-_XML_NAME = re.compile(r"<function=([^>\s]+)>")
-_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)(\n?</parameter>|$)", re.DOTALL)
-_GLM_NAME = re.compile(r"^\s*([^<>\s]+)\s*<arg_key>")
-_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)(</arg_key>\s*(?:<arg_value>(.*?)(</arg_value>|$))?|$)", re.DOTALL)
 
 
 @dataclass
 class ParsedDelta:
-    """What one step added: answer text, reasoning text, complete tool calls."""
+    """What one step added: answer text, reasoning text, complete tool calls, and pieces of the one being written.
+
+    `tool_call_deltas`: [{"index", "arguments"}] for the call being written, its first piece with
+    its "id" and "name" too. The complete call comes later in `tool_calls` under the same index
+    and id, and its arguments extend what the pieces said.
+    """
 
     text: str = ""
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_call_deltas: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _held_back(text: str, markers: list[str]) -> int:
@@ -95,76 +92,6 @@ def leading_json_calls(text: str) -> tuple[list[dict[str, Any]], str] | None:
         return None
 
 
-def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
-    """The call a cut-off tool-call text was writing: its name, and its arguments as written so far.
-
-    OpenAI returns a call cut by max_tokens as a call with partial arguments (finish
-    `length`): the arguments are a prefix of a JSON object, not valid JSON. Key/value
-    markup families get the same, their finished values converted as the family's parser
-    would (strings stay strings where the schema says so). Without a complete name there
-    is no call to return, and the markup is never returned as text either: None.
-    """
-    name = _JSON_NAME.search(text)
-    if name is not None and _JSON_CALL_START.match(text):  # a top-level name: a nested "name" is no call
-        after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
-        arguments = text[after.end():].rstrip() if after is not None else ""
-        return {"name": name.group(1), "arguments": arguments, "partial": True}
-    xml, glm = _XML_NAME.search(text), _GLM_NAME.search(text)
-    if xml is not None:
-        pairs = [(m.group(1), m.group(2), bool(m.group(3)))
-                 for m in _XML_PARAMETER.finditer(text, xml.end())]
-        return {"name": xml.group(1), "arguments": _partial_object(xml.group(1), pairs, tools), "partial": True}
-    if glm is not None:
-        pairs = [(m.group(1) if m.group(2) else None, m.group(3), bool(m.group(4)))
-                 for m in _GLM_ARGUMENT.finditer(text, glm.end(1))]
-        return {"name": glm.group(1), "arguments": _partial_object(glm.group(1), pairs, tools), "partial": True}
-    return None
-
-
-def _partial_object(name: str, pairs: list[tuple[str | None, str | None, bool]],
-                    tools: list[dict[str, Any]] | None) -> str:
-    """(key, value so far, value closed) pairs as the prefix of a JSON object, stopping at the first unfinished part."""
-    properties: dict[str, Any] = {}
-    for tool in tools or ():
-        function = tool.get("function") or {}
-        if function.get("name") == name and isinstance(function.get("parameters"), dict):
-            found = function["parameters"].get("properties")
-            properties = found if isinstance(found, dict) else {}  # a schema may be `true`, a list, anything
-    parts = []
-    for key, value, closed in pairs:
-        if key is None:  # the key itself is unfinished: nothing of it is known
-            break
-        head = json.dumps(key.strip(), ensure_ascii=False) + ": "
-        if value is None:
-            parts.append(head)
-            break
-        if not closed:  # an unfinished value: an unterminated JSON string, as a streamed string would be
-            parts.append(head + json.dumps(_unclosed(value), ensure_ascii=False)[:-1])
-            break
-        schema = properties.get(key.strip())
-        parts.append(head + _json_value(value.strip(), schema.get("type") if isinstance(schema, dict) else None))
-    return "{" + ", ".join(parts)
-
-
-def _unclosed(value: str) -> str:
-    """An unfinished value without the start of its closing tag (`…\n</param` cut mid-tag)."""
-    for closer in ("\n</parameter>", "</arg_value>"):
-        for size in range(min(len(closer), len(value)), 0, -1):
-            if value.endswith(closer[:size]):
-                return value[:-size]
-    return value
-
-
-def _json_value(value: str, kind: Any) -> str:
-    """A finished markup value as JSON: a string where the schema says so, else JSON if it parses."""
-    if kind != "string":
-        try:
-            return json.dumps(json.loads(value), ensure_ascii=False, allow_nan=False)
-        except (ValueError, RecursionError):  # not JSON, NaN, or nested past what json can follow
-            pass
-    return json.dumps(value, ensure_ascii=False)
-
-
 class OutputParser:
     """Incremental splitter for one request; `feed` each text delta, `final=True` on the last."""
 
@@ -190,6 +117,9 @@ class OutputParser:
         # a text part). Held whatever the token boundaries, so streaming and not agree.
         self.pending_space = ""
         self.after_call = False  # nothing but whitespace since the last tool call closed
+        # The call being written whose name and arguments were streamed: {"index", "id", "name", "sent"}.
+        self.open_call: dict[str, Any] | None = None
+        self.settled_at = -1  # length of `tool_text` when `settled_call` last read it
 
     @property
     def in_reasoning(self) -> bool:
@@ -244,7 +174,42 @@ class OutputParser:
             self._switch(out, marker)
         if final:
             self._finish(out, cut)
+        elif self.state in (TOOL, JSON_TOOL):
+            self._stream_call(out)
         return out
+
+    def _stream_call(self, out: ParsedDelta) -> None:
+        """Streams the settled part of the call being written (`settled_call`): its name, then its arguments.
+
+        Re-read when the text grew by 1/32 since the last reading, so a call of n characters
+        costs O(n) in all, not O(n) per token.
+        """
+        text = self.tool_text
+        if len(text) - self.settled_at < max(1, self.settled_at // 32):
+            return
+        self.settled_at = len(text)
+        try:
+            settled = settled_call(text, self.tools)
+        except (ValueError, RecursionError):
+            return
+        if settled is None:
+            return
+        name, arguments = settled
+        if self.open_call is None:
+            if self.state == JSON_TOOL and name not in self._tool_names():
+                return  # a JSON answer, until it names a tool
+            self.open_call = {"index": self.tool_calls, "id": f"call_{uuid.uuid4().hex[:24]}",
+                              "name": _encodable(name), "sent": ""}
+            out.tool_call_deltas.append({"index": self.tool_calls, "id": self.open_call["id"],
+                                         "name": self.open_call["name"], "arguments": ""})
+        sent = self.open_call["sent"]
+        if len(arguments) > len(sent) and arguments.startswith(sent):
+            piece = _encodable(arguments[len(sent):])
+            self.open_call["sent"] = sent + piece
+            if out.tool_call_deltas and out.tool_call_deltas[-1]["index"] == self.open_call["index"]:
+                out.tool_call_deltas[-1]["arguments"] += piece
+            else:
+                out.tool_call_deltas.append({"index": self.open_call["index"], "arguments": piece})
 
     def _next_marker(self) -> tuple[int, str | None]:
         best: tuple[int, str | None] = (-1, None)
@@ -299,7 +264,7 @@ class OutputParser:
             if self.state == JSON_TOOL and (leading := leading_json_calls(text)) is not None:
                 calls, rest = leading  # whole calls, then the model's own text: both kept
                 out.text += rest
-                self._add_calls(out, calls, cut=False)
+                self._add_calls(out, calls, cut=False, text=text)
                 return
             try:  # the parse of a hostile text must end this call, never the request (or the batch)
                 # A JSON answer the model ended itself is the answer (a nested "name" made it a call).
@@ -309,6 +274,9 @@ class OutputParser:
                 written = None
             if written is not None and self.state == JSON_TOOL and written["name"] not in self._tool_names():
                 written = None  # a cut JSON answer that names no tool is the answer, not a call
+            if written is None and self.open_call is not None:  # streamed as a call: it stays one, as written
+                written = partial_call(text, self.tools) or {"name": self.open_call["name"], "partial": True,
+                                                             "arguments": self.open_call["sent"]}
             if written is not None:  # cut by max_tokens: the call as far as it got, as OpenAI returns it
                 calls = [written]
             elif raw_if_invalid is not None and self.state == TOOL:
@@ -318,9 +286,11 @@ class OutputParser:
                 log.info("unparsable tool call (%s): returned as text", exc)
                 out.text += raw_if_invalid if raw_if_invalid is not None else text
                 return
-        self._add_calls(out, calls, cut)
+        self._add_calls(out, calls, cut, text)
 
-    def _add_calls(self, out: ParsedDelta, calls: list[dict[str, Any]], cut: bool) -> None:
+    def _add_calls(self, out: ParsedDelta, calls: list[dict[str, Any]], cut: bool, text: str = "") -> None:
+        if not calls and self.open_call is not None:  # `[]`: the call streamed so far is still a call
+            calls = [{"name": self.open_call["name"], "arguments": self.open_call["sent"], "partial": True}]
         for call in calls:
             if cut:
                 call["partial"] = True
@@ -329,9 +299,39 @@ class OutputParser:
             # Always our own id: a model-made one may be anything (a 100-digit number once made the
             # DELTAS frame unencodable), and clients expect a unique string.
             call["id"] = f"call_{uuid.uuid4().hex[:24]}"
+            if self.open_call is not None:  # the streamed call: its id, and arguments that extend the pieces
+                call["id"] = self.open_call["id"]
+                self._extend_streamed(call, text)
+                self.open_call = None
             self.tool_calls += 1
             out.tool_calls.append(call)
+        self.open_call, self.settled_at = None, -1
         self.after_call = True
+
+    def _extend_streamed(self, call: dict[str, Any], text: str) -> None:
+        """Makes the call's arguments extend what was streamed of them.
+
+        The family parser's canonical JSON (`{"a": 1}`) may differ from what the model wrote
+        (`{"a":1}`) and was streamed: then the arguments as written are the call's, when they are
+        the same JSON value (checked), and streaming and not agree.
+        """
+        sent = self.open_call["sent"]
+        if call["arguments"].startswith(sent):
+            return
+        try:
+            written = written_arguments(text, self.tools)
+            same = written is not None and written.startswith(sent) and (
+                call.get("partial") or json.loads(written) == json.loads(call["arguments"]))
+        except (ValueError, RecursionError):
+            written, same = None, False
+        if same:
+            call["arguments"] = _encodable(written)
+        elif call.get("partial") and (cut_text := (partial_call(text, self.tools) or {}).get("arguments", "")) \
+                .startswith(sent):
+            call["arguments"] = _encodable(cut_text)
+        else:
+            log.warning("tool call %s: its arguments do not extend the %d characters streamed of them",
+                        call["name"], len(sent))
 
     def _finish(self, out: ParsedDelta, cut: bool = False) -> None:
         """End of generation: an unterminated tool call is parsed if it can be, else returned as the

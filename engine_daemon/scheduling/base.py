@@ -316,6 +316,8 @@ class BaseScheduler:
             item["reasoning"] = delta.reasoning
         if delta.tool_calls:
             item["tool_calls"] = delta.tool_calls
+        if delta.tool_call_deltas:
+            item["tool_call_deltas"] = delta.tool_call_deltas
         if token is not None and token not in request.eos_token_ids:
             item["token_ids"] = [token]
             self.stats.tokens_generated += 1

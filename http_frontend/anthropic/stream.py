@@ -16,6 +16,7 @@ from typing import Any
 from falcon.asgi import SSEvent
 
 from http_frontend.engine.client import Update
+from http_frontend.relay.tool_calls import ToolCallEvent, ToolCallRelay
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,39 @@ def closed_json(text: str) -> Any:
     return None
 
 
+def closing_suffix(text: str) -> str:
+    """What closes a JSON text cut inside a string or brackets (`{"a": "b` -> `"}`); "" when whole or hopeless.
+
+    Streamed `input_json_delta` pieces cannot be taken back: a cut call's are closed where they
+    stopped when that makes valid JSON, else left as they are (the SDKs read them in partial mode).
+    """
+    stack: list[str] = []
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            stack.append("}" if char == "{" else "]")
+        elif char in "}]" and stack:
+            stack.pop()
+    suffix = ('"' if in_string else "") + "".join(reversed(stack))
+    try:
+        json.loads(text + suffix)
+    except (ValueError, RecursionError):
+        return ""
+    return suffix
+
+
 class BlockBuilder:
     """Grows Anthropic content blocks from merged updates and says, as events, what changed.
 
     Within one update, thinking comes before text and text before tool calls: the
-    order a model produces them in. A tool call arrives whole, so its block opens,
-    gets its input and closes at once. Whitespace-only text (the newline a template
+    order a model produces them in. A tool call's block opens when the engine names
+    the call, streams its input as `input_json_delta` pieces while the model writes it,
+    and closes when the call is whole (a call that arrives whole does all three at
+    once). Whitespace-only text (the newline a template
     puts before a tool call) never becomes a block of its own: Anthropic's API refuses
     such blocks when a client sends the turn back.
     """
@@ -94,6 +122,8 @@ class BlockBuilder:
         self.blocks: list[dict[str, Any]] = []
         self._open: str | None = None  # type of the last block while more of it may come
         self._blank = ""  # whitespace that opens no text block until some text follows it
+        self._tool_calls = ToolCallRelay()
+        self._tool_blocks: dict[int, int] = {}  # engine call index -> its open tool_use block's index
 
     def feed(self, update: Update) -> list[dict[str, Any]]:
         events = []
@@ -105,8 +135,8 @@ class BlockBuilder:
             else:
                 events += self._grow("text", self._blank + update.text)
                 self._blank = ""
-        for call in update.tool_calls:
-            events += self._tool_use(call)
+        for tool_event in self._tool_calls.events(update):
+            events += self._tool_use(tool_event)
         return events
 
     def finish(self) -> list[dict[str, Any]]:
@@ -131,7 +161,33 @@ class BlockBuilder:
         events.append({"type": "content_block_delta", "index": len(self.blocks) - 1, "delta": delta})
         return events
 
-    def _tool_use(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def _tool_use(self, tool_event: ToolCallEvent) -> list[dict[str, Any]]:
+        if tool_event.kind == "whole":
+            return self._whole_tool_use(tool_event.call)
+        if tool_event.kind == "start":
+            events = self._close()
+            call = tool_event.call
+            self.blocks.append({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
+                                "name": call.get("name", ""), "input": {}})
+            self._open = "tool_use"
+            self._tool_blocks[tool_event.index] = len(self.blocks) - 1
+            return events + [{"type": "content_block_start", "index": len(self.blocks) - 1,
+                              "content_block": dict(self.blocks[-1])}]
+        index = self._tool_blocks.get(tool_event.index)
+        if index is None:  # a block closed under it (cannot happen in the engine's order): nothing to add to
+            return []
+        if tool_event.kind == "arguments":
+            return [{"type": "content_block_delta", "index": index,
+                     "delta": {"type": "input_json_delta", "partial_json": tool_event.text}}]
+        del self._tool_blocks[tool_event.index]
+        self.blocks[index]["input"] = tool_input(tool_event.call.get("arguments"))
+        closers = closing_suffix(tool_event.text)  # a cut call: its streamed JSON closed where it stopped
+        end = [{"type": "content_block_delta", "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": closers}}] if closers else []
+        return end + self._close()
+
+    def _whole_tool_use(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        """A call none of which was streamed: its block opens, gets its input and closes at once."""
         events = self._close()
         block = {"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
                  "name": call.get("name", ""), "input": tool_input(call.get("arguments"))}
@@ -148,7 +204,7 @@ class BlockBuilder:
         self._blank = ""
         if self._open is None:
             return []
-        self._open = None
+        self._open, self._tool_blocks = None, {}
         return [{"type": "content_block_stop", "index": len(self.blocks) - 1}]
 
 

@@ -33,11 +33,18 @@ class Update:
     text: str = ""
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # In the engine's order: ("piece", {"index", "arguments"[, "id", "name"]}) of a call being written and
+    # ("call", whole call); what `relay.tool_calls.ToolCallRelay` turns into a client's tool-call events.
+    tool_parts: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     stop_sequence: str | None = None  # the stop string that ended the request, if one did
+
+    def __post_init__(self) -> None:
+        if self.tool_calls and not self.tool_parts:  # built with whole calls only: they are its parts
+            self.tool_parts = [("call", call) for call in self.tool_calls]
 
 
 class RequestStream:
@@ -70,6 +77,7 @@ class RequestStream:
         pending.text += item.get("text") or ""
         pending.reasoning += item.get("reasoning") or ""
         pending.tool_calls.extend(item.get("tool_calls") or ())
+        _add_tool_parts(pending.tool_parts, item)
         pending.token_ids.extend(item.get("token_ids") or ())
         pending.logprobs.extend(item.get("logprobs") or ())
         if item.get("finish_reason"):
@@ -116,4 +124,16 @@ class RequestStream:
 
     def _has_output(self) -> bool:
         p = self._pending
-        return bool(p.text or p.reasoning or p.tool_calls or p.token_ids or p.finish_reason or self.error is not None)
+        return bool(p.text or p.reasoning or p.tool_parts or p.token_ids or p.finish_reason or self.error is not None)
+
+
+def _add_tool_parts(parts: list[tuple[str, dict[str, Any]]], item: dict[str, Any]) -> None:
+    """An item's whole calls (closed first, in the engine's parser) then its pieces, a piece merged into the
+    one before it when both belong to the same call, so an unread stream holds one piece per call."""
+    parts.extend(("call", call) for call in item.get("tool_calls") or ())
+    for piece in item.get("tool_call_deltas") or ():
+        last = parts[-1] if parts else None
+        if last is not None and last[0] == "piece" and last[1]["index"] == piece.get("index"):
+            last[1]["arguments"] = last[1].get("arguments", "") + (piece.get("arguments") or "")
+        else:
+            parts.append(("piece", dict(piece)))

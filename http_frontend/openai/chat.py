@@ -28,16 +28,33 @@ from http_frontend.parsing.media import MediaCollector
 from http_frontend.parsing.messages import check_message_count, parse_messages
 from http_frontend.parsing.sampling import check_max_tokens, check_unsupported, parse_logprobs, parse_sampling
 from http_frontend.relay.generation import GenerationRoute, relay, serve_generation, usage_object
+from http_frontend.relay.tool_calls import ToolCallEvent, ToolCallRelay
 from http_frontend.service.metrics import TokenTimer
 
 log = logging.getLogger(__name__)
 
 
-def _tool_call(call: dict[str, Any], with_index: bool = True) -> dict[str, Any]:
-    """An engine tool call in OpenAI's shape; a streamed call arrives whole, in one delta."""
-    rendered = {"id": call["id"], "type": "function",
-                "function": {"name": call["name"], "arguments": call["arguments"]}}
-    return {"index": call["index"], **rendered} if with_index else rendered
+def _tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """An engine tool call in OpenAI's shape (a reply's `message.tool_calls` entry)."""
+    return {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
+def _tool_call_deltas(events: list[ToolCallEvent]) -> list[dict[str, Any]]:
+    """Tool-call events as OpenAI's streamed `tool_calls` entries: the first of a call with its id, type
+    and name (and the arguments that came with it), the others with an argument piece."""
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        if event.kind == "whole":
+            deltas.append({"index": event.index, **_tool_call(event.call)})
+        elif event.kind == "start":
+            deltas.append({"index": event.index, "id": event.call["id"], "type": "function",
+                           "function": {"name": event.call["name"], "arguments": ""}})
+        elif event.kind == "arguments":
+            if deltas and deltas[-1]["index"] == event.index:
+                deltas[-1]["function"]["arguments"] += event.text
+            else:
+                deltas.append({"index": event.index, "function": {"arguments": event.text}})
+    return deltas
 
 
 class ChatCompletions(GenerationRoute):
@@ -99,7 +116,7 @@ class ChatCompletions(GenerationRoute):
         if any(reasoning):
             message["reasoning_content"] = message["reasoning"] = "".join(reasoning)
         if calls:
-            message["tool_calls"] = [_tool_call(call, with_index=False) for call in calls]
+            message["tool_calls"] = [_tool_call(call) for call in calls]
         return {
             **meta, "object": "chat.completion", "system_fingerprint": None,
             "choices": [{"index": 0, "message": message,
@@ -111,6 +128,7 @@ class ChatCompletions(GenerationRoute):
     def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
                 timer: TokenTimer | None = None, logprobs: bool = False) -> AsyncIterator[SSEvent | None]:
         timer = timer or self.metrics.token_timer({})
+        tool_relay = ToolCallRelay()
 
         def chunk(delta: dict[str, Any], finish_reason: str | None = None,
                   entries: list[dict[str, Any]] | None = None) -> SSEvent:
@@ -128,8 +146,7 @@ class ChatCompletions(GenerationRoute):
                 events.append(chunk({"reasoning_content": update.reasoning, "reasoning": update.reasoning}))
             if update.text or update.logprobs:
                 events.append(chunk({"content": update.text}, entries=update.logprobs))
-            if update.tool_calls:
-                events.append(chunk({"tool_calls": [_tool_call(call) for call in update.tool_calls]}))
+            events.extend(chunk({"tool_calls": [delta]}) for delta in _tool_call_deltas(tool_relay.events(update)))
             if update.finish_reason:
                 events.append(chunk({}, update.finish_reason))
                 if include_usage:

@@ -21,6 +21,7 @@ from typing import Any
 from http_frontend.engine.client import Update
 from http_frontend.errors import APIError
 from http_frontend.openai.responses_tools import ToolOrigin, custom_input
+from http_frontend.relay.tool_calls import ToolCallEvent, ToolCallRelay
 
 Event = dict[str, Any]
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
@@ -60,6 +61,8 @@ class ResponseBuilder:
         self.usage: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.completed_at: float | None = None
+        self._tool_calls = ToolCallRelay()
+        self._streaming: dict[int, dict[str, Any] | None] = {}  # call index -> its item (None: a custom call)
 
     # -- events -------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> Event:
@@ -78,15 +81,14 @@ class ResponseBuilder:
             events += self._append("reasoning", update.reasoning)
         # An answer token's logprobs go with its output_text (a held-back token's wait for the text it
         # becomes); a thinking token's and a tool call's own tokens' have no output_text to go with.
-        if update.tool_calls:
+        if update.tool_parts:
             self._logprobs = []
         elif update.logprobs and (update.text or not update.reasoning):
             self._logprobs += update.logprobs
         if update.text:
             events += self._append("message", update.text)
-        for call in update.tool_calls:
-            events += self._close()
-            events += self._call(call)
+        for tool_event in self._tool_calls.events(update):
+            events += self._tool_event(tool_event)
         if update.finish_reason:
             events += self._finish(update.finish_reason, update.usage)
         return events
@@ -159,13 +161,47 @@ class ResponseBuilder:
                             content_index=0, part=part),
                 self._event("response.output_item.done", output_index=index, item=item)]
 
+    def _tool_event(self, tool_event: ToolCallEvent) -> list[Event]:
+        """A function call's item opens when the engine names it, its arguments stream as
+        `function_call_arguments.delta`, and it is done when the call is whole. A custom tool's
+        `input` is its arguments' one string, so its call is sent when whole."""
+        call, index = tool_event.call, tool_event.index
+        if tool_event.kind == "whole":
+            return self._call(call)
+        if tool_event.kind == "start":
+            origin = self.origins.get(call.get("name", ""))
+            if origin is not None and origin.kind == "custom":
+                self._streaming[index] = None
+                return []
+            item, events = self._open_call(call)
+            self._streaming[index] = item
+            return events
+        item = self._streaming.get(index)
+        if tool_event.kind == "arguments":
+            if item is None:
+                return []
+            item["arguments"] += tool_event.text
+            return [self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=self.output.index(item), delta=tool_event.text)]
+        del self._streaming[index]
+        return self._call(call) if item is None else self._end_call(item, call)
+
     def _call(self, call: dict[str, Any]) -> list[Event]:
         """A complete tool call from the engine: its item, arguments in one delta, and its `.done`s."""
         arguments = call.get("arguments") or ""
+        origin = self.origins.get(call.get("name", ""))
+        if origin is not None and origin.kind == "custom":
+            return self._close() + self._custom_call(call, origin, arguments)
+        item, events = self._open_call(call)
+        events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=self.output.index(item), delta=arguments))
+        return events + self._end_call(item, call)
+
+    def _open_call(self, call: dict[str, Any]) -> tuple[dict[str, Any], list[Event]]:
+        """A function_call item for the call the engine named, and its `output_item.added`."""
+        events = self._close()
         offered = call.get("name", "")
         origin = self.origins.get(offered)
-        if origin is not None and origin.kind == "custom":
-            return self._custom_call(call, origin, arguments)
         item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "arguments": "",
                 "call_id": call.get("id") or new_id("call"), "name": origin.name if origin else offered}
         if origin is not None and origin.namespace:
@@ -173,16 +209,18 @@ class ResponseBuilder:
         item["_offered"] = offered
         self.output.append(item)
         self.calls.append(item)
-        index = len(self.output) - 1
-        events = [self._event("response.output_item.added", output_index=index, item=_public(item)),
-                  self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                              delta=arguments),
-                  self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                              arguments=arguments)]
-        item["arguments"] = arguments
+        events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                  item=_public(item)))
+        return item, events
+
+    def _end_call(self, item: dict[str, Any], call: dict[str, Any]) -> list[Event]:
+        """The call is whole: `function_call_arguments.done` and `output_item.done`."""
+        index = self.output.index(item)
+        item["arguments"] = call.get("arguments") or ""
         item["status"] = "incomplete" if call.get("partial") else "completed"  # cut by max_output_tokens
-        events.append(self._event("response.output_item.done", output_index=index, item=_public(item)))
-        return events
+        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=_public(item))]
 
     def _custom_call(self, call: dict[str, Any], origin: ToolOrigin, arguments: str) -> list[Event]:
         """A custom tool's call: a `custom_tool_call` item whose `input` is the raw text, with its events."""

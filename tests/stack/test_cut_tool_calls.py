@@ -127,7 +127,7 @@ def test_call_cut_inside_its_arguments_agrees_on_every_api(frontend: Frontend, m
     with messages.stream(**kwargs) as stream:
         kinds = [event.delta.type for event in stream if event.type == "content_block_delta"]
         streamed = stream.get_final_message()
-    assert kinds == ["input_json_delta"]  # no text_delta
+    assert set(kinds) == {"input_json_delta"} and len(kinds) > 1  # no text_delta; the input streamed in pieces
     for message in (returned, streamed):
         assert message.stop_reason == "max_tokens" and [b.type for b in message.content] == ["tool_use"]
         # `input`: the fields written so far, the cut string closed where it stopped.

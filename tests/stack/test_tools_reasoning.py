@@ -144,8 +144,12 @@ def test_forced_tool_call_round_trip(frontend: Frontend, model_id: str) -> None:
 
     chunks = list(_forced_call(client, model_id, True, tool_choice="required"))
     streamed_calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(tc.function.name, tc.function.arguments) for tc in streamed_calls] == \
-        [(tc.function.name, tc.function.arguments) for tc in choice.message.tool_calls]
+    # The call streams as OpenAI's does: id, type and name first, then its arguments in pieces.
+    first = streamed_calls[0]
+    assert first.id.startswith("call_") and first.type == "function" and first.function.name == "get_weather"
+    assert all(tc.id is None and tc.function.name is None for tc in streamed_calls[1:]) and len(streamed_calls) > 2
+    assert {tc.index for tc in streamed_calls} == {0}
+    assert "".join(tc.function.arguments or "" for tc in streamed_calls) == call.function.arguments
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
