@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine_daemon.output.bounded_parse import bounded
 from engine_daemon.output.call_text import partial_call, settled_call, written_arguments
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class OutputParser:
         self.think_end = getattr(tokenizer, "think_end", None)
         self.tools = tools or None
         parser = getattr(tokenizer, "tool_parser", None) if self.tools else None
-        self.tool_parser: Callable[..., Any] | None = parser
+        self.tool_parser: Callable[..., Any] | None = bounded(parser) if parser is not None else None
         self.tool_start = getattr(tokenizer, "tool_call_start", None) if parser else None
         self.tool_end = getattr(tokenizer, "tool_call_end", None) if parser else None
         # No family parser but tools were given: a reply that is one JSON value may be a call.
