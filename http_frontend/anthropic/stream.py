@@ -127,6 +127,9 @@ class BlockBuilder:
 
     def feed(self, update: Update) -> list[dict[str, Any]]:
         events = []
+        continuing, starting = self._tool_calls.events_around_text(update)
+        for tool_event in continuing:
+            events += self._tool_use(tool_event)
         if update.reasoning:
             events += self._grow("thinking", update.reasoning)
         if update.text:
@@ -135,7 +138,7 @@ class BlockBuilder:
             else:
                 events += self._grow("text", self._blank + update.text)
                 self._blank = ""
-        for tool_event in self._tool_calls.events(update):
+        for tool_event in starting:
             events += self._tool_use(tool_event)
         return events
 

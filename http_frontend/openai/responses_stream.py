@@ -77,6 +77,9 @@ class ResponseBuilder:
 
     def feed(self, update: Update) -> list[Event]:
         events: list[Event] = []
+        continuing, starting = self._tool_calls.events_around_text(update)
+        for tool_event in continuing:
+            events += self._tool_event(tool_event)
         if update.reasoning:
             events += self._append("reasoning", update.reasoning)
         # An answer token's logprobs go with its output_text (a held-back token's wait for the text it
@@ -87,7 +90,7 @@ class ResponseBuilder:
             self._logprobs += update.logprobs
         if update.text:
             events += self._append("message", update.text)
-        for tool_event in self._tool_calls.events(update):
+        for tool_event in starting:
             events += self._tool_event(tool_event)
         if update.finish_reason:
             events += self._finish(update.finish_reason, update.usage)

@@ -63,7 +63,13 @@ class ToolCallRelay:
             events.append(ToolCallEvent("done", index, part, text=sent))
         return events
 
-    @property
-    def open(self) -> bool:
-        """A call started and not yet done."""
-        return bool(self._streamed)
+    def events_around_text(self, update: Update) -> tuple[list[ToolCallEvent], list[ToolCallEvent]]:
+        """`events(update)` split into those of calls open before it and the rest.
+
+        An update merges what arrived since the consumer last looked, each kind apart. A call
+        open before it cannot have text inside it, so the text that came with it came after
+        its end: its events go before the text, new calls' after it (where text before them goes).
+        """
+        before = set(self._streamed)
+        events = self.events(update)
+        return [e for e in events if e.index in before], [e for e in events if e.index not in before]

@@ -143,3 +143,39 @@ def test_a_value_that_is_not_a_string_streams_only_when_finished() -> None:
     upto = text.index("644") + 2  # "64": it may become 640
     name, arguments = settled_call(text[len("<tool_call>"):upto], TOOLS)
     assert arguments.endswith('"mode": ') and name == "write_file"
+
+
+def test_text_after_a_streamed_call_in_the_same_update_comes_after_it() -> None:
+    """A slow reader's update merges a call's last piece, its end and the text after it: the call ends first."""
+    from http_frontend.anthropic.stream import BlockBuilder
+    from http_frontend.engine.request_stream import RequestStream
+    from http_frontend.openai.responses_stream import ResponseBuilder
+
+    stream = RequestStream("f:1")
+    first = {"rid": "f:1", "seq": 0, "text": "", "tool_call_deltas": [
+        {"index": 0, "id": "call_1", "name": "write_file", "arguments": '{"path": "a'}]}
+    rest = [{"rid": "f:1", "seq": 1, "text": "", "tool_call_deltas": [{"index": 0, "arguments": '.py"'}]},
+            {"rid": "f:1", "seq": 2, "text": "", "tool_calls": [
+                {"index": 0, "id": "call_1", "name": "write_file", "arguments": '{"path": "a.py"}'}]},
+            {"rid": "f:1", "seq": 3, "text": "Done."}]
+    stream.on_deltas(first)
+    updates = [stream._pending]
+    stream._pending = type(stream._pending)()
+    for item in rest:
+        stream.on_deltas(item)
+    updates.append(stream._pending)
+
+    blocks = BlockBuilder()
+    events = [e for update in updates for e in blocks.feed(update)] + blocks.finish()
+    assert blocks.blocks == [{"type": "tool_use", "id": "call_1", "name": "write_file", "input": {"path": "a.py"}},
+                             {"type": "text", "text": "Done."}]
+    assert "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
+                   and e["index"] == 0) == '{"path": "a.py"}'
+    assert [e["type"] for e in events].count("content_block_stop") == 2
+
+    builder = ResponseBuilder({"id": "resp_1", "model": "m"})
+    events = [e for update in updates for e in builder.feed(update)]
+    assert [item["type"] for item in builder.output] == ["function_call", "message"]
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")
+    assert builder.output[0]["arguments"] == '{"path": "a.py"}'
