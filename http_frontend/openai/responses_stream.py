@@ -13,6 +13,7 @@ a `sequence_number` counting from 0; the stream ends with `response.completed`
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
@@ -22,6 +23,8 @@ from http_frontend.engine.client import Update
 from http_frontend.errors import APIError
 from http_frontend.openai.responses_tools import ToolOrigin, custom_input
 from http_frontend.relay.tool_calls import ToolCallEvent, ToolCallRelay
+
+log = logging.getLogger(__name__)
 
 Event = dict[str, Any]
 TERMINAL_EVENTS = ("response.completed", "response.incomplete", "response.failed")
@@ -62,7 +65,7 @@ class ResponseBuilder:
         self.error: dict[str, Any] | None = None
         self.completed_at: float | None = None
         self._tool_calls = ToolCallRelay()
-        self._streaming: dict[int, dict[str, Any] | None] = {}  # call index -> its item (None: a custom call)
+        self._streaming: dict[int, dict[str, Any]] = {}  # call index -> its open item
 
     # -- events -------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> Event:
@@ -165,29 +168,30 @@ class ResponseBuilder:
                 self._event("response.output_item.done", output_index=index, item=item)]
 
     def _tool_event(self, tool_event: ToolCallEvent) -> list[Event]:
-        """A function call's item opens when the engine names it, its arguments stream as
-        `function_call_arguments.delta`, and it is done when the call is whole. A custom tool's
-        `input` is its arguments' one string, so its call is sent when whole."""
+        """A call's item opens when the engine names it, its arguments stream (`function_call_arguments.delta`;
+        a custom tool's `input` decoded from its `{"input": "…` arguments, `custom_tool_call_input.delta`), and
+        it is done when the call is whole."""
         call, index = tool_event.call, tool_event.index
         if tool_event.kind == "whole":
             return self._call(call)
         if tool_event.kind == "start":
             origin = self.origins.get(call.get("name", ""))
-            if origin is not None and origin.kind == "custom":
-                self._streaming[index] = None
-                return []
-            item, events = self._open_call(call)
+            custom = origin is not None and origin.kind == "custom"
+            item, events = self._open_custom(call, origin) if custom else self._open_call(call)
             self._streaming[index] = item
             return events
         item = self._streaming.get(index)
+        if item is None:  # cannot happen in the engine's order
+            return self._call(call) if tool_event.kind == "done" else []
+        custom = item["type"] == "custom_tool_call"
         if tool_event.kind == "arguments":
-            if item is None:
-                return []
+            if custom:
+                return self._custom_piece(item, tool_event.text)
             item["arguments"] += tool_event.text
             return [self._event("response.function_call_arguments.delta", item_id=item["id"],
                                 output_index=self.output.index(item), delta=tool_event.text)]
         del self._streaming[index]
-        return self._call(call) if item is None else self._end_call(item, call)
+        return self._end_custom(item, call) if custom else self._end_call(item, call)
 
     def _call(self, call: dict[str, Any]) -> list[Event]:
         """A complete tool call from the engine: its item, arguments in one delta, and its `.done`s."""
@@ -227,24 +231,49 @@ class ResponseBuilder:
 
     def _custom_call(self, call: dict[str, Any], origin: ToolOrigin, arguments: str) -> list[Event]:
         """A custom tool's call: a `custom_tool_call` item whose `input` is the raw text, with its events."""
-        text = _cut_input(arguments) if call.get("partial") else custom_input(arguments)
+        item, events = self._open_custom(call, origin)
+        return events + self._end_custom(item, call)
+
+    def _open_custom(self, call: dict[str, Any], origin: ToolOrigin) -> tuple[dict[str, Any], list[Event]]:
+        events = self._close()
         item = {"id": new_id("ctc"), "type": "custom_tool_call", "status": "in_progress", "input": "",
                 "call_id": call.get("id") or new_id("call"), "name": origin.name}
         if origin.namespace:
             item["namespace"] = origin.namespace
-        item["_offered"], item["_arguments"] = call.get("name", ""), arguments
+        item["_offered"], item["_arguments"] = call.get("name", ""), ""
         self.output.append(item)
         self.calls.append(item)
-        index = len(self.output) - 1
-        events = [self._event("response.output_item.added", output_index=index, item=_public(item)),
-                  self._event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
-                              delta=text),
-                  self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
-                              input=text)]
-        item["input"] = text
+        events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                  item=_public(item)))
+        return item, events
+
+    def _custom_piece(self, item: dict[str, Any], piece: str) -> list[Event]:
+        """The next piece of a custom call's `{"input": "…` arguments: the text it adds to `input`, decoded."""
+        item["_arguments"] += piece
+        if not _INPUT_KEY.match(item["_arguments"]):
+            return []  # not yet (or not) the one-string shape: its input is sent when the call is whole
+        text = _cut_input(item["_arguments"])
+        if len(text) <= len(item["input"]) or not text.startswith(item["input"]):
+            return []
+        delta, item["input"] = text[len(item["input"]):], text
+        return [self._event("response.custom_tool_call_input.delta", item_id=item["id"],
+                            output_index=self.output.index(item), delta=delta)]
+
+    def _end_custom(self, item: dict[str, Any], call: dict[str, Any]) -> list[Event]:
+        arguments = call.get("arguments") or ""
+        text = _cut_input(arguments) if call.get("partial") else custom_input(arguments)
+        index, sent = self.output.index(item), item["input"]
+        events = []
+        if text.startswith(sent) and (len(text) > len(sent) or not sent):
+            events.append(self._event("response.custom_tool_call_input.delta", item_id=item["id"],
+                                      output_index=index, delta=text[len(sent):]))
+        elif not text.startswith(sent):
+            log.warning("custom tool call %s: its input does not extend what was streamed of it", item["call_id"])
+        item["input"], item["_arguments"] = text, arguments
         item["status"] = "incomplete" if call.get("partial") else "completed"
-        events.append(self._event("response.output_item.done", output_index=index, item=_public(item)))
-        return events
+        return events + [self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                                     input=text),
+                         self._event("response.output_item.done", output_index=index, item=_public(item))]
 
     def _finish(self, finish_reason: str, usage: dict[str, int] | None) -> list[Event]:
         cut = finish_reason == "length"

@@ -216,3 +216,32 @@ def test_the_ignored_tools_header_is_visible_ascii_whatever_the_names() -> None:
     assert value.isascii() and value.isprintable() and "\n" not in value
     assert value.startswith("web_search,w%C3%A9b%2C%20search%0D%0AX-Evil:%201,")
     assert len(value) <= 1024
+
+
+def test_a_custom_calls_input_streams_decoded_as_its_arguments_are_written() -> None:
+    """Codex's apply_patch is a custom tool: its patch streams as `custom_tool_call_input.delta` text while
+    written (Codex gives up on a stream idle for 5 minutes), escapes split across pieces decoded whole."""
+    from http_frontend.engine.client import Update
+    from http_frontend.openai.responses_stream import ResponseBuilder
+    from http_frontend.openai.responses_tools import ToolOrigin
+
+    patch = '*** Begin Patch\n*** Update File: a.py\n-print("café")\n+print("caf\\u00e9 \\\\ done")\n*** End Patch'
+    arguments = json.dumps({"input": patch}, ensure_ascii=True)
+    cuts = [0, 3, 11, 30, arguments.index("\\u00e9") + 3, arguments.index("\\\\") + 1, len(arguments) - 5]
+    builder = ResponseBuilder({"id": "resp_1", "model": "m"}, {"apply_patch": ToolOrigin("custom", "apply_patch")})
+    events = []
+    for number, (start, end) in enumerate(zip(cuts, cuts[1:])):
+        piece = {"index": 0, "arguments": arguments[start:end]}
+        if number == 0:
+            piece |= {"id": "call_1", "name": "apply_patch"}
+        events += builder.feed(Update(tool_parts=[("piece", piece)]))
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta")
+    assert len([e for e in events if e["type"] == "response.custom_tool_call_input.delta"]) >= 4
+    assert patch.startswith(streamed) and len(streamed) > len(patch) - 10
+    events += builder.feed(Update(tool_parts=[("call", {"index": 0, "id": "call_1", "name": "apply_patch",
+                                                        "arguments": arguments})], finish_reason="tool_calls"))
+    assert "".join(e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta") == patch
+    (done,) = [e for e in events if e["type"] == "response.custom_tool_call_input.done"]
+    (item,) = builder.output
+    assert done["input"] == item["input"] == patch and item["type"] == "custom_tool_call"
+    assert [e["type"] for e in events][0] == "response.output_item.added"
