@@ -33,7 +33,7 @@ from engine_daemon.multimodal.media_decode import (  # noqa: F401 (decode_image,
     decode_media,
 )
 from engine_daemon.request.preprocess import model_key
-from engine_daemon.request.prompt import template_tools
+from engine_daemon.request.prompt import rendered_tools
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.request.template_kwargs import checked_template_kwargs
 
@@ -133,7 +133,7 @@ def build_inputs(body: dict[str, Any], loaded: LoadedModel, decoded: list[Any] |
     if "chat_template" in kwargs:
         raise RequestError(400, "unsupported_value", "A request's own chat template is not supported for vision "
                            "models", param="chat_template_kwargs")
-    if tools := template_tools(body):
+    if tools := rendered_tools(body):
         kwargs["tools"] = tools
     try:
         prompt = apply_chat_template(support.processor, support.config, converted, num_images=len(image_order),

@@ -22,7 +22,7 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
                                f"Model '{loaded.ref.id}' has no chat template; use /v1/completions",
                                param="messages")
         kwargs = checked_template_kwargs(body.get("chat_template_kwargs"))
-        tools = template_tools(body)
+        tools = rendered_tools(body)
         if tools:
             kwargs["tools"] = tools
         if "chat_template" in kwargs:  # the client's own template (--allow-request-chat-template)
@@ -80,6 +80,17 @@ def template_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     if allowed is not None and allowed[0] == "auto":
         return narrowed(body.get("tools"), allowed[1]) or None
     return body.get("tools") or None
+
+
+def rendered_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The tools the template lists: `template_tools` but those sent with `defer_loading` (Claude Code's
+    tool search). A deferred tool is described where a tool search loaded it (the front-end writes its
+    definition into that tool result), so the prompt's head, and its prefix-cache entry, never change
+    as tools load, and unloaded tools cost no context. The output parser and a forced call's grammar
+    still know every tool (`template_tools`)."""
+    tools = template_tools(body)
+    listed = [tool for tool in tools or () if not tool.get("defer_loading")]
+    return listed or tools  # every tool deferred: the template needs one to show how calls are written
 
 
 def _arguments_object(arguments: Any) -> Any:

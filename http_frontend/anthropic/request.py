@@ -70,7 +70,8 @@ def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}, SOURCE_PARAM: param}
 
 
-def _tool_result(block: dict[str, Any], param: str) -> tuple[str, list[dict[str, Any]]]:
+def _tool_result(block: dict[str, Any], param: str, deferred: dict[str, dict[str, Any]]
+                 ) -> tuple[str, list[dict[str, Any]]]:
     """A tool_result's content as the text of a `tool` message, and the images it carried.
 
     Text and documents become the tool message's text. Images go to a user turn right after
@@ -90,15 +91,34 @@ def _tool_result(block: dict[str, Any], param: str) -> tuple[str, list[dict[str,
         elif part["type"] == "image":
             images.append(_image_part(part, where))
             texts.append(f"[image {len(images)}: shown in the next user turn]")
-        elif part["type"] == "tool_reference":  # tool search found a deferred tool: every tool is in the prompt
+        elif part["type"] == "tool_reference":  # tool search loaded a deferred tool: its definition, here
             if not isinstance(part.get("tool_name"), str) or not part["tool_name"]:
                 raise bad_request(f"{where}.tool_name: expected a string", param=f"{where}.tool_name",
                                   code="invalid_type")
-            texts.append(f"Tool {part['tool_name']} loaded: it can be called now.")
+            texts.append(_loaded_tool(part["tool_name"], deferred))
         elif part["type"] not in IGNORED_BLOCKS:
             raise bad_request(f"{where}: '{part['type']}' blocks in a tool_result are not supported",
                               param=where, code="unsupported_content")
     return "\n".join(texts), images
+
+
+def _loaded_tool(name: str, deferred: dict[str, dict[str, Any]]) -> str:
+    """What a `tool_reference` reads as: a deferred tool's definition (the prompt lists only the others:
+    `rendered_tools`), where the tool search put it, as Anthropic expands it; any other tool is listed."""
+    tool = deferred.get(name)
+    if tool is None:
+        return f"Tool {name} loaded: it can be called now."
+    description = tool.get("description") if isinstance(tool.get("description"), str) else ""
+    schema = json.dumps(tool.get("input_schema") or {}, ensure_ascii=False)
+    return f"Tool {name} loaded: it can be called now. {description} Its input follows this JSON schema: {schema}"
+
+
+def deferred_tools(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Custom tools sent with `defer_loading: true` (Claude Code's tool search), by name."""
+    tools = body.get("tools")
+    return {tool["name"]: tool for tool in tools if isinstance(tool, dict) and tool.get("defer_loading") is True
+            and isinstance(tool.get("name"), str) and tool.get("type", "custom") == "custom"} \
+        if isinstance(tools, list) else {}
 
 
 def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
@@ -108,7 +128,8 @@ def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     return parts
 
 
-def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+def _user_turn(blocks: list[dict[str, Any]], param: str, deferred: dict[str, dict[str, Any]]
+               ) -> list[dict[str, Any]]:
     """One Anthropic user turn -> `tool` messages for its tool results and `user` messages for the rest."""
     messages: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
@@ -135,7 +156,7 @@ def _user_turn(blocks: list[dict[str, Any]], param: str) -> list[dict[str, Any]]
                 raise bad_request(f"{where}.tool_use_id: expected a string", param=f"{where}.tool_use_id",
                                   code="invalid_type")
             flush(with_attachments=False)
-            text, images = _tool_result(block, where)
+            text, images = _tool_result(block, where, deferred)
             messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
             if images:
                 attachments.append({"type": "text", "text": f"Images from the result of tool call "
@@ -219,6 +240,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("messages: at least one message is required", param="messages")
     converted: list[dict[str, Any]] = []
+    deferred = deferred_tools(body)
     system = parse_system(body)
     if system is not None:
         converted.append({"role": "system", "content": system})
@@ -240,7 +262,7 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                               param=f"{param}.role")
         blocks = _blocks(message.get("content"), f"{param}.content")
         if role == "user":
-            converted.extend(_user_turn(blocks, f"{param}.content"))
+            converted.extend(_user_turn(blocks, f"{param}.content", deferred))
         else:
             converted.append(_assistant_turn(blocks, f"{param}.content"))
     if not any(turn["role"] == "user" for turn in converted):
@@ -285,7 +307,11 @@ def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         converted.append({"type": "function", "function": function})
-    return parse_tools({"tools": converted}) if converted else None
+    if not converted:
+        return None
+    deferred = deferred_tools(body)
+    return [{**tool, "defer_loading": True} if tool["function"]["name"] in deferred else tool
+            for tool in parse_tools({"tools": converted})]
 
 
 def parse_anthropic_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None

@@ -260,3 +260,38 @@ def test_system_turns_inside_messages_are_accepted(frontend: Frontend, model_id:
     with_system = client.messages.count_tokens(model=model_id, messages=turns).input_tokens  # the loaded model
     assert result.usage.input_tokens + result.usage.cache_read_input_tokens == with_system
     assert with_system > client.messages.count_tokens(model=model_id, messages=plain).input_tokens
+
+
+def test_deferred_tools_cost_no_context_until_a_tool_search_loads_them(frontend: Frontend, model_id: str) -> None:
+    """Claude Code's tool search: tools sent with `defer_loading` were all rendered in the prompt (a long MCP
+    list could fill a local model's window). Now only the others are listed; a `tool_reference` writes the
+    deferred tool's definition where the search put it, so the prompt's head stays the same as tools load."""
+    client = client_for(frontend)
+    query = {"name": "mcp__db__query", "description": "Runs one read-only SQL query on the analytics database.",
+             "input_schema": {"type": "object", "properties": {"sql": {"type": "string", "maxLength": 12}},
+                              "required": ["sql"], "additionalProperties": False}}
+    search = {"name": "ToolSearch", "description": "Finds deferred tools.",
+              "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}}}
+    request = {"model": model_id, "messages": PROMPT}
+    listed = client.messages.count_tokens(tools=[search, query], **request).input_tokens
+    deferred = client.messages.count_tokens(tools=[search, {**query, "defer_loading": True}], **request).input_tokens
+    alone = client.messages.count_tokens(tools=[search], **request).input_tokens
+    assert deferred == alone < listed
+    loaded = [*PROMPT, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch",
+                                                          "input": {"query": "select:mcp__db__query"}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                            "content": [{"type": "tool_reference", "tool_name": "mcp__db__query"}]}]}]
+    tools = [search, {**query, "defer_loading": True}]
+    with_reference = client.messages.count_tokens(model=model_id, tools=tools, messages=loaded).input_tokens
+    without_definition = client.messages.count_tokens(model=model_id, tools=[search], messages=loaded).input_tokens
+    assert with_reference > without_definition  # the definition is in the tool result
+    # The engine still knows the deferred tool: a call forced to it follows its schema.
+    forced = client.messages.create(model=model_id, max_tokens=40, tools=tools, messages=loaded,
+                                    tool_choice={"type": "tool", "name": "mcp__db__query"},
+                                    extra_body={"temperature": 0})
+    (block,) = [b for b in forced.content if b.type == "tool_use"]
+    assert block.name == "mcp__db__query" and isinstance(block.input["sql"], str)
+    # The turn after the search reuses the prompt cached before it: the tools' part did not change.
+    first = client.messages.create(model=model_id, max_tokens=1, tools=tools, messages=PROMPT)
+    second = client.messages.create(model=model_id, max_tokens=1, tools=tools, messages=loaded)
+    assert second.usage.cache_read_input_tokens >= first.usage.input_tokens + first.usage.cache_read_input_tokens - 2
