@@ -1,7 +1,7 @@
 """What a tool-call text says while it is still being written: its name and its arguments so far.
 
 Two readers of an unfinished call. `partial_call` reads one that max_tokens cut (OpenAI returns it
-with its arguments as far as they got). `settled_call` reads one the model is still writing and
+with its arguments as far as they got). `SettledReader` reads one the model is still writing and
 keeps only what can no longer change, so the parser can stream the arguments while the call is
 written: an agent's file write takes minutes on a laptop, and clients (Claude Code's stream
 watchdog) give up on a stream that shows nothing for that long. `written_arguments` reads a
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 _JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
@@ -34,6 +35,34 @@ _UNSETTLED_TAIL = " \t\r\n}]"
 Pair = tuple[str | None, str | None, bool]  # (key, value so far, value closed)
 
 
+def call_dict(parsed: Any) -> list[dict[str, Any]]:
+    """A tool parser's result (one call or a list) as [{"name", "arguments"}], arguments a JSON string.
+
+    NaN and Infinity are not JSON (strict clients' `JSON.parse` rejects them): such a call is unparsable.
+    A lone surrogate (`"\\ud800"` decoded) cannot travel as UTF-8: it stays an escape.
+    """
+    calls = parsed if isinstance(parsed, list) else [parsed]
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise ValueError(f"not a tool call: {call!r}")
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        out.append({"name": encodable(call["name"]), "arguments": encodable(arguments)})
+    return out
+
+
+def encodable(text: str) -> str:
+    """`text` with any lone surrogate as its `\\uXXXX` escape (the output frame is UTF-8)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+
 def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The call a cut-off tool-call text was writing: its name, and its arguments as written so far.
 
@@ -43,48 +72,121 @@ def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[s
     would (strings stay strings where the schema says so). Without a complete name there
     is no call to return, and the markup is never returned as text either: None.
     """
-    read = _read(text, tools, settled=False)
+    read = partial_call_text(text, tools)
     return None if read is None else {"name": read[0], "arguments": read[1], "partial": True}
 
 
-def settled_call(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
-    """(name, arguments text that more output cannot change) of a call being written; None before its name.
+def partial_call_text(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
+    """(name, arguments as written so far) of a cut call, as `partial_call` reads it."""
+    return _read(text, tools)
 
-    Each later result's arguments extend the earlier one's. Held back: a JSON call's closing
-    brackets and whitespace (they may close the call around the arguments), a markup value
-    that is not a string (`3` may become `30`), and a string value's trailing whitespace
-    that its closing tag may take.
+
+class SettledReader:
+    """The settled part of a call being written: (name, arguments text that more output cannot change).
+
+    Each reading's arguments extend the one before, and the whole call's arguments (its family
+    parser's, `call_dict`) extend them all. Held back: a JSON call's closing brackets and
+    whitespace (they may close the call around the arguments); in markup (Qwen3-Coder, GLM),
+    a value the family parser may convert (`5`, `true`, `null`, a schema without a type) until
+    it closes, and a string value's trailing whitespace and any start of its closing tag. A
+    markup call's finished values are converted by the family parser itself (`parse`, run
+    on the text up to the last one), so they stream exactly as the whole call will say them.
     """
-    return _read(text, tools, settled=True)
+
+    def __init__(self, tools: list[dict[str, Any]] | None, parse: Callable[..., Any] | None):
+        self.tools, self.parse = tools, parse
+        self._closed: tuple[int, str | None] = (-1, "{")  # (end of the last finished value, the object so far)
+
+    def read(self, text: str, settled: bool = True) -> tuple[str, str] | None:
+        """`settled=False`: a cut call's arguments, its last value as far as it got (`partial_call`)."""
+        name = _JSON_NAME.search(text)
+        if name is not None and _JSON_CALL_START.match(text):
+            if not settled:
+                return partial_call_text(text, self.tools)
+            after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
+            return _json_name(name.group(1)), _settled_json(text[after.end():]) if after is not None else ""
+        xml, glm = _XML_NAME.search(text), _GLM_NAME.search(text)
+        if (xml is None and glm is None) or self.parse is None:  # no family parser: the JSON fallback's calls
+            return None
+        start = xml.end() if xml is not None else glm.end(1)
+        matches = list((_XML_PARAMETER if xml is not None else _GLM_ARGUMENT).finditer(text, start))
+        closed = [m for m in matches if (m.group(3) if xml is not None else m.group(4))]
+        opened = matches[len(closed)] if len(matches) > len(closed) else None
+        call_name = xml.group(1) if xml is not None else glm.group(1)
+        prefix = self._finished(text, closed[-1].end() if closed else -1, xml is None)
+        if prefix is None:
+            return call_name, ""
+        if opened is None:
+            return call_name, prefix
+        key = opened.group(1) if xml is not None else (opened.group(1) if opened.group(2) else None)
+        if key is None:  # the key itself is unfinished
+            return call_name, prefix
+        value = opened.group(2) if xml is not None else opened.group(3)
+        schema = _properties(call_name, self.tools).get(key.strip())
+        head = ("" if prefix == "{" else ", ") + json.dumps(key.strip(), ensure_ascii=False) + ": "
+        if value is None:
+            return call_name, prefix + head
+        value = _unclosed(value if xml is not None else value.lstrip())
+        if settled:
+            value = value.rstrip()
+            if not _is_string(schema, glm=xml is None) or (xml is not None and "null".startswith(value.lower())):
+                return call_name, prefix + head  # the family may convert it (Qwen3-Coder reads "null" as null)
+        return call_name, prefix + head + json.dumps(value, ensure_ascii=False)[:-1]
+
+    def _finished(self, text: str, end: int, glm: bool) -> str | None:
+        """The arguments object's text through its last finished value, as the family parser converts it."""
+        if end == self._closed[0]:
+            return self._closed[1]
+        prefix: str | None = "{"
+        if end >= 0:
+            if self.parse is None:
+                prefix = None
+            else:
+                try:
+                    arguments = call_dict(self.parse(text[:end] + ("" if glm else "\n</function>"), self.tools))[0]
+                    prefix = arguments["arguments"][:-1] if arguments["arguments"].endswith("}") else None
+                except Exception:  # the family cannot read it (yet): nothing more streams until it can
+                    prefix = None
+        self._closed = (end, prefix)
+        return prefix
 
 
-def written_arguments(text: str, tools: list[dict[str, Any]] | None = None) -> str | None:
-    """A finished call's arguments as the model wrote them (a JSON object's own text); None when not JSON."""
-    read = _read(text, tools, settled=False)
+def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, strict: bool = True) -> str | None:
+    """A finished call's arguments as the model wrote them (a JSON object's own text); None when not JSON.
+
+    `strict=False` also takes NaN and Infinity (not JSON: only for a call returned as `partial`).
+    """
+    read = _read(text, tools)
     if read is None:
         return None
     arguments = read[1] if _JSON_CALL_START.match(text) else read[1] + "}"
     try:
-        value, end = json.JSONDecoder().raw_decode(arguments)
+        value, end = (_STRICT_JSON if strict else json.JSONDecoder()).raw_decode(arguments)
     except (ValueError, RecursionError):
         return None
     return arguments[:end] if isinstance(value, dict) else None
 
 
-def _read(text: str, tools: list[dict[str, Any]] | None, settled: bool) -> tuple[str, str] | None:
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity: strict clients refuse them
+
+
+def _read(text: str, tools: list[dict[str, Any]] | None) -> tuple[str, str] | None:
     name = _JSON_NAME.search(text)
     if name is not None and _JSON_CALL_START.match(text):  # a top-level name: a nested "name" is no call
         after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
-        arguments = text[after.end():].rstrip() if after is not None else ""
-        return name.group(1), _settled_json(text[after.end():]) if settled and after is not None else arguments
+        return _json_name(name.group(1)), text[after.end():].rstrip() if after is not None else ""
     xml, glm = _XML_NAME.search(text), _GLM_NAME.search(text)
     if xml is not None:
         pairs = [(m.group(1), m.group(2), bool(m.group(3))) for m in _XML_PARAMETER.finditer(text, xml.end())]
-        return xml.group(1), _partial_object(xml.group(1), pairs, tools, settled, glm=False)
+        return xml.group(1), _partial_object(xml.group(1), pairs, tools, glm=False)
     if glm is not None:
         pairs = [(m.group(1) if m.group(2) else None, m.group(3), bool(m.group(4)))
                  for m in _GLM_ARGUMENT.finditer(text, glm.end(1))]
-        return glm.group(1), _partial_object(glm.group(1), pairs, tools, settled, glm=True)
+        return glm.group(1), _partial_object(glm.group(1), pairs, tools, glm=True)
     return None
 
 
@@ -100,8 +202,7 @@ def _settled_json(arguments: str) -> str:
     return arguments.rstrip(_UNSETTLED_TAIL)
 
 
-def _partial_object(name: str, pairs: list[Pair], tools: list[dict[str, Any]] | None, settled: bool,
-                    glm: bool) -> str:
+def _partial_object(name: str, pairs: list[Pair], tools: list[dict[str, Any]] | None, glm: bool) -> str:
     """(key, value so far, value closed) pairs as the prefix of a JSON object, stopping at the first unfinished part."""
     properties = _properties(name, tools)
     parts = []
@@ -111,14 +212,14 @@ def _partial_object(name: str, pairs: list[Pair], tools: list[dict[str, Any]] | 
         key = key.strip()
         head = json.dumps(key, ensure_ascii=False) + ": "
         is_string = _is_string(properties.get(key), glm)
-        if value is None or (settled and not closed and not is_string):
+        if value is None:
             parts.append(head)
             break
         if glm:  # GLM's parser strips every value; Qwen3-Coder's only the newline after and before its tags
             value = value.strip() if closed else value.lstrip()
         if not closed:  # an unfinished value: an unterminated JSON string, as a streamed string would be
             value = _unclosed(value)
-            parts.append(head + json.dumps(value.rstrip() if settled else value, ensure_ascii=False)[:-1])
+            parts.append(head + json.dumps(value, ensure_ascii=False)[:-1])
             break
         parts.append(head + (json.dumps(value, ensure_ascii=False) if is_string else _json_value(value)))
     return "{" + ", ".join(parts)
@@ -139,18 +240,31 @@ def _is_string(schema: Any, glm: bool) -> bool:
     kind = schema.get("type") if isinstance(schema, dict) else None
     if glm:
         return kind == "string"
-    if not isinstance(schema, dict):  # Qwen3-Coder: a parameter the schema does not name stays text
+    if not schema:  # Qwen3-Coder: a parameter the schema does not describe stays text
         return True
+    if not isinstance(schema, dict):
+        return False
     return kind is not None and str(kind).strip().lower() in _XML_STRING_TYPES
 
 
 def _unclosed(value: str) -> str:
-    """An unfinished value without the start of its closing tag (`…\n</param` cut mid-tag)."""
-    for closer in ("\n</parameter>", "</arg_value>"):
-        for size in range(min(len(closer), len(value)), 0, -1):
+    """An unfinished value without the start of its closing tag (`…\n</param`, `…</para` cut mid-tag)."""
+    longest = 0
+    for closer in ("\n</parameter>", "</parameter>", "</arg_value>"):
+        for size in range(min(len(closer), len(value)), longest, -1):
             if value.endswith(closer[:size]):
-                return value[:-size]
-    return value
+                longest = size
+                break
+    return value[:len(value) - longest]
+
+
+def _json_name(raw: str) -> str:
+    """A JSON call's name as its text decodes (`write\\u005ffile` is `write_file`)."""
+    try:
+        name = json.loads(f'"{raw}"')
+    except ValueError:
+        return raw
+    return name if isinstance(name, str) else raw
 
 
 def _json_value(value: str) -> str:

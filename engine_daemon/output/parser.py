@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_daemon.output.bounded_parse import bounded
-from engine_daemon.output.call_text import partial_call, settled_call, written_arguments
+from engine_daemon.output.call_text import SettledReader, call_dict, encodable, partial_call, written_arguments
 
 log = logging.getLogger(__name__)
 
@@ -51,36 +51,9 @@ def _held_back(text: str, markers: list[str]) -> int:
     return longest
 
 
-def _call_dict(parsed: Any) -> list[dict[str, Any]]:
-    """A tool parser's result (one call or a list) as [{"name", "arguments"}], arguments a JSON string.
-
-    NaN and Infinity are not JSON (strict clients' `JSON.parse` rejects them): such a call is unparsable.
-    A lone surrogate (`"\\ud800"` decoded) cannot travel as UTF-8: it stays an escape.
-    """
-    calls = parsed if isinstance(parsed, list) else [parsed]
-    out = []
-    for call in calls:
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise ValueError(f"not a tool call: {call!r}")
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-        out.append({"name": _encodable(call["name"]), "arguments": _encodable(arguments)})
-    return out
-
-
-def _encodable(text: str) -> str:
-    """`text` with any lone surrogate as its `\\uXXXX` escape (the output frame is UTF-8)."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def parse_json_tool_calls(text: str, tools: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The JSON fallback (Llama 3 style): `{"name", "arguments"|"parameters"}` or a list of those."""
-    return _call_dict(json.loads(text.strip()))
+    return call_dict(json.loads(text.strip()))
 
 
 def leading_json_calls(text: str) -> tuple[list[dict[str, Any]], str] | None:
@@ -88,7 +61,7 @@ def leading_json_calls(text: str) -> tuple[list[dict[str, Any]], str] | None:
     stripped = text.lstrip()
     try:
         value, end = json.JSONDecoder().raw_decode(stripped)
-        return _call_dict(value), stripped[end:]
+        return call_dict(value), stripped[end:]
     except (ValueError, RecursionError):
         return None
 
@@ -120,7 +93,8 @@ class OutputParser:
         self.after_call = False  # nothing but whitespace since the last tool call closed
         # The call being written whose name and arguments were streamed: {"index", "id", "name", "sent"}.
         self.open_call: dict[str, Any] | None = None
-        self.settled_at = -1  # length of `tool_text` when `settled_call` last read it
+        self.reader: SettledReader | None = None  # the call being written, read as it settles
+        self.settled_at = -1  # length of `tool_text` when `reader` last read it
 
     @property
     def in_reasoning(self) -> bool:
@@ -180,7 +154,7 @@ class OutputParser:
         return out
 
     def _stream_call(self, out: ParsedDelta) -> None:
-        """Streams the settled part of the call being written (`settled_call`): its name, then its arguments.
+        """Streams the settled part of the call being written (`SettledReader`): its name, then its arguments.
 
         Re-read when the text grew by 1/32 since the last reading, so a call of n characters
         costs O(n) in all, not O(n) per token.
@@ -189,8 +163,10 @@ class OutputParser:
         if len(text) - self.settled_at < max(1, self.settled_at // 32):
             return
         self.settled_at = len(text)
+        if self.reader is None:
+            self.reader = SettledReader(self.tools, self.tool_parser if self.state == TOOL else None)
         try:
-            settled = settled_call(text, self.tools)
+            settled = self.reader.read(text)
         except (ValueError, RecursionError):
             return
         if settled is None:
@@ -200,12 +176,12 @@ class OutputParser:
             if self.state == JSON_TOOL and name not in self._tool_names():
                 return  # a JSON answer, until it names a tool
             self.open_call = {"index": self.tool_calls, "id": f"call_{uuid.uuid4().hex[:24]}",
-                              "name": _encodable(name), "sent": ""}
+                              "name": encodable(name), "sent": ""}
             out.tool_call_deltas.append({"index": self.tool_calls, "id": self.open_call["id"],
                                          "name": self.open_call["name"], "arguments": ""})
         sent = self.open_call["sent"]
         if len(arguments) > len(sent) and arguments.startswith(sent):
-            piece = _encodable(arguments[len(sent):])
+            piece = encodable(arguments[len(sent):])
             self.open_call["sent"] = sent + piece
             if out.tool_call_deltas and out.tool_call_deltas[-1]["index"] == self.open_call["index"]:
                 out.tool_call_deltas[-1]["arguments"] += piece
@@ -258,9 +234,10 @@ class OutputParser:
 
     def _close_tool(self, out: ParsedDelta, raw_if_invalid: str | None = None, cut: bool = False) -> None:
         text, self.tool_text = self.tool_text, ""
+        reader, self.reader, self.settled_at = self.reader, None, -1
         parse = self.tool_parser if self.state == TOOL else parse_json_tool_calls
         try:
-            calls = _call_dict(parse(text, self.tools))
+            calls = call_dict(parse(text, self.tools))
         except Exception as exc:
             if self.state == JSON_TOOL and (leading := leading_json_calls(text)) is not None:
                 calls, rest = leading  # whole calls, then the model's own text: both kept
@@ -275,9 +252,9 @@ class OutputParser:
                 written = None
             if written is not None and self.state == JSON_TOOL and written["name"] not in self._tool_names():
                 written = None  # a cut JSON answer that names no tool is the answer, not a call
-            if written is None and self.open_call is not None:  # streamed as a call: it stays one, as written
-                written = partial_call(text, self.tools) or {"name": self.open_call["name"], "partial": True,
-                                                             "arguments": self.open_call["sent"]}
+            if self.open_call is not None or (written is None and self.state == TOOL):
+                # Streamed as a call (or it would have been, had it come in smaller pieces): a call, as written.
+                written = self._as_written(text, reader) or written
             if written is not None:  # cut by max_tokens: the call as far as it got, as OpenAI returns it
                 calls = [written]
             elif raw_if_invalid is not None and self.state == TOOL:
@@ -287,49 +264,75 @@ class OutputParser:
                 log.info("unparsable tool call (%s): returned as text", exc)
                 out.text += raw_if_invalid if raw_if_invalid is not None else text
                 return
-        self._add_calls(out, calls, cut, text)
+        self._add_calls(out, calls, cut, text, reader)
 
-    def _add_calls(self, out: ParsedDelta, calls: list[dict[str, Any]], cut: bool, text: str = "") -> None:
+    def _as_written(self, text: str, reader: SettledReader | None) -> dict[str, Any] | None:
+        """A call whose text its parser could not read, as written, its arguments extending what was streamed:
+        a whole JSON object (junk after it left out), else as far as they go (`partial`); None without a name."""
+        if self.open_call is not None:
+            name, sent = self.open_call["name"], self.open_call["sent"]
+        else:
+            read = partial_call(text, self.tools)
+            if read is None:
+                return None
+            name, sent = read["name"], ""
+        whole = written_arguments(text, self.tools)
+        if whole is not None and whole.startswith(sent):
+            return {"name": name, "arguments": whole}
+        lenient = written_arguments(text, self.tools, strict=False)  # NaN: not JSON, so partial
+        if lenient is not None and lenient.startswith(sent):
+            return {"name": name, "arguments": lenient, "partial": True}
+        reader = reader or SettledReader(self.tools, self.tool_parser if self.state == TOOL else None)
+        try:
+            read = reader.read(text, settled=False)
+        except (ValueError, RecursionError):
+            read = None
+        arguments = read[1] if read is not None and read[1].startswith(sent) else sent
+        return {"name": name, "arguments": arguments, "partial": True}
+
+    def _add_calls(self, out: ParsedDelta, calls: list[dict[str, Any]], cut: bool, text: str = "",
+                   reader: SettledReader | None = None) -> None:
         if not calls and self.open_call is not None:  # `[]`: the call streamed so far is still a call
             calls = [{"name": self.open_call["name"], "arguments": self.open_call["sent"], "partial": True}]
         for call in calls:
             if cut:
                 call["partial"] = True
-            self.partial_calls += bool(call.get("partial"))
-            call["index"] = self.tool_calls
             # Always our own id: a model-made one may be anything (a 100-digit number once made the
             # DELTAS frame unencodable), and clients expect a unique string.
             call["id"] = f"call_{uuid.uuid4().hex[:24]}"
             if self.open_call is not None:  # the streamed call: its id, and arguments that extend the pieces
                 call["id"] = self.open_call["id"]
-                self._extend_streamed(call, text)
+                self._extend_streamed(call, text, reader)
                 self.open_call = None
+            self.partial_calls += bool(call.get("partial"))
+            call["index"] = self.tool_calls
             self.tool_calls += 1
             out.tool_calls.append(call)
         self.open_call, self.settled_at = None, -1
         self.after_call = True
 
-    def _extend_streamed(self, call: dict[str, Any], text: str) -> None:
+    def _extend_streamed(self, call: dict[str, Any], text: str, reader: SettledReader | None) -> None:
         """Makes the call's arguments extend what was streamed of them.
 
         The family parser's canonical JSON (`{"a": 1}`) may differ from what the model wrote
         (`{"a":1}`) and was streamed: then the arguments as written are the call's, when they are
-        the same JSON value (checked), and streaming and not agree.
+        the same JSON value (checked). A call whose parse dropped a streamed part (an unclosed last
+        value) is the call as far as it was written, `partial`. Streaming and not agree.
         """
         sent = self.open_call["sent"]
         if call["arguments"].startswith(sent):
             return
         try:
             written = written_arguments(text, self.tools)
-            same = written is not None and written.startswith(sent) and (
-                call.get("partial") or json.loads(written) == json.loads(call["arguments"]))
+            if written is not None and written.startswith(sent) and json.loads(written) == json.loads(
+                    call["arguments"]):
+                call["arguments"] = encodable(written)
+                return
+            read = reader.read(text, settled=False) if reader is not None else None
         except (ValueError, RecursionError):
-            written, same = None, False
-        if same:
-            call["arguments"] = _encodable(written)
-        elif call.get("partial") and (cut_text := (partial_call(text, self.tools) or {}).get("arguments", "")) \
-                .startswith(sent):
-            call["arguments"] = _encodable(cut_text)
+            read = None
+        if read is not None and read[1].startswith(sent):
+            call["arguments"], call["partial"] = encodable(read[1]), True
         else:
             log.warning("tool call %s: its arguments do not extend the %d characters streamed of them",
                         call["name"], len(sent))

@@ -81,8 +81,10 @@ LOGPROB_CHAR_BYTES = 10
 def delta_bytes(item: dict[str, Any]) -> int:
     """An estimate of the memory one DELTAS item adds to a pending update (what `max_pending_bytes` counts)."""
     size = len(item.get("text") or "") + len(item.get("reasoning") or "") + 8 * len(item.get("token_ids") or ())
-    for call in (*(item.get("tool_calls") or ()), *(item.get("tool_call_deltas") or ())):
+    for call in item.get("tool_calls") or ():
         size += 256 + sum(len(value) for value in call.values() if isinstance(value, str))
+    for piece in item.get("tool_call_deltas") or ():  # merged into the call's last piece while unread
+        size += sum(len(value) for value in piece.values() if isinstance(value, str))
     for entry in item.get("logprobs") or ():
         for alternative in (entry, *(entry.get("top_logprobs") or ())):
             size += LOGPROB_ENTRY_BYTES + LOGPROB_CHAR_BYTES * len(alternative.get("token") or "")

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from mlx_lm.tool_parsers import glm47, json_tools, qwen3_coder
 
-from engine_daemon.output.call_text import settled_call
+from engine_daemon.output.call_text import SettledReader
 from engine_daemon.output.parser import OutputParser
 
 QWEN = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
@@ -127,11 +127,12 @@ def test_a_json_answer_that_names_no_tool_streams_no_call() -> None:
 @pytest.mark.parametrize("family", sorted(CALLS))
 def test_settled_arguments_only_grow(family: str) -> None:
     """Every reading of the call so far extends the one before: nothing streamed is ever taken back."""
-    _, text = CALLS[family]
+    tokenizer, text = CALLS[family]
+    reader = SettledReader(TOOLS, tokenizer.tool_parser)
+    start = text.find(">", text.find("<tool_call")) + 1 if text.startswith("<tool_call>") else 0
     before = ""
-    for end in range(len(text)):
-        start = text.find(">", text.find("<tool_call")) + 1 if text.startswith("<tool_call>") else 0
-        settled = settled_call(text[start:end], TOOLS)
+    for end in range(start, len(text)):
+        settled = reader.read(text[start:end])
         if settled is not None:
             assert settled[1].startswith(before), (text[start:end], before, settled[1])
             before = settled[1]
@@ -139,43 +140,67 @@ def test_settled_arguments_only_grow(family: str) -> None:
 
 
 def test_a_value_that_is_not_a_string_streams_only_when_finished() -> None:
-    _, text = CALLS["qwen3-coder"]
+    tokenizer, text = CALLS["qwen3-coder"]
     upto = text.index("644") + 2  # "64": it may become 640
-    name, arguments = settled_call(text[len("<tool_call>"):upto], TOOLS)
+    name, arguments = SettledReader(TOOLS, tokenizer.tool_parser).read(text[len("<tool_call>"):upto])
     assert arguments.endswith('"mode": ') and name == "write_file"
 
 
-def test_text_after_a_streamed_call_in_the_same_update_comes_after_it() -> None:
-    """A slow reader's update merges a call's last piece, its end and the text after it: the call ends first."""
-    from http_frontend.anthropic.stream import BlockBuilder
-    from http_frontend.engine.request_stream import RequestStream
-    from http_frontend.openai.responses_stream import ResponseBuilder
+def coder_call(key: str, value: str, newlines: bool = True) -> str:
+    gap = "\n" if newlines else ""
+    return f"<tool_call>\n<function=f>\n<parameter={key}>{gap}{value}{gap}</parameter>\n</function>\n</tool_call>"
 
-    stream = RequestStream("f:1")
-    first = {"rid": "f:1", "seq": 0, "text": "", "tool_call_deltas": [
-        {"index": 0, "id": "call_1", "name": "write_file", "arguments": '{"path": "a'}]}
-    rest = [{"rid": "f:1", "seq": 1, "text": "", "tool_call_deltas": [{"index": 0, "arguments": '.py"'}]},
-            {"rid": "f:1", "seq": 2, "text": "", "tool_calls": [
-                {"index": 0, "id": "call_1", "name": "write_file", "arguments": '{"path": "a.py"}'}]},
-            {"rid": "f:1", "seq": 3, "text": "Done."}]
-    stream.on_deltas(first)
-    updates = [stream._pending]
-    stream._pending = type(stream._pending)()
-    for item in rest:
-        stream.on_deltas(item)
-    updates.append(stream._pending)
 
-    blocks = BlockBuilder()
-    events = [e for update in updates for e in blocks.feed(update)] + blocks.finish()
-    assert blocks.blocks == [{"type": "tool_use", "id": "call_1", "name": "write_file", "input": {"path": "a.py"}},
-                             {"type": "text", "text": "Done."}]
-    assert "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"
-                   and e["index"] == 0) == '{"path": "a.py"}'
-    assert [e["type"] for e in events].count("content_block_stop") == 2
+def glm_call(key: str, value: str) -> str:
+    return f"<tool_call>f<arg_key>{key}</arg_key><arg_value>{value}</arg_value></tool_call>"
 
-    builder = ResponseBuilder({"id": "resp_1", "model": "m"})
-    events = [e for update in updates for e in builder.feed(update)]
-    assert [item["type"] for item in builder.output] == ["function_call", "message"]
-    kinds = [e["type"] for e in events]
-    assert kinds.index("response.output_item.done") < kinds.index("response.output_text.delta")
-    assert builder.output[0]["arguments"] == '{"path": "a.py"}'
+
+# Red team: values mlx-lm's parsers convert (Qwen3-Coder's "null" for any type, `anyOf` kept as text, booleans,
+# literal_eval; GLM's `_deserialize`) streamed as our own reading said, and the whole call disagreed.
+CONVERTED = [(CODER, coder_call("path", "null"), {"path": {"type": "string"}}, {"path": None}),
+             (CODER, coder_call("limit", "5"), {"limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
+              {"limit": "5"}),
+             (CODER, coder_call("flag", "True"), {"flag": {"type": "boolean"}}, {"flag": True}),
+             (CODER, coder_call("n", "1.0"), {"n": {"type": "number"}}, {"n": 1}),
+             (CODER, coder_call("path", "abc", newlines=False), {"path": {"type": "string"}}, {"path": "abc"}),
+             (CODER, coder_call("other", "nullable"), {}, {"other": "nullable"}),
+             (GLM, glm_call("n", "None"), {"n": {"type": "integer"}}, {"n": None}),
+             (GLM, glm_call("s", "  padded  "), {"s": {"type": "string"}}, {"s": "padded"})]
+
+
+@pytest.mark.parametrize("tokenizer,text,properties,expected", CONVERTED)
+def test_streamed_values_are_what_the_family_parser_makes_of_them(tokenizer, text: str, properties: dict,
+                                                                    expected: dict) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                           "properties": properties}}}]
+    for size in (1, 2, 5):
+        parser = OutputParser(tokenizer, in_thinking=False, tools=tools)
+        chunks = [text[i:i + size] for i in range(0, len(text), size)]
+        deltas = [parser.feed(chunk, final=n == len(chunks) - 1) for n, chunk in enumerate(chunks)]
+        pieces = [piece for delta in deltas for piece in delta.tool_call_deltas]
+        (call,) = [call for delta in deltas for call in delta.tool_calls]
+        assert call["arguments"].startswith(streamed(pieces, 0)) and "partial" not in call
+        assert json.loads(call["arguments"]) == expected
+
+
+def test_a_call_after_an_unreadable_block_streams_from_its_start() -> None:
+    """Red team: a block returned as text left the parser's last reading length behind, and the next
+    call streamed nothing until it was longer than that block."""
+    bad = '<tool_call>\n{"arguments": {"content": "' + "x" * 5000 + '"}, "name": "write_file"} oops\n</tool_call>\n'
+    good = '<tool_call>\n' + json.dumps({"name": "write_file", "arguments": {"path": "a", "content": "y" * 200}}) \
+        + "\n</tool_call>"
+    pieces, calls, _ = stream(QWEN, bad + good, 3)
+    assert calls[-1]["name"] == "write_file" and len([p for p in pieces if p["arguments"]]) > 20
+
+
+def test_an_escaped_name_streams_decoded() -> None:
+    pieces, (call,), _ = stream(QWEN, '<tool_call>\n{"name": "write\\u005ffile", "arguments": {"path": "a"}}\n'
+                                      '</tool_call>', 1)
+    assert pieces[0]["name"] == call["name"] == "write_file"
+
+
+def test_a_whole_object_followed_by_junk_is_the_call_without_the_junk() -> None:
+    pieces, (call,), answer = stream(QWEN, '<tool_call>\n{"name": "write_file", "arguments": {"path": "a"}} junk\n'
+                                           '</tool_call>', 1)
+    assert call["arguments"] == '{"path": "a"}' and "partial" not in call and answer == ""
+    assert call["arguments"].startswith(streamed(pieces, 0))
