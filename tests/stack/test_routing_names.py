@@ -84,3 +84,13 @@ def test_calls_naming_a_spelling_reach_its_engine(named_pair: tuple[Path, dict[s
     for name in (f"{root}/other/", "other", f"{root}/./tiny"):
         counted = httpx.post(f"{front.base_url}/v1/tokenize", timeout=60, json={"model": name, "prompt": "hi"})
         assert counted.status_code == 200, (name, counted.text)
+
+
+def test_retrieving_a_spelling_finds_the_engine_that_serves_it(
+        named_pair: tuple[Path, dict[str, Engine], Frontend]) -> None:
+    """GET /v1/models/{id} asks every engine: `./other` is `b`'s loaded model (`a` would load it)."""
+    _, _, front = named_pair
+    found = httpx.get(f"{front.base_url}/v1/models/%2E%2Fother", timeout=30)
+    assert found.status_code == 200, found.text
+    assert (found.json()["id"], found.json()["loaded"]) == ("./other", True)
+    assert httpx.get(f"{front.base_url}/v1/models/no-such-model", timeout=30).status_code == 404
