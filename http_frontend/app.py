@@ -54,8 +54,21 @@ class EngineLifespan:
         await self.client.close()
 
 
+def answer_head(resource: object, suffix: str | None = None) -> object:
+    """HEAD of a GET route answers as GET does, without the body (falcon drops it, keeps Content-Length).
+
+    Health probes and uptime monitors send HEAD: a 405 read as down. A resource's own `on_head` stays.
+    """
+    tail = f"_{suffix}" if suffix else ""
+    get = getattr(resource, f"on_get{tail}", None)
+    if get is not None and getattr(resource, f"on_head{tail}", None) is None:
+        setattr(resource, f"on_head{tail}", get)
+    return resource
+
+
 def add_route(app: falcon.asgi.App, path: str, resource: object, suffix: str | None = None) -> None:
-    """Every API route also answers without the /v1 prefix, as mlx_vlm.server does."""
+    """Every API route also answers without the /v1 prefix, as mlx_vlm.server does; HEAD wherever GET."""
+    answer_head(resource, suffix)
     app.add_route(path, resource, suffix=suffix)
     if path.startswith("/v1/"):
         app.add_route(path[3:], resource, suffix=suffix)
@@ -109,15 +122,15 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     add_route(app, "/v1/adapters", Adapters(client, settings))
     add_route(app, "/v1/adapters/{name}", AdapterByName(client))
     add_route(app, "/v1/models/{model_id:path}", ModelById(client))  # ids may hold a slash: org/name
-    app.add_route("/health", Health(client))
-    app.add_route("/unload", Unload(client))
-    app.add_route("/stats", Stats(client))
-    app.add_route("/metrics", MetricsResource(metrics))
-    app.add_route("/admin/engines", Engines(client))
+    add_route(app, "/health", Health(client))
+    add_route(app, "/unload", Unload(client))
+    add_route(app, "/stats", Stats(client))
+    add_route(app, "/metrics", MetricsResource(metrics))
+    add_route(app, "/admin/engines", Engines(client))
     drain = EngineDrain(client)
-    app.add_route("/admin/engines/{engine_id}/drain", drain)
-    app.add_route("/admin/engines/{engine_id}/undrain", drain, suffix="undrain")
-    app.add_route("/openapi.json", OpenAPIResource())
+    add_route(app, "/admin/engines/{engine_id}/drain", drain)
+    add_route(app, "/admin/engines/{engine_id}/undrain", drain, suffix="undrain")
+    add_route(app, "/openapi.json", OpenAPIResource())
     if settings.playground:
         add_playground(app)  # GET / and /playground: the browser page (--no-playground turns it off)
     return DisconnectWatch(RequestObserver(app, metrics, route_finder(router)))

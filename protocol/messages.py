@@ -50,6 +50,9 @@ class CallMethod(str, enum.Enum):
     UNLOAD = "unload"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    # {"model": name} -> {"id", "loaded", "kind", "context_window"}: the model a request naming it would run on
+    # (aliases, patterns, spellings of a path, --model-fallback), never loading or downloading; 404/400 as there.
+    RESOLVE_MODEL = "resolve_model"
     ADAPTERS_LIST = "adapters.list"
     ADAPTERS_ADD = "adapters.add"
     ADAPTERS_REMOVE = "adapters.remove"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_daemon.calls import audio, auxiliary, drain, io_thread, mlx_thread, tokenize
+from engine_daemon.calls import audio, auxiliary, drain, io_thread, mlx_thread, models, tokenize
 from protocol import CallMethod
 
 
@@ -49,6 +49,7 @@ CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.ADAPTERS_REMOVE: CallSpec(Thread.MLX, mlx_thread.adapters_remove),
     CallMethod.TOKENIZE: CallSpec(Thread.POOL, tokenize.tokenize),
     CallMethod.DETOKENIZE: CallSpec(Thread.POOL, tokenize.detokenize),
+    CallMethod.RESOLVE_MODEL: CallSpec(Thread.POOL, models.resolve_model),
     CallMethod.EMBEDDINGS: CallSpec(Thread.AUX, auxiliary.embeddings),
     CallMethod.TRANSCRIBE: CallSpec(Thread.AUX, audio.transcribe),
     CallMethod.SPEECH: CallSpec(Thread.AUX, audio.speech),

@@ -159,7 +159,7 @@ class BaseScheduler:
         except ModelNotFound as exc:
             if not self.config.model_fallback:
                 raise RequestError(404, "model_not_found", not_found_message(exc, current), param="model") from None
-            ref = self._fallback_for(name, exc)
+            ref = self._fallback_for(name, exc, download)
         # The loaded directory under another spelling (its --model path vs. a name under --model-dir) is the
         # loaded model, not a reason to load the same weights again. Operator names keep their own
         # settings (a profile), so only unnamed spellings are folded together.
@@ -172,7 +172,7 @@ class BaseScheduler:
             return current.ref
         return ref
 
-    def _fallback_for(self, name: str, not_found: ModelNotFound) -> ModelRef:
+    def _fallback_for(self, name: str, not_found: ModelNotFound, download: bool = True) -> ModelRef:
         """`--model-fallback`: an unknown name (an agent's hard-coded `claude-…`) reaches the fallback model.
 
         `loaded` means whatever is loaded (else `--model`); any other value is a model name the
@@ -191,7 +191,7 @@ class BaseScheduler:
         else:
             try:
                 ref = self.models.names.resolve(fallback, default_model=fallback, roots=self.config.model_dirs,
-                                                allow_download=self.config.allow_download)
+                                                allow_download=self.config.allow_download and download)
             except (ModelNotFound, InvalidModelName) as exc:
                 raise RequestError(404, "model_not_found", f"{not_found} (and --model-fallback: {exc})",
                                    param="model") from None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from http_frontend.engine.client import EngineClient, EngineLink, EngineUnavailable, RequestStream
+from http_frontend.engine.model_names import ModelSpellings
 from http_frontend.engine.routing import DEFAULT_EPSILON, DEFAULT_MIN_BOUND, Candidate, pick
 from protocol import CallMethod
 
@@ -71,6 +72,7 @@ class EnginePool:
         first = next(iter(self.links.values()))
         self.frontend_id = first.frontend_id
         self.streams = StreamsView(list(self.links.values()))
+        self.spellings = ModelSpellings()  # which engine's loaded model a request's `model` names (`model_names`)
 
     @property
     def single(self) -> bool:
@@ -115,9 +117,16 @@ class EnginePool:
         result = []
         for engine_id, link in self.links.items():
             loaded = getattr(link, "model", None)
+            serves = model is None or loaded is None or self.spellings.serves(engine_id, loaded, model)
             result.append(Candidate(engine_id, int(getattr(link, "load", 0)), self.routable(engine_id),
-                                    serves_model=model is None or loaded is None or loaded == model))
+                                    serves_model=serves))
         return result
+
+    async def learn_model(self, model: Any) -> None:
+        """Asks the engines whether `model`, spelled another way than their loaded model's name, is that
+        model (a path with a trailing slash, a symlink, a name under --model-dir...): `ModelSpellings`."""
+        if not self.single:
+            await self.spellings.learn(model, self.links, self.routable)
 
     def choose(self, hint: RouteHint | None, exclude: set[str] | frozenset[str] = frozenset()) -> str:
         """The engine for a new request; the pool's only engine always (a pool of one is one client)."""
@@ -134,7 +143,7 @@ class EnginePool:
     def serves_while_down(self, model: str | None) -> bool:
         """Whether an engine that is down (or stalled, draining) last served `model`."""
         return bool(model) and not self.single and any(
-            getattr(link, "model", None) == model and not self.routable(engine_id)
+            self.spellings.serves(engine_id, getattr(link, "model", None), model) and not self.routable(engine_id)
             for engine_id, link in self.links.items())
 
     def primary(self) -> str:
@@ -151,6 +160,8 @@ class EnginePool:
             stream.engine_id = engine_id
             return stream
         refused: set[str] = set(exclude)
+        if hint is not None:
+            await self.learn_model(hint.model)
         while True:
             engine_id = self.choose(hint, exclude=refused)
             try:
@@ -181,6 +192,7 @@ class EnginePool:
                 raise EngineUnavailable(f"No engine '{engine}' behind this front-end")
             return await link.call(method, args, timeout=timeout)
         failure: EngineUnavailable | None = None
+        await self.learn_model((args or {}).get("model"))
         for engine_id in self._call_order((args or {}).get("model")):
             try:
                 return await self.links[engine_id].call(method, args, timeout=timeout)
@@ -192,8 +204,8 @@ class EnginePool:
     def _call_order(self, model: Any) -> list[str]:
         """Engines for a CALL: those serving the `model` it names first (a tokenize or count_tokens for the
         model of engine b was answered by engine a: 404), then `primary`, then the rest."""
-        serving = [engine_id for engine_id, link in self.links.items()
-                   if isinstance(model, str) and getattr(link, "model", None) == model and self.routable(engine_id)]
+        serving = [engine_id for engine_id, link in self.links.items() if self.routable(engine_id)
+                   and self.spellings.serves(engine_id, getattr(link, "model", None), model)]
         return list(dict.fromkeys([*serving, self.primary(), *self.links]))
 
     async def call_streaming(self, method: CallMethod | str, args: dict[str, Any] | None = None,

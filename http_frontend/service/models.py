@@ -21,6 +21,8 @@ from protocol import CallMethod
 
 # Listing walks the model roots and the HF cache on the engine's io thread.
 LIST_TIMEOUT = 30.0
+# A name resolves on the engine's admission pool, behind prompts being rendered.
+RESOLVE_TIMEOUT = 30.0
 
 
 def model_object(m: dict[str, Any]) -> dict[str, Any]:
@@ -65,8 +67,28 @@ class Models:
             resp.media = {"object": "list", "data": [model_object(m) for m in models]}
 
 
+async def served_as(client: EnginePool, name: str) -> dict[str, Any] | None:
+    """What the engines say a request naming `name` runs on (`resolve_model`); None when none would serve it.
+
+    Several engines: the first (in the pool's order) whose loaded model serves it, else the first that knows it.
+    """
+    if not isinstance(client, EnginePool) or client.single:
+        try:
+            return await call_engine(client, CallMethod.RESOLVE_MODEL, timeout=RESOLVE_TIMEOUT, args={"model": name})
+        except APIError:  # unknown (404), refused outright (400), or an engine that predates the CALL
+            return None
+    answers = await client.call_each(CallMethod.RESOLVE_MODEL, {"model": name}, timeout=RESOLVE_TIMEOUT)
+    known = [answer for answer in answers.values() if isinstance(answer, dict)]
+    return next((answer for answer in known if answer.get("loaded")), known[0] if known else None)
+
+
 class ModelById:
-    """GET /v1/models/{model_id}: one model of the catalogue. Ids may hold slashes (`org/name`)."""
+    """GET /v1/models/{model_id}: one model of the catalogue. Ids may hold slashes (`org/name`).
+
+    A name that is not in the catalogue but that a chat request would still be served under (an agent's
+    `claude-…` under --model-fallback or a glob alias, another spelling of a model's path) is found too,
+    under the name asked for, with the serving model's fields: clients retrieve a model before using it.
+    """
 
     def __init__(self, client: EnginePool):
         self.client = client
@@ -74,6 +96,11 @@ class ModelById:
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, model_id: str) -> None:
         models = await catalogue(self.client)
         found = next((m for m in models if m["id"] == model_id), None)
+        if found is None:
+            served = await served_as(self.client, model_id)
+            if served is not None:
+                entry = next((m for m in models if m["id"] == served.get("id")), served)
+                found = {**entry, "id": model_id, "loaded": bool(served.get("loaded") or entry.get("loaded"))}
         if found is None:
             listed = ", ".join(m["id"] for m in models[:20]) or "none"
             raise APIError(404, f"The model '{model_id}' does not exist. Available models: {listed}",

@@ -395,7 +395,8 @@ def openapi_document() -> dict[str, Any]:
         "/v1/models": {"get": _operation("MLX models this engine can serve", None,
                                          _ok(obj({"object": {"type": "string", "enum": ["list"]},
                                                   "data": arr(ref("Model"))}, ("object", "data"))), CALL_ERRORS)},
-        "/v1/models/{model_id}": {"get": {**_operation("One model of the catalogue; unknown → 404 model_not_found",
+        "/v1/models/{model_id}": {"get": {**_operation("One model of the catalogue, or a name a chat is served under "
+                                                       "(fallback, glob alias); unknown → 404 model_not_found",
                                                        None, _ok(ref("Model")), (401, 404, 503, 504)),
                                           "parameters": MODEL_ID}},
         "/v1/adapters": {

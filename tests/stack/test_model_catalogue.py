@@ -167,6 +167,9 @@ def test_get_model_by_id_accepts_ids_with_a_slash(served: Frontend) -> None:
     assert error["type"] == "invalid_request_error" and SERVED in error["message"]
     with pytest.raises(openai.NotFoundError):
         client_for(served).models.retrieve("no-such-org/no-such-model")
+    # A name a glob alias sends to a model is retrieved as a chat naming it is served (not listed, not a 404).
+    claude = client_for(served).models.retrieve("claude-haiku-4-5")
+    assert (claude.id, claude.type, claude.context_window) == ("claude-haiku-4-5", "text", 4096)
 
 
 # -- names -------------------------------------------------------------------------------------------

@@ -55,6 +55,24 @@ def test_models_lists_the_served_names_and_bad_names_are_still_refused(fallback_
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_model_name"
 
 
+def test_retrieving_a_name_the_fallback_serves_finds_it(fallback_stack: tuple[Engine, Frontend]) -> None:
+    """Red team: OpenAI clients and LiteLLM retrieve a model before using it; `gpt-5-codex` was a 404 there
+    while a chat naming it was served. Retrieval now says what a chat would do, under the name asked for."""
+    _, frontend = fallback_stack
+    served = httpx.get(f"{frontend.base_url}/v1/models/{SERVED}", timeout=30).json()
+    for name in ("gpt-5-codex", "org/agent-model"):
+        model = client_for(frontend).models.retrieve(name)
+        assert (model.id, model.object, model.loaded) == (name, "model", True)
+        assert model.context_window == served["context_window"] and model.type == "text"
+    info = anthropic.Anthropic(base_url=frontend.base_url, api_key="unused", max_retries=0).models.retrieve(
+        "claude-opus-4-1-20250805")
+    assert info.id == "claude-opus-4-1-20250805" and info.type == "model"
+    head = httpx.head(f"{frontend.base_url}/v1/models/gpt-5-codex", timeout=30)
+    assert head.status_code == 200
+    refused = httpx.get(f"{frontend.base_url}/v1/models/%2E%2E%2F%2E%2E%2Fetc", timeout=30)  # `../../etc`: no model
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", refused.text
+
+
 def test_count_tokens_counts_with_the_model_that_would_answer(fallback_stack: tuple[Engine, Frontend]) -> None:
     """Red team: Claude Code's count_tokens named `claude-…` and got a 400 the fallback never gave its messages."""
     _, frontend = fallback_stack

@@ -97,6 +97,8 @@ class FakeEngine:
             CallMethod.TOKENIZE: lambda args: {"tokens": [1, 2, 3], "count": 3, "max_model_len": 4096},
             CallMethod.DETOKENIZE: lambda args: {"prompt": "".join(chr(96 + t) for t in args["tokens"])},
             CallMethod.UNLOAD: {"status": "success"},
+            CallMethod.RESOLVE_MODEL: EngineError(error_body(404, "model_not_found", "unknown to the fake engine",
+                                                             param="model")),
             CallMethod.ADAPTERS_LIST: {"data": []},
             CallMethod.ADAPTERS_ADD: lambda args: {"name": args["name"], "registered": True},
             CallMethod.ADAPTERS_REMOVE: {"deleted": True},

@@ -194,3 +194,45 @@ def test_a_model_no_engine_serves_goes_to_an_idle_engine() -> None:
         assert pick(key, [Candidate("a", 3, serves_model=False), Candidate("c", 1, serves_model=False)]) in "ac"
         serving = [Candidate("a", 3, serves_model=True), Candidate("b", 0, serves_model=False)]
         assert pick(key, serving) == "a"  # an engine that serves it still wins
+
+
+def test_a_spelling_is_an_engines_model_only_when_that_engine_says_it_runs_on_it() -> None:
+    """Several engines: `qwen/` or a name under --model-dir is engine a's `/models/qwen`; an alias of the same
+    weights with its own settings (another id), a name an engine does not know, or a silent engine is not."""
+    import asyncio
+
+    from http_frontend.engine.client import EngineError, EngineUnavailable
+    from http_frontend.engine.model_names import RETRY_SECONDS, ModelSpellings
+
+    class Resolving(Link):
+        def __init__(self, model: str, answers: dict):
+            super().__init__()
+            self.model, self.answers, self.asked = model, answers, []
+
+        async def call(self, method, args=None, timeout=5.0):  # noqa: ANN001
+            self.asked.append(args["model"])
+            answer = self.answers.get(args["model"])
+            if answer is None:
+                raise EngineError({"status": 404, "code": "model_not_found", "message": "unknown"})
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    now = [0.0]
+    links = {"a": Resolving("/models/qwen", {"qwen": {"id": "/models/qwen"}, "fast": {"id": "fast"},
+                                             "slow": EngineUnavailable("silent")}),
+             "b": Resolving("/models/llama", {"qwen": {"id": "qwen"}})}
+    spellings = ModelSpellings(clock=lambda: now[0])
+    for name in ("qwen", "fast", "slow", "nope"):
+        asyncio.run(spellings.learn(name, links, lambda engine_id: True))
+    assert spellings.serves("a", "/models/qwen", "qwen") and not spellings.serves("b", "/models/llama", "qwen")
+    assert not spellings.serves("a", "/models/qwen", "fast")  # an alias: its own model, never routed as a's
+    assert not spellings.serves("a", "/models/qwen", "nope") and not spellings.serves("a", "/models/qwen", "slow")
+    assert not spellings.serves("a", "/models/other", "qwen")  # learned for the model a had then, not another
+    asyncio.run(spellings.learn("qwen", links, lambda engine_id: True))
+    assert links["a"].asked.count("qwen") == 1  # remembered
+    now[0] = RETRY_SECONDS + 0.1
+    asyncio.run(spellings.learn("slow", links, lambda engine_id: True))
+    assert links["a"].asked.count("slow") == 2 and links["a"].asked.count("qwen") == 1  # the silent one is asked again
+    asyncio.run(spellings.learn("/models/qwen", links, lambda engine_id: True))
+    assert "/models/qwen" not in links["a"].asked  # its own name: never asked
