@@ -46,28 +46,14 @@ def tool_input(arguments: Any) -> dict[str, Any]:
 def closed_json(text: str) -> Any:
     """A JSON text cut short (a call cut by max_tokens), closed where it stopped; None when that fails.
 
-    Anthropic's `input` must be an object even when `stop_reason` is `max_tokens`, and the
-    same object is streamed (`input_json_delta`) and returned. Best effort: an unfinished
+    Anthropic's `input` must be an object even when `stop_reason` is `max_tokens` (a call that
+    arrives whole streams this object too; one streamed in pieces gets `closing_suffix`). Best effort: an unfinished
     string value is closed (a half-written escape left out); otherwise the text is cut back
     to the last place a value ended (a comma, or just inside an opened object or array) and
     the open brackets are closed. So fields written in full are kept, a dangling key or a
     half-written number or literal is dropped.
     """
-    stack: list[str] = []
-    in_string = escaped = False
-    cuts: list[tuple[int, str]] = []  # (end of a prefix that closes cleanly, the brackets it leaves open)
-    for position, char in enumerate(text):
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            stack.append("}" if char == "{" else "]")
-            cuts.append((position + 1, "".join(reversed(stack))))
-        elif char in "}]" and stack:
-            stack.pop()
-        elif char == ",":
-            cuts.append((position, "".join(reversed(stack))))
+    stack, in_string, cuts = _scan_json(text)
     wholes = [text]
     if in_string:  # close the string; failing that, without a half-written escape (`\\`, `\\u00`)
         wholes = [text + '"', re.sub(r"\\(u[0-9a-fA-F]{0,3})?$", "", text) + '"']
@@ -81,23 +67,34 @@ def closed_json(text: str) -> Any:
     return None
 
 
-def closing_suffix(text: str) -> str:
-    """What closes a JSON text cut inside a string or brackets (`{"a": "b` -> `"}`); "" when whole or hopeless.
-
-    Streamed `input_json_delta` pieces cannot be taken back: a cut call's are closed where they
-    stopped when that makes valid JSON, else left as they are (the SDKs read them in partial mode).
-    """
+def _scan_json(text: str) -> tuple[list[str], bool, list[tuple[int, str]]]:
+    """A JSON text's open brackets (their closers, innermost last), whether it ends inside a string, and the
+    places a value ended (a comma, or just inside an opened object or array) with the closers open there."""
     stack: list[str] = []
     in_string = escaped = False
-    for char in text:
+    cuts: list[tuple[int, str]] = []
+    for position, char in enumerate(text):
         if in_string:
             escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
         elif char == '"':
             in_string = True
         elif char in "{[":
             stack.append("}" if char == "{" else "]")
+            cuts.append((position + 1, "".join(reversed(stack))))
         elif char in "}]" and stack:
             stack.pop()
+        elif char == ",":
+            cuts.append((position, "".join(reversed(stack))))
+    return stack, in_string, cuts
+
+
+def closing_suffix(text: str) -> str:
+    """What closes a JSON text cut inside a string or brackets (`{"a": "b` -> `"}`); "" when whole or hopeless.
+
+    Streamed `input_json_delta` pieces cannot be taken back: a cut call's are closed where they
+    stopped when that makes valid JSON, else left as they are (the SDKs read them in partial mode).
+    """
+    stack, in_string, _ = _scan_json(text)
     suffix = ('"' if in_string else "") + "".join(reversed(stack))
     try:
         json.loads(text + suffix)

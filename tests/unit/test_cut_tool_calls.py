@@ -12,7 +12,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from mlx_lm.tool_parsers import glm47, json_tools, qwen3_coder
 
 from engine_daemon.output.parser import OutputParser, ParsedDelta, partial_call
 from http_frontend.anthropic.stream import BlockBuilder, closed_json, stop_reason, tool_input
@@ -20,15 +19,8 @@ from http_frontend.engine.client import Update
 from http_frontend.openai.responses_stream import ResponseBuilder
 from http_frontend.openai.responses_tools import ToolOrigin
 from tests.unit.test_output_parser import combined
+from tests.unit.tokenizer_stubs import CODER, GLM, NO_PARSER, QWEN
 
-QWEN = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
-                       tool_call_end="</tool_call>", tool_parser=json_tools.parse_tool_call)
-CODER = SimpleNamespace(think_start=None, think_end=None, tool_call_start="<tool_call>",
-                        tool_call_end="</tool_call>", tool_parser=qwen3_coder.parse_tool_call)
-GLM = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
-                      tool_call_end="</tool_call>", tool_parser=glm47.parse_tool_call)
-NO_PARSER = SimpleNamespace(think_start=None, think_end=None, tool_call_start=None, tool_call_end=None,
-                            tool_parser=None)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"},
                                      "days": {"type": "integer"}}}}}]

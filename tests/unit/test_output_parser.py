@@ -9,14 +9,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from mlx_lm.tool_parsers import json_tools
-
 from engine_daemon.output.parser import OutputParser, ParsedDelta
+from tests.unit.tokenizer_stubs import NO_PARSER, QWEN
 
-QWEN = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
-                       tool_call_end="</tool_call>", tool_parser=json_tools.parse_tool_call)
-NO_PARSER = SimpleNamespace(think_start=None, think_end=None, tool_call_start=None, tool_call_end=None,
-                            tool_parser=None)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 

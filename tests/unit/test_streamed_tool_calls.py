@@ -13,19 +13,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from mlx_lm.tool_parsers import glm47, json_tools, qwen3_coder
 
 from engine_daemon.output.call_text import SettledReader
 from engine_daemon.output.parser import OutputParser
+from tests.unit.tokenizer_stubs import CODER, GLM, NO_PARSER, QWEN
 
-QWEN = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
-                       tool_call_end="</tool_call>", tool_parser=json_tools.parse_tool_call)
-CODER = SimpleNamespace(think_start=None, think_end=None, tool_call_start="<tool_call>",
-                        tool_call_end="</tool_call>", tool_parser=qwen3_coder.parse_tool_call)
-GLM = SimpleNamespace(think_start="<think>", think_end="</think>", tool_call_start="<tool_call>",
-                      tool_call_end="</tool_call>", tool_parser=glm47.parse_tool_call)
-NO_PARSER = SimpleNamespace(think_start=None, think_end=None, tool_call_start=None, tool_call_end=None,
-                            tool_parser=None)
 TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
                                      "mode": {"type": "integer"}}}}}]
