@@ -66,6 +66,12 @@ class _BoundedRegex:
 _BOUNDED_REGEX = _BoundedRegex()
 _bound_modules: set[str] = set()
 _lock = threading.Lock()
+_timed_out = 0  # parses that ran out of time, since the engine started
+
+
+def timed_out() -> int:
+    """Parses that ran past their bound (`/stats` `tool_parses_timed_out`)."""
+    return _timed_out
 
 
 def _bind(module_name: str) -> None:
@@ -91,6 +97,9 @@ def bounded(parser: Callable[..., Any], seconds: float = PARSE_SECONDS) -> Calla
         try:
             return parser(text, tools)
         except TimeoutError:
+            global _timed_out
+            with _lock:
+                _timed_out += 1
             log.warning("%s ran past %.2f s on a %d-character tool call: read as malformed", parser.__module__,
                         seconds, len(text))
             raise

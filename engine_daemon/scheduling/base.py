@@ -25,6 +25,7 @@ from engine_daemon.lora.adapters import AdapterManager
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.models.store import NO_MODELS_NOTE, InvalidModelName, ModelNotFound, ModelRef
+from engine_daemon.output.bounded_parse import timed_out as tool_parses_timed_out
 from engine_daemon.output.tokens import consume_token, format_failure, logprob_entries, usage
 from engine_daemon.request.admission import prepare
 from engine_daemon.request.state import EngineRequest, PreparedPrompt
@@ -69,7 +70,7 @@ class SchedulerStats:
     def as_dict(self) -> dict[str, Any]:
         values = {k: v for k, v in vars(self).items() if k != "rejections"}
         return {**values, "requests_rejected": sum(self.rejections.values()),
-                "rejections": dict(self.rejections)}
+                "rejections": dict(self.rejections), "tool_parses_timed_out": tool_parses_timed_out()}
 
 
 def not_found_message(not_found: ModelNotFound, current: LoadedModel | None) -> str:

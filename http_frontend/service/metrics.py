@@ -269,6 +269,9 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
         "Damaged cache files a vision model skipped and deleted.", "vision_kv_disk_corrupt")
     one("mlx_engine_requests_preempted_total", "counter",
         "Requests paused so a client holding fewer decode slots got one (--fair-preemption).", "requests_preempted")
+    one("mlx_engine_tool_parses_timed_out_total", "counter",
+        "Tool-call texts whose family parser ran past its time bound (hostile or broken markup).",
+        "tool_parses_timed_out")
     group = stats.get("group")
     if isinstance(group, dict):  # an engine group: alerting tells its failure from a slow step
         lines += family("mlx_engine_group_ranks", "gauge", "Ranks of the engine group.",

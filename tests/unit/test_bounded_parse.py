@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from mlx_lm.tool_parsers import gemma4, glm47, qwen3_coder
 
-from engine_daemon.output.bounded_parse import bounded
+from engine_daemon.output.bounded_parse import bounded, timed_out
 from engine_daemon.output.parser import OutputParser
 
 HOSTILE = "f" + "<arg_key>a</arg_key><arg_value>" * (80_000 // 30)
@@ -42,6 +42,7 @@ def test_a_large_well_formed_call_is_parsed_in_full() -> None:
 
 
 def test_the_output_parser_ends_a_hostile_call_as_the_call_it_read(caplog: pytest.LogCaptureFixture) -> None:
+    before = timed_out()
     tokenizer = SimpleNamespace(think_start=None, think_end=None, tool_call_start="<tool_call>",
                                 tool_call_end="</tool_call>", tool_parser=glm47.parse_tool_call)
     parser = OutputParser(tokenizer, in_thinking=False, tools=TOOLS)
@@ -52,6 +53,7 @@ def test_the_output_parser_ends_a_hostile_call_as_the_call_it_read(caplog: pytes
             parser.feed(HOSTILE[i:i + 500])
         end = parser.feed("</tool_call>", final=True)
     assert "ran past" in caplog.text and "glm47" in caplog.text
+    assert timed_out() == before + 1  # `/stats` tool_parses_timed_out, `/metrics` its counter
     (call,) = end.tool_calls  # as far as it could be read: the name, the first key's value never closed
     assert call["name"] == "f" and call["partial"] is True and not end.text
     assert json.loads(call["arguments"] + '"}')["a"].startswith("<arg_key>a</arg_key><arg_value><arg_key>")
