@@ -95,6 +95,7 @@ def test_metrics_after_a_streamed_request(observed: Frontend, model_id: str) -> 
                  "mlx_engine_prompt_cache_hit_rate", "mlx_engine_prompt_cache_bytes"):
         assert name in types, name
     assert value(samples, "mlx_engine_tokens_generated_total") >= 12
+    assert value(samples, "mlx_engine_tool_parses_timed_out_total") == 0  # no hostile markup in this run
     assert 0 <= value(samples, "mlx_engine_prompt_cache_hit_rate") <= 1
     assert value(samples, "mlx_engine_info", state="ready") == 1
 
