@@ -88,9 +88,11 @@ def rendered_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     definition into that tool result), so the prompt's head, and its prefix-cache entry, never change
     as tools load, and unloaded tools cost no context. The output parser and a forced call's grammar
     still know every tool (`template_tools`)."""
-    tools = template_tools(body)
-    listed = [tool for tool in tools or () if not tool.get("defer_loading")]
-    return listed or tools  # every tool deferred: the template needs one to show how calls are written
+    tools = template_tools(body) or []
+    listed = [tool for tool in tools if not tool.get("defer_loading")]
+    if not listed:  # every tool deferred: the template needs them to show how calls are written
+        listed = [{key: value for key, value in tool.items() if key != "defer_loading"} for tool in tools]
+    return listed or None
 
 
 def _arguments_object(arguments: Any) -> Any:
