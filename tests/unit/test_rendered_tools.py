@@ -5,7 +5,6 @@ from __future__ import annotations
 from engine_daemon.request.prompt import rendered_tools
 
 
-
 def test_deferred_tools_leave_the_rendered_list_and_never_carry_the_flag_into_it() -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     deferred = {**tool, "defer_loading": True}
