@@ -252,7 +252,7 @@ class OutputParser:
                 written = None
             if written is not None and self.state == JSON_TOOL and written["name"] not in self._tool_names():
                 written = None  # a cut JSON answer that names no tool is the answer, not a call
-            if self.open_call is not None or (written is None and self.state == TOOL):
+            if self.open_call is not None or (written is None and self._announceable(text)):
                 # Streamed as a call (or it would have been, had it come in smaller pieces): a call, as written.
                 written = self._as_written(text, reader) or written
             if written is not None:  # cut by max_tokens: the call as far as it got, as OpenAI returns it
@@ -265,6 +265,16 @@ class OutputParser:
                 out.text += raw_if_invalid if raw_if_invalid is not None else text
                 return
         self._add_calls(out, calls, cut, text, reader)
+
+    def _announceable(self, text: str) -> bool:
+        """Whether `_stream_call` would have announced this call: a name written (in the JSON fallback, a tool's)."""
+        if self.state == TOOL:
+            return True
+        try:
+            read = partial_call(text, self.tools)
+        except (ValueError, RecursionError):
+            return False
+        return read is not None and read["name"] in self._tool_names()
 
     def _as_written(self, text: str, reader: SettledReader | None) -> dict[str, Any] | None:
         """A call whose text its parser could not read, as written, its arguments extending what was streamed:

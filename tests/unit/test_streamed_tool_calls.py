@@ -196,3 +196,14 @@ def test_a_whole_object_followed_by_junk_is_the_call_without_the_junk() -> None:
                                            '</tool_call>', 1)
     assert call["arguments"] == '{"path": "a"}' and "partial" not in call and answer == ""
     assert call["arguments"].startswith(streamed(pieces, 0))
+
+
+def test_a_fallback_call_ended_mid_json_is_the_same_call_however_it_was_fed() -> None:
+    """Verification helper: fed whole, a JSON-fallback call that EOS ended after its name was answer text;
+    fed as tokens it had been announced, so a (partial) call. Both are the partial call now."""
+    text = '{"name":"write_file",\n '
+    _, whole, answer_whole = stream(NO_PARSER, text, len(text))
+    _, pieces, answer_pieces = stream(NO_PARSER, text, 1)
+    assert [(c["name"], c.get("partial")) for c in whole] == [(c["name"], c.get("partial")) for c in pieces] \
+        == [("write_file", True)]
+    assert answer_whole == answer_pieces == ""
