@@ -96,6 +96,7 @@ class ModelManager:
             kv_bytes_per_token=-(-kv_bytes_per_token(config, itemsize) // self._ranks()),
             generation_defaults=read_generation_defaults(ref.path),
             identity=identity,
+            group_mode=self.group_mode,
         )
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
         _freeze_heap()

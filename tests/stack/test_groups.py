@@ -34,6 +34,7 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "fact", "schema": {
     "type": "object", "properties": {"name": {"enum": ["fox", "dog", "river"]}, "count": {"enum": [1, 2, 3]}},
     "required": ["name", "count"], "additionalProperties": False}}}
 CACHED_PROMPTS = [SHARED + "First question: what floats?", SHARED + "Second question: what sinks?"]
+ADAPTER = "lora-group"  # a LoRA adapter for the group's model, next to it
 EXIT_DELAY = 5.0  # --group-exit-delay: a failed rank 0 answers /health this long, then exits 75
 
 
@@ -85,9 +86,12 @@ def stream_text(base_url: str, body: dict, on_chunk=None, stop_after: int | None
 
 @pytest.fixture(scope="module")
 def group_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from model_builders.adapter import build_adapter
     from model_builders.text import build_model
 
-    return build_model(tmp_path_factory.mktemp("models") / "tiny-group", size="tiny-group", seed=0)
+    model = build_model(tmp_path_factory.mktemp("models") / "tiny-group", size="tiny-group", seed=0)
+    build_adapter(model, model.parent / ADAPTER, seed=1)  # under the groups' --model-dir, so it resolves
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +145,8 @@ def group(request: pytest.FixtureRequest, group_model: Path, ipc_dir: Path,
         launcher = Path(shutil.which("mlx.launch") or launcher)
     argv = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
             "--starting-port", str(_group_port()), "--", sys.executable, "-m", "engine_daemon",
-            "--endpoint", endpoint, "--model", str(group_model), "--group", mode,
+            "--endpoint", endpoint, "--model", str(group_model), "--model-dir", str(group_model.parent),
+            "--group", mode,
             "--group-step-timeout", str(STEP_TIMEOUT), "--group-checksum-every", "4",
             "--group-exit-delay", str(EXIT_DELAY)]
     launch = Proc(argv, logs / "group.log", engine_env())
@@ -270,6 +275,20 @@ def test_structured_output_is_replayed_by_every_rank(group: Group, reference: di
     assert texts == reference["structured"]
     fact = json.loads(texts[0])  # the grammar held on every rank: the schema's JSON, not free text
     assert fact["name"] in ("fox", "dog", "river") and fact["count"] in (1, 2, 3), texts[0]
+    assert not group.health().json()["group"]["failed"]
+
+
+def test_an_adapter_is_refused_as_unsupported_in_group(group: Group) -> None:
+    """A LoRA adapter that fits the model is refused with the documented 400 unsupported_in_group, per request
+    and when registered (a TP shard's layers used to fail the adapter's shape check: adapter_incompatible, which
+    blames the adapter); the group keeps serving."""
+    base = group.frontend.base_url
+    r = httpx.post(f"{base}/v1/chat/completions", json=chat("default", "hi", stream=False, adapter_path=ADAPTER),
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_in_group", r.text
+    r = httpx.post(f"{base}/v1/adapters", json={"name": "grouped", "path": ADAPTER}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_in_group", r.text
+    assert httpx.get(f"{base}/v1/adapters", timeout=10).json()["data"] == []  # nothing registered
     assert not group.health().json()["group"]["failed"]
 
 
