@@ -44,7 +44,8 @@ class FollowerLoop:
         self.models = ModelManager(trust_remote_code=config.trust_remote_code, names=config.names, group=group,
                                    group_mode=settings.mode)
         self.context = zmq.Context()
-        self.control = ControlClient(self.context, settings.control, settings.rank, self._memory)
+        self.control = ControlClient(self.context, settings.control, settings.rank, self._memory,
+                                     digest=lambda: self.models.current.weights_digest if self.models.current else "")
         self.stopping = threading.Event()
         self.checksum = TokenChecksum()
         self._local: dict[int, int] = {}  # rank 0's uid -> this generator's

@@ -18,6 +18,7 @@ from engine_daemon.group.control import ControlServer
 from engine_daemon.group.faults import GroupFaults
 from engine_daemon.group.lockstep import GroupFailed, Lockstep
 from engine_daemon.group.settings import GroupSettings
+from engine_daemon.group.startup import check_weights
 from engine_daemon.group.watchdog import StepWatchdog
 from engine_daemon.group.wire import PlanChannel
 from engine_daemon.prefix_cache.planned import PlannedPrefixCache
@@ -55,6 +56,10 @@ class GroupLeader:
         if not self.control.wait_for_followers(FOLLOWERS_TIMEOUT):
             raise GroupFailed(f"followers {self.control.stale_ranks()} never reached the control socket "
                               f"{self.settings.control}")
+        reason, rank = check_weights(self.scheduler.models.current, self.control, FOLLOWERS_TIMEOUT)
+        if reason:  # never healthy: /health says group_failed and why until the exit (75)
+            self.faults.fail(reason, rank)
+            return
         self.lockstep = Lockstep(PlanChannel(self.group, stream), self.control, self.settings.checksum_every)
         self.scheduler.lockstep = self.lockstep
         config = self.scheduler.config  # rank 0 decides every rank's prompt-cache lookups, inserts and evictions
@@ -125,8 +130,9 @@ class GroupLeader:
         log.critical("failed %d open request(s): %s", len(requests), reason)
 
     def describe(self) -> dict[str, Any]:
+        current = self.scheduler.models.current
         ranks = [{"rank": 0, "weights_bytes": self.weights_bytes, "active_bytes": mx.get_active_memory(),
-                  "pid": os.getpid()}]
+                  "pid": os.getpid(), "weights_digest": current.weights_digest if current else None}]
         ranks += [{"rank": rank, **self.control.reports.get(rank, {})} for rank in range(1, self.settings.size)]
         return {**self.settings.describe(), "failed": self.failed, **(self.faults.failure or {}),
                 "ranks": ranks, **(self.lockstep.stats() if self.lockstep is not None else {})}

@@ -237,6 +237,7 @@ def test_group_reports_shards_and_idles_without_spinning(group: Group, reference
     for rank in info["ranks"]:
         # Each rank holds its shard plus what it must replicate (embeddings, norms): less than the model.
         assert 0.3 * full < rank["weights_bytes"] < 0.85 * full, (rank, full)
+    assert len({rank["weights_digest"] for rank in info["ranks"]}) == 1 and info["ranks"][0]["weights_digest"]
     pids = group.pids()
     time.sleep(1.0)  # the last request's idle plan has gone out
     before = [_cpu_seconds(pid) for pid in pids]
@@ -355,6 +356,55 @@ def test_ranks_started_by_service_units_stop_cleanly_with_rank_0(group_model: Pa
         assert "rank 0 stopped the group" in ranks[1].log()
     finally:
         for rank in ranks:
+            rank.stop()
+
+
+def test_a_rank_on_other_weights_never_comes_up_healthy(group_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """Rank 1 started on another directory holding the same architecture with other weights: every rank shards
+    and runs, so this used to come up healthy and fail only at the first token checksum, after serving. Rank 0
+    compares the ranks' weights digests (reported in their heartbeats) before it goes ready: /health answers
+    503 group_failed naming rank 1 and why, requests are refused, and rank 0 exits 75."""
+    from model_builders.text import build_model
+
+    other = build_model(tmp_path / "tiny-group-other", size="tiny-group", seed=1)
+    port = _group_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    endpoint = f"ipc://{ipc_dir}/grp-weights.sock"
+    ranks = [Engine(endpoint, tmp_path / f"rank{rank}.log", model=str(model),
+                    args=["--group", "tp", "--group-exit-delay", str(EXIT_DELAY)],
+                    env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+             for rank, model in ((0, group_model), (1, other))]
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                health = httpx.get(f"{frontend.base_url}/health", timeout=5)
+            except httpx.HTTPError:
+                health = None
+            assert health is None or health.status_code != 200, health.text  # never healthy, not for a moment
+            if health is not None and (health.json().get("group") or {}).get("failed"):
+                break
+            assert ranks[0].popen.poll() is None, ranks[0].log()[-3000:]
+            assert time.monotonic() < deadline, ranks[0].log()[-3000:]
+            time.sleep(0.1)
+        group = health.json()["group"]
+        assert health.status_code == 503 and health.json()["status"] == "group_failed"
+        assert group["failed_rank"] == 1 and "loaded other weights than rank 0" in group["reason"], group
+        digests = [rank.get("weights_digest") for rank in group["ranks"]]
+        assert all(digests) and digests[0] != digests[1], group["ranks"]
+        assert "loaded other weights than rank 0" in ranks[0].log()
+        assert "engine group ready" not in ranks[0].log()
+        r = httpx.post(f"{frontend.base_url}/v1/chat/completions", json=chat("default", "hi", stream=False),
+                       timeout=10)
+        assert r.status_code == 503, r.text
+        assert ranks[0].popen.wait(EXIT_DELAY + 15) == 75, ranks[0].log()[-3000:]
+    finally:
+        frontend.stop()
+        for rank in ranks:
+            if rank.popen.poll() is None:
+                _kill_quietly(rank.pid, signal.SIGKILL)
             rank.stop()
 
 
