@@ -64,10 +64,11 @@ def chat(model: str, prompt: str, **extra: object) -> dict:
             "temperature": 0, "ignore_eos": True, "stream": True, **extra}
 
 
-def stream_text(base_url: str, body: dict, on_chunk=None, stop_after: int | None = None) -> tuple[str, list[dict]]:
+def stream_text(base_url: str, body: dict, on_chunk=None, stop_after: int | None = None,
+                headers: dict | None = None) -> tuple[str, list[dict]]:
     """The streamed text and every data payload; `stop_after` chunks: close the stream (an abort)."""
     text, events = "", []
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60, headers=headers) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if not line.startswith("data: "):
@@ -400,6 +401,37 @@ def test_a_rank_on_other_weights_never_comes_up_healthy(group_model: Path, ipc_d
                        timeout=10)
         assert r.status_code == 503, r.text
         assert ranks[0].popen.wait(EXIT_DELAY + 15) == 75, ranks[0].log()[-3000:]
+    finally:
+        frontend.stop()
+        for rank in ranks:
+            if rank.popen.poll() is None:
+                _kill_quietly(rank.pid, signal.SIGKILL)
+            rank.stop()
+
+
+def test_a_slow_prefill_step_is_not_a_hung_rank(group_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """Rank 1's step that starts a prefill takes 3 s (fault injection, as a long chunk on a slow rank does) under
+    --group-step-timeout 1: every rank's heartbeats say it is alive and inside the step, so the watchdog waits
+    (the step prefills ~300 tokens: up to 1 × (1 + 300/64) s) instead of failing a healthy group as "a rank
+    hangs". The request completes and the group stays up."""
+    port = _group_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    endpoint = f"ipc://{ipc_dir}/grp-slow.sock"
+    ranks = [Engine(endpoint, tmp_path / f"rank{rank}.log", model=str(group_model),
+                    args=["--group", "tp", "--group-step-timeout", "1", "--group-exit-delay", "1"],
+                    env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "MLX_ENGINE_FAULT_INJECTION": "1",
+                         "MLX_ENGINE_DEBUG_GROUP_PREFILL_SECONDS": "3"})
+             for rank in (0, 1)]
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    try:
+        frontend.wait_healthy(90)
+        reply = _completion(frontend.base_url, SHARED * 2 + "What floats?")
+        assert reply["usage"]["completion_tokens"] == MAX_TOKENS, reply
+        assert "fault injection: rank 1's step" in ranks[1].log()  # the slow step happened
+        info = httpx.get(f"{frontend.base_url}/health", timeout=10).json()["group"]
+        assert not info["failed"] and info["slow_steps"] >= 1, info
+        assert "slow, not hung" in ranks[0].log() and "engine group failed" not in ranks[0].log()
     finally:
         frontend.stop()
         for rank in ranks:
