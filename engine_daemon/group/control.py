@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -36,7 +37,9 @@ class ControlServer(threading.Thread):
         super().__init__(name="group-control", daemon=True)
         self.context, self.endpoint, self.size = context, endpoint, size
         self.last_seen: dict[int, float] = {}
-        self.reports: dict[int, dict[str, int]] = {}  # rank -> its weights and active memory (heartbeats)
+        # rank -> its weights and active memory, its weights digest (heartbeats)
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.progress: dict[int, tuple[int, bool]] = {}  # rank -> (tick it took last, inside that tick's step)
         self._identities: dict[int, bytes] = {}
         self._registered = threading.Event()
         self._halt = threading.Event()
@@ -117,8 +120,9 @@ class ControlServer(threading.Thread):
     def _heard(self, router: zmq.Socket, identity: bytes, message: bytes) -> None:
         if not message.startswith(b"HB "):
             return
+        parts = message[3:].decode(errors="replace").split()
         try:
-            rank, weights, active, pid = (int(part) for part in message[3:].split())
+            rank, weights, active, pid = (int(part) for part in parts[:4])
         except ValueError:
             return
         if not 0 < rank < self.size:
@@ -127,7 +131,15 @@ class ControlServer(threading.Thread):
             log.info("group: rank %d joined the control socket", rank)
         self._identities[rank] = identity
         self.last_seen[rank] = time.monotonic()
-        self.reports[rank] = {"weights_bytes": weights, "active_bytes": active, "pid": pid}
+        report: dict[str, Any] = {"weights_bytes": weights, "active_bytes": active, "pid": pid}
+        if len(parts) > 4 and parts[4] != "-":  # its checkpoint's `weights_digest`, once its model loaded
+            report["weights_digest"] = parts[4][:64]
+        self.reports[rank] = report
+        if len(parts) > 6:  # the last plan's tick its mlx thread took, and whether it is still applying it
+            try:
+                self.progress[rank] = (int(parts[5]), parts[6] == "1")
+            except ValueError:
+                pass
         if len(self._identities) == self.size - 1:
             self._registered.set()
         self._send(router, identity, b"ACK")
@@ -145,11 +157,14 @@ class ControlClient(threading.Thread):
     """A follower's side: heartbeats to rank 0, WAKE sets `woken`; no rank 0 for long: exit 75."""
 
     def __init__(self, context: zmq.Context, endpoint: str, rank: int, memory: Callable[[], tuple[int, int]],
-                 lost_after: float = LOST_AFTER * 2):
+                 lost_after: float = LOST_AFTER * 2, digest: Callable[[], str] = lambda: "",
+                 progress: Callable[[], tuple[int, bool]] = lambda: (-1, False)):
         super().__init__(name="group-control", daemon=True)
         self.context, self.endpoint, self.rank = context, endpoint, rank
         self.woken = threading.Event()
         self.memory = memory  # (weights bytes, active bytes) reported with every heartbeat
+        self.digest = digest  # the loaded checkpoint's weights digest ("" until it loaded): rank 0 compares it
+        self.progress = progress  # (the last plan's tick, inside it): rank 0's watchdog tells slow from hung
         self.lost_after = lost_after
         self._halt = threading.Event()
         self.last_ack = 0.0
@@ -175,7 +190,9 @@ class ControlClient(threading.Thread):
             while not self._halt.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
-                    dealer.send(b"HB %d %d %d %d" % (self.rank, *self.memory(), os.getpid()))
+                    tick, busy = self.progress()
+                    dealer.send(b"HB %d %d %d %d %s %d %d" % (self.rank, *self.memory(), os.getpid(),
+                                                                (self.digest() or "-").encode(), tick, busy))
                     next_beat = now + HEARTBEAT
                 if dealer.poll(int(HEARTBEAT * 1000)):
                     message = dealer.recv()

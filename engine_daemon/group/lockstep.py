@@ -50,6 +50,11 @@ class Lockstep:
         self.sleeping = True  # followers wait for a wake (`ControlServer.wake`) before the next plan
         self.last_progress = time.monotonic()  # end of the last tick every rank finished
         self.in_step_since = 0.0  # monotonic start of the tick in flight (the watchdog's clock); 0: none
+        # The tick in flight and the prompt tokens its step may prefill at most (0: a decode step or no step):
+        # the watchdog gives a step that prefills more time (`StepWatchdog`).
+        self.in_flight_tick = -1
+        self.in_flight_prefill = 0
+        self._prefilling: dict[int, int] = {}  # uid -> prompt tokens to prefill, until its first token
         self.plan_seconds = 0.0  # time spent broadcasting plans, waits for the slowest rank included
         self.plans = 0
         self.checksums = 0
@@ -59,6 +64,7 @@ class Lockstep:
               cached: int = 0, entry: int = -1, entry_len: int = 0, processors: dict[str, Any] | None = None) -> None:
         self._ops.append(("add", AddOp(uid, [int(t) for t in prompt], int(max_tokens), dict(sampling),
                                        [int(t) for t in eos], int(cached), int(entry), int(entry_len), processors)))
+        self._prefilling[int(uid)] = len(prompt)
 
     def stored(self, uid: int, entry: int) -> None:
         """Rank 0 kept uid's KV as prompt-cache entry `entry` (`PlannedPrefixCache`): so does every rank."""
@@ -69,6 +75,8 @@ class Lockstep:
 
     def removed(self, uids: Iterable[int]) -> None:
         uids = [int(uid) for uid in uids]
+        for uid in uids:
+            self._prefilling.pop(uid, None)
         if uids:
             self._ops.append(("remove", uids))
 
@@ -81,6 +89,9 @@ class Lockstep:
 
     def after_step(self, uid_tokens: Iterable[tuple[int, int]]) -> None:
         """Folds the step's tokens into the checksum and compares it when the plan said so."""
+        uid_tokens = list(uid_tokens)
+        for uid, _ in uid_tokens:  # its first token: its prefill is done
+            self._prefilling.pop(uid, None)
         self.checksum.observe(uid_tokens)
         if self._plan is not None and self._plan.checksum:
             values = self.channel.agree(self.checksum.value)
@@ -107,6 +118,10 @@ class Lockstep:
         self.in_step_since = 0.0
 
     def _send(self, plan: StepPlan) -> None:
+        self.in_flight_tick = plan.tick
+        # At most one chunk of each prompt still prefilling (an upper bound: the generator may take less).
+        self.in_flight_prefill = sum(min(left, plan.prefill_step_size) for left in self._prefilling.values()) \
+            if plan.step else 0
         self.in_step_since = time.monotonic()
         if self.sleeping:
             self.control.wake()

@@ -41,6 +41,14 @@ from engine_daemon.lora.registry import (
 log = logging.getLogger(__name__)
 
 
+def refuse_in_group(loaded: Any, param: str = "adapter_path") -> None:
+    """An engine group serves no adapter (a TP shard's layers are not the adapter's shapes, and followers could
+    not replay one): the documented 400 unsupported_in_group, before the adapter is looked up or checked."""
+    if loaded is not None and getattr(loaded, "group_mode", None):
+        raise RequestError(400, "unsupported_in_group", "LoRA adapters are not served by an engine group",
+                           param=param)
+
+
 class AdapterManager:
     """Registry + loaded weights + the switch of the loaded model, and the counters /stats shows."""
 
@@ -107,6 +115,7 @@ class AdapterManager:
             spec = self.registry.default
         if spec is None:
             return None
+        refuse_in_group(loaded)
         if not isinstance(spec, str):
             raise RequestError(400, "invalid_type", "'adapter' must be a string", param="adapter_path")
         if loaded.kind != "text":
@@ -128,6 +137,7 @@ class AdapterManager:
         name, path = args.get("name"), args.get("path")
         if not isinstance(path, str):
             raise RequestError(400, "invalid_value", "'path' must be a string", param="path")
+        refuse_in_group(loaded, param="path")
         described = self.registry.add(name, path)
         if loaded is not None and loaded.kind == "text":
             try:

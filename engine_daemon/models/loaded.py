@@ -28,6 +28,10 @@ class LoadedModel:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     loaded_at: float = field(default_factory=time.time)
     identity: str = ""  # the weights and config it was loaded from (`model_identity`): the prompt cache's key
+    # Engine groups: "tp" | "pp" when this is one rank's shard, and the checkpoint's `weights_digest`
+    # (the ranks compare it at start: every rank must load the same weights)
+    group_mode: str | None = None
+    weights_digest: str = ""
     # "text" (mlx-lm) or "vision" / "audio" (mlx-vlm: `vision` holds its processor and feature cache)
     kind: str = "text"
     vision: Any = None  # VisionSupport (engine_daemon.models.vision_support) for vision/audio models

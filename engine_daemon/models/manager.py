@@ -14,6 +14,7 @@ from mlx_lm import load as mlx_lm_load
 
 from engine_daemon.cpu import parallel_ops as cpu_parallel
 from engine_daemon.errors import RequestError
+from engine_daemon.models.digest import weights_digest
 from engine_daemon.models.identity import model_identity
 from engine_daemon.models.loaded import LoadedModel, kv_bytes_per_token, read_generation_defaults
 from engine_daemon.models.names import ModelNames, apply_profile
@@ -96,6 +97,9 @@ class ModelManager:
             kv_bytes_per_token=-(-kv_bytes_per_token(config, itemsize) // self._ranks()),
             generation_defaults=read_generation_defaults(ref.path),
             identity=identity,
+            group_mode=self.group_mode,
+            # Every rank hashes the whole checkpoint's files (a sample of each tensor): rank 0 compares them at start.
+            weights_digest=weights_digest(ref.path) if self.group_mode else "",
         )
         log.info("loaded model %s in %.2f s (load #%d)", ref.id, self.last_load_seconds, self.loads)
         _freeze_heap()

@@ -13,6 +13,7 @@ import copy
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -44,7 +45,9 @@ class FollowerLoop:
         self.models = ModelManager(trust_remote_code=config.trust_remote_code, names=config.names, group=group,
                                    group_mode=settings.mode)
         self.context = zmq.Context()
-        self.control = ControlClient(self.context, settings.control, settings.rank, self._memory)
+        self.control = ControlClient(self.context, settings.control, settings.rank, self._memory,
+                                     digest=lambda: self.models.current.weights_digest if self.models.current else "",
+                                     progress=lambda: (self.at_tick, self.in_step))
         self.stopping = threading.Event()
         self.checksum = TokenChecksum()
         self._local: dict[int, int] = {}  # rank 0's uid -> this generator's
@@ -54,6 +57,8 @@ class FollowerLoop:
         self.cache_entries: dict[int, tuple[list[int], list[Any]]] = {}
         self._finished: dict[int, tuple[list[int], list[Any]]] = {}  # rank 0's uid -> KV, until the next plan
         self.ticks = 0
+        self.at_tick, self.in_step = -1, False  # the last plan taken, and whether it is being applied (heartbeats)
+        self.prefill_delay = injected_prefill_delay()
 
     def request_stop(self) -> None:
         """SIGTERM: keep following until rank 0's stop plan (the whole group is stopping: exit 0 cleanly), or
@@ -83,7 +88,9 @@ class FollowerLoop:
             while self.control.wait_wake(self.stopping):
                 while True:
                     plan = StepPlan.decode(channel.exchange())
+                    self.at_tick, self.in_step = plan.tick, True
                     self._apply(plan, channel)
+                    self.in_step = False
                     if plan.stop:
                         log.info("rank 0 stopped the group: rank %d exits", self.settings.rank)
                         return 0
@@ -119,6 +126,10 @@ class FollowerLoop:
         if not plan.step:
             return
         generator.prefill_step_size = plan.prefill_step_size
+        if self.prefill_delay and any(kind == "add" for kind, _ in plan.ops):
+            log.warning("fault injection: rank %d's step %d (a prefill) sleeps %.1f s", self.settings.rank, plan.tick,
+                        self.prefill_delay)
+            time.sleep(self.prefill_delay)
         _, responses = generator.next()
         self.ticks += 1
         self.checksum.observe((self._leader[r.uid], int(r.token)) for r in responses if r.uid in self._leader)
@@ -156,3 +167,11 @@ class FollowerLoop:
             stop_sequences=[StopSequences([[token] for token in op.eos])], adapters=[None], speculative=[False])
         self._local[op.uid] = uid
         self._leader[uid] = op.uid
+
+
+def injected_prefill_delay() -> float:
+    """Tests only (MLX_ENGINE_FAULT_INJECTION=1, MLX_ENGINE_DEBUG_GROUP_PREFILL_SECONDS): a follower's step that
+    starts a prefill takes this much longer, as a long prompt chunk on a slow rank does."""
+    if os.environ.get("MLX_ENGINE_FAULT_INJECTION") != "1":
+        return 0.0
+    return float(os.environ.get("MLX_ENGINE_DEBUG_GROUP_PREFILL_SECONDS") or 0.0)

@@ -18,6 +18,7 @@ from engine_daemon.group.control import ControlServer
 from engine_daemon.group.faults import GroupFaults
 from engine_daemon.group.lockstep import GroupFailed, Lockstep
 from engine_daemon.group.settings import GroupSettings
+from engine_daemon.group.startup import check_weights
 from engine_daemon.group.watchdog import StepWatchdog
 from engine_daemon.group.wire import PlanChannel
 from engine_daemon.prefix_cache.planned import PlannedPrefixCache
@@ -55,12 +56,16 @@ class GroupLeader:
         if not self.control.wait_for_followers(FOLLOWERS_TIMEOUT):
             raise GroupFailed(f"followers {self.control.stale_ranks()} never reached the control socket "
                               f"{self.settings.control}")
+        reason, rank = check_weights(self.scheduler.models.current, self.control, FOLLOWERS_TIMEOUT)
+        if reason:  # never healthy: /health says group_failed and why until the exit (75)
+            self.faults.fail(reason, rank)
+            return
         self.lockstep = Lockstep(PlanChannel(self.group, stream), self.control, self.settings.checksum_every)
         self.scheduler.lockstep = self.lockstep
         config = self.scheduler.config  # rank 0 decides every rank's prompt-cache lookups, inserts and evictions
         self.scheduler.prompt_cache = PlannedPrefixCache(config.prompt_cache_size, config.prompt_cache_bytes or 1 << 62,
                                                          self.lockstep.stored, self.lockstep.evicted)
-        self.watchdog = StepWatchdog(self.lockstep, self.settings.step_timeout, self._hung)
+        self.watchdog = StepWatchdog(self.lockstep, self.settings.step_timeout, self._hung, control=self.control)
         self.watchdog.start()
         log.info("engine group ready: %d ranks, %s over %s", self.settings.size, self.settings.mode,
                  self.settings.backend)
@@ -106,8 +111,9 @@ class GroupLeader:
             self.faults.fail(f"rank {rank} stopped sending heartbeats", rank)
 
     def _hung(self, waited: float) -> None:
+        what, rank = self.watchdog.verdict if self.watchdog is not None else ("a rank hangs", None)
         self.faults.fail(f"a step ran {waited:.1f} s, past --group-step-timeout {self.settings.step_timeout:g} s: "
-                         "a rank hangs")
+                         f"{what}", rank)
 
     def _fail_streams_elsewhere(self, reason: str) -> None:
         """From the watchdog's or the control thread: the mlx thread may be stuck inside a collective."""
@@ -125,8 +131,11 @@ class GroupLeader:
         log.critical("failed %d open request(s): %s", len(requests), reason)
 
     def describe(self) -> dict[str, Any]:
+        current = self.scheduler.models.current
         ranks = [{"rank": 0, "weights_bytes": self.weights_bytes, "active_bytes": mx.get_active_memory(),
-                  "pid": os.getpid()}]
+                  "pid": os.getpid(), "weights_digest": current.weights_digest if current else None}]
         ranks += [{"rank": rank, **self.control.reports.get(rank, {})} for rank in range(1, self.settings.size)]
         return {**self.settings.describe(), "failed": self.failed, **(self.faults.failure or {}),
-                "ranks": ranks, **(self.lockstep.stats() if self.lockstep is not None else {})}
+                "ranks": ranks, **(self.lockstep.stats() if self.lockstep is not None else {}),
+                # steps past --group-step-timeout that every rank was alive inside (a prefill): slow, not failed
+                "slow_steps": self.watchdog.slow_steps if self.watchdog is not None else 0}

@@ -34,6 +34,7 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "fact", "schema": {
     "type": "object", "properties": {"name": {"enum": ["fox", "dog", "river"]}, "count": {"enum": [1, 2, 3]}},
     "required": ["name", "count"], "additionalProperties": False}}}
 CACHED_PROMPTS = [SHARED + "First question: what floats?", SHARED + "Second question: what sinks?"]
+ADAPTER = "lora-group"  # a LoRA adapter for the group's model, next to it
 EXIT_DELAY = 5.0  # --group-exit-delay: a failed rank 0 answers /health this long, then exits 75
 
 
@@ -63,10 +64,11 @@ def chat(model: str, prompt: str, **extra: object) -> dict:
             "temperature": 0, "ignore_eos": True, "stream": True, **extra}
 
 
-def stream_text(base_url: str, body: dict, on_chunk=None, stop_after: int | None = None) -> tuple[str, list[dict]]:
+def stream_text(base_url: str, body: dict, on_chunk=None, stop_after: int | None = None,
+                headers: dict | None = None) -> tuple[str, list[dict]]:
     """The streamed text and every data payload; `stop_after` chunks: close the stream (an abort)."""
     text, events = "", []
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=60, headers=headers) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if not line.startswith("data: "):
@@ -85,9 +87,12 @@ def stream_text(base_url: str, body: dict, on_chunk=None, stop_after: int | None
 
 @pytest.fixture(scope="module")
 def group_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from model_builders.adapter import build_adapter
     from model_builders.text import build_model
 
-    return build_model(tmp_path_factory.mktemp("models") / "tiny-group", size="tiny-group", seed=0)
+    model = build_model(tmp_path_factory.mktemp("models") / "tiny-group", size="tiny-group", seed=0)
+    build_adapter(model, model.parent / ADAPTER, seed=1)  # under the groups' --model-dir, so it resolves
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +146,8 @@ def group(request: pytest.FixtureRequest, group_model: Path, ipc_dir: Path,
         launcher = Path(shutil.which("mlx.launch") or launcher)
     argv = [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
             "--starting-port", str(_group_port()), "--", sys.executable, "-m", "engine_daemon",
-            "--endpoint", endpoint, "--model", str(group_model), "--group", mode,
+            "--endpoint", endpoint, "--model", str(group_model), "--model-dir", str(group_model.parent),
+            "--group", mode,
             "--group-step-timeout", str(STEP_TIMEOUT), "--group-checksum-every", "4",
             "--group-exit-delay", str(EXIT_DELAY)]
     launch = Proc(argv, logs / "group.log", engine_env())
@@ -232,6 +238,7 @@ def test_group_reports_shards_and_idles_without_spinning(group: Group, reference
     for rank in info["ranks"]:
         # Each rank holds its shard plus what it must replicate (embeddings, norms): less than the model.
         assert 0.3 * full < rank["weights_bytes"] < 0.85 * full, (rank, full)
+    assert len({rank["weights_digest"] for rank in info["ranks"]}) == 1 and info["ranks"][0]["weights_digest"]
     pids = group.pids()
     time.sleep(1.0)  # the last request's idle plan has gone out
     before = [_cpu_seconds(pid) for pid in pids]
@@ -270,6 +277,20 @@ def test_structured_output_is_replayed_by_every_rank(group: Group, reference: di
     assert texts == reference["structured"]
     fact = json.loads(texts[0])  # the grammar held on every rank: the schema's JSON, not free text
     assert fact["name"] in ("fox", "dog", "river") and fact["count"] in (1, 2, 3), texts[0]
+    assert not group.health().json()["group"]["failed"]
+
+
+def test_an_adapter_is_refused_as_unsupported_in_group(group: Group) -> None:
+    """A LoRA adapter that fits the model is refused with the documented 400 unsupported_in_group, per request
+    and when registered (a TP shard's layers used to fail the adapter's shape check: adapter_incompatible, which
+    blames the adapter); the group keeps serving."""
+    base = group.frontend.base_url
+    r = httpx.post(f"{base}/v1/chat/completions", json=chat("default", "hi", stream=False, adapter_path=ADAPTER),
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_in_group", r.text
+    r = httpx.post(f"{base}/v1/adapters", json={"name": "grouped", "path": ADAPTER}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_in_group", r.text
+    assert httpx.get(f"{base}/v1/adapters", timeout=10).json()["data"] == []  # nothing registered
     assert not group.health().json()["group"]["failed"]
 
 
@@ -336,6 +357,86 @@ def test_ranks_started_by_service_units_stop_cleanly_with_rank_0(group_model: Pa
         assert "rank 0 stopped the group" in ranks[1].log()
     finally:
         for rank in ranks:
+            rank.stop()
+
+
+def test_a_rank_on_other_weights_never_comes_up_healthy(group_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """Rank 1 started on another directory holding the same architecture with other weights: every rank shards
+    and runs, so this used to come up healthy and fail only at the first token checksum, after serving. Rank 0
+    compares the ranks' weights digests (reported in their heartbeats) before it goes ready: /health answers
+    503 group_failed naming rank 1 and why, requests are refused, and rank 0 exits 75."""
+    from model_builders.text import build_model
+
+    other = build_model(tmp_path / "tiny-group-other", size="tiny-group", seed=1)
+    port = _group_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    endpoint = f"ipc://{ipc_dir}/grp-weights.sock"
+    ranks = [Engine(endpoint, tmp_path / f"rank{rank}.log", model=str(model),
+                    args=["--group", "tp", "--group-exit-delay", str(EXIT_DELAY)],
+                    env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)})
+             for rank, model in ((0, group_model), (1, other))]
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                health = httpx.get(f"{frontend.base_url}/health", timeout=5)
+            except httpx.HTTPError:
+                health = None
+            assert health is None or health.status_code != 200, health.text  # never healthy, not for a moment
+            if health is not None and (health.json().get("group") or {}).get("failed"):
+                break
+            assert ranks[0].popen.poll() is None, ranks[0].log()[-3000:]
+            assert time.monotonic() < deadline, ranks[0].log()[-3000:]
+            time.sleep(0.1)
+        group = health.json()["group"]
+        assert health.status_code == 503 and health.json()["status"] == "group_failed"
+        assert group["failed_rank"] == 1 and "loaded other weights than rank 0" in group["reason"], group
+        digests = [rank.get("weights_digest") for rank in group["ranks"]]
+        assert all(digests) and digests[0] != digests[1], group["ranks"]
+        assert "loaded other weights than rank 0" in ranks[0].log()
+        assert "engine group ready" not in ranks[0].log()
+        r = httpx.post(f"{frontend.base_url}/v1/chat/completions", json=chat("default", "hi", stream=False),
+                       timeout=10)
+        assert r.status_code == 503, r.text
+        assert ranks[0].popen.wait(EXIT_DELAY + 15) == 75, ranks[0].log()[-3000:]
+    finally:
+        frontend.stop()
+        for rank in ranks:
+            if rank.popen.poll() is None:
+                _kill_quietly(rank.pid, signal.SIGKILL)
+            rank.stop()
+
+
+def test_a_slow_prefill_step_is_not_a_hung_rank(group_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """Rank 1's step that starts a prefill takes 3 s (fault injection, as a long chunk on a slow rank does) under
+    --group-step-timeout 1: every rank's heartbeats say it is alive and inside the step, so the watchdog waits
+    (the step prefills ~300 tokens: up to 1 × (1 + 300/64) s) instead of failing a healthy group as "a rank
+    hangs". The request completes and the group stays up."""
+    port = _group_port()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    endpoint = f"ipc://{ipc_dir}/grp-slow.sock"
+    ranks = [Engine(endpoint, tmp_path / f"rank{rank}.log", model=str(group_model),
+                    args=["--group", "tp", "--group-step-timeout", "1", "--group-exit-delay", "1"],
+                    env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "MLX_ENGINE_FAULT_INJECTION": "1",
+                         "MLX_ENGINE_DEBUG_GROUP_PREFILL_SECONDS": "3"})
+             for rank in (0, 1)]
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    try:
+        frontend.wait_healthy(90)
+        reply = _completion(frontend.base_url, SHARED * 2 + "What floats?")
+        assert reply["usage"]["completion_tokens"] == MAX_TOKENS, reply
+        assert "fault injection: rank 1's step" in ranks[1].log()  # the slow step happened
+        info = httpx.get(f"{frontend.base_url}/health", timeout=10).json()["group"]
+        assert not info["failed"] and info["slow_steps"] >= 1, info
+        assert "slow, not hung" in ranks[0].log() and "engine group failed" not in ranks[0].log()
+    finally:
+        frontend.stop()
+        for rank in ranks:
+            if rank.popen.poll() is None:
+                _kill_quietly(rank.pid, signal.SIGKILL)
             rank.stop()
 
 
