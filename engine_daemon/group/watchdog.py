@@ -11,7 +11,7 @@ stopped hangs (SIGSTOP, a paused or wedged machine); a rank that never took this
 plan hangs before it; otherwise every rank is alive and inside the step. A decode step
 then fails the group as before (a rank's step is wedged), but a step that prefills N
 prompt tokens is slow, not hung: it may run to --group-step-timeout × (1 + N /
-PREFILL_TOKENS_PER_TIMEOUT) (an 1,800-token chunk took over 60 s on a loaded 2-core box)
+PREFILL_TOKENS_PER_TIMEOUT), at most 8 × (an 1,800-token chunk took over 60 s on a loaded 2-core box)
 while every rank stays alive and inside it. `verdict` says which case fired and which rank.
 """
 
@@ -27,8 +27,10 @@ log = logging.getLogger(__name__)
 
 # A gap this long between two of the watchdog's own 0.1 s ticks means the process was not running.
 SUSPENDED_GAP = 1.0
-# A step prefilling N tokens, every rank alive and inside it, may take timeout × (1 + N / this).
+# A step prefilling N tokens, every rank alive and inside it, may take timeout × (1 + N / this), at most
+# MAX_PREFILL_FACTOR × the timeout: a rank wedged inside a long chunk (alive, never finishing) is still caught.
 PREFILL_TOKENS_PER_TIMEOUT = 64
+MAX_PREFILL_FACTOR = 8
 STALE_AFTER = 1.5  # seconds without a follower's heartbeat (3 of them) that say it is not running
 
 
@@ -95,5 +97,5 @@ class StepWatchdog(threading.Thread):
                         "the step", rank, self.timeout)
         if prefill > 0:
             return (f"every rank is alive and inside this step, which prefills up to {prefill} tokens: slow, not "
-                    "hung", None, self.timeout * (1 + prefill / PREFILL_TOKENS_PER_TIMEOUT))
+                    "hung", None, self.timeout * min(1 + prefill / PREFILL_TOKENS_PER_TIMEOUT, MAX_PREFILL_FACTOR))
         return "every rank is alive and inside this decode step: a rank's step is wedged", None, self.timeout
