@@ -79,6 +79,9 @@ def test_a_prefill_step_every_rank_is_alive_inside_may_run_longer(monkeypatch: p
     fired, dog = judged(monkeypatch, prefill=128, progress={1: (7, True)})
     assert len(fired) == 1 and 9.0 < fired[0] <= 9.2 and dog.slow_steps == 1
     assert "prefills up to 128 tokens" in dog.verdict[0]
+    # 4,096 tokens would be 3 × 65 s: the allowance stops at 8 × the timeout (24 s), a wedged rank is caught.
+    fired, _ = judged(monkeypatch, prefill=4096, progress={1: (7, True)})
+    assert len(fired) == 1 and 24.0 < fired[0] <= 24.2
 
 
 def test_a_rank_that_never_took_the_plan_or_went_silent_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
