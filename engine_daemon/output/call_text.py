@@ -151,6 +151,25 @@ class SettledReader:
         return prefix
 
 
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*(?:(")|\\?$)', re.DOTALL)  # group 1: its closing quote
+
+
+def inside_value(text: str) -> bool:
+    """Whether a call's text so far ends inside one of its values: a JSON string, an open `<parameter=…>`
+    (before `</function>`) or `<arg_value>`. The end-of-call marker written there is the value's text
+    (a file that mentions `</tool_call>`), not the call's end. Linear, in C (`re`, `rfind`)."""
+    if text.lstrip()[:1] in ("{", "["):  # a JSON call, its name first or not
+        last = None
+        for last in _JSON_STRING.finditer(text):
+            pass
+        return last is not None and last.end() == len(text) and not last.group(1)
+    parameter = text.rfind("<parameter=")
+    if parameter >= 0:
+        return parameter > text.rfind("</parameter>") and parameter > text.rfind("</function>")
+    value = text.rfind("<arg_value>")
+    return value >= 0 and value > text.rfind("</arg_value>")
+
+
 def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, strict: bool = True) -> str | None:
     """A finished call's arguments as the model wrote them (a JSON object's own text); None when not JSON.
 

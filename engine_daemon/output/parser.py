@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_daemon.output.bounded_parse import bounded
-from engine_daemon.output.call_text import SettledReader, call_dict, encodable, partial_call, written_arguments
+from engine_daemon.output.call_text import (
+    SettledReader,
+    call_dict,
+    encodable,
+    inside_value,
+    partial_call,
+    written_arguments,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +151,11 @@ class OutputParser:
                 self._emit(out, self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
+            if self.state == TOOL and marker == self.tool_end and \
+                    inside_value(self.tool_text + self.buffer[:position]):  # `</tool_call>` inside a string value
+                self._emit(out, self.buffer[:position + len(marker)])
+                self.buffer = self.buffer[position + len(marker):]
+                continue
             self._emit(out, self.buffer[:position])
             self.buffer = self.buffer[position + len(marker):]
             self._switch(out, marker)

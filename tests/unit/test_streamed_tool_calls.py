@@ -207,3 +207,24 @@ def test_a_fallback_call_ended_mid_json_is_the_same_call_however_it_was_fed() ->
     assert [(c["name"], c.get("partial")) for c in whole] == [(c["name"], c.get("partial")) for c in pieces] \
         == [("write_file", True)]
     assert answer_whole == answer_pieces == ""
+
+
+@pytest.mark.parametrize("family", ["json", "qwen3-coder", "glm"])
+def test_the_end_marker_inside_a_value_is_the_values_text(family: str) -> None:
+    """An agent writing a file that mentions `</tool_call>` (a chat template, this parser's tests): the
+    marker inside a string value used to end the call there, and the rest leaked into the answer."""
+    content = 'end = "</tool_call>"\nprint(end)\n'
+    text = {"json": '<tool_call>\n' + json.dumps({"name": "write_file", "arguments": {"path": "a.py",
+                                                                                      "content": content}})
+            + '\n</tool_call>',
+            "qwen3-coder": f"<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n"
+                           f"<parameter=content>\n{content}\n</parameter>\n</function>\n</tool_call>",
+            "glm": f"<tool_call>write_file<arg_key>path</arg_key><arg_value>a.py</arg_value><arg_key>content"
+                   f"</arg_key><arg_value>{content}</arg_value></tool_call>"}[family]
+    tokenizer = {"json": QWEN, "qwen3-coder": CODER, "glm": GLM}[family]
+    for size in (1, 4, len(text)):
+        pieces, calls, answer = stream(tokenizer, text + "\nDone.", size)
+        (call,) = calls
+        expected = content.strip() if family == "glm" else content
+        assert json.loads(call["arguments"]) == {"path": "a.py", "content": expected} and "partial" not in call
+        assert answer.strip() == "Done."
