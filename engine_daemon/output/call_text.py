@@ -9,8 +9,9 @@ finished one as written, for when the family parser's canonical form does not ex
 streamed.
 
 Families: a JSON call (`{"name": …, "arguments": {…}}`, Hermes/Qwen and the JSON fallback),
-Qwen3-Coder's `<function=f><parameter=k>v</parameter>`, GLM's
-`f<arg_key>k</arg_key><arg_value>v</arg_value>`; an unclosed last value runs to the end.
+Mistral's `f[ARGS]{…}` (no end marker: its call closes with the reply), Qwen3-Coder's
+`<function=f><parameter=k>v</parameter>`, GLM's `f<arg_key>k</arg_key><arg_value>v</arg_value>`;
+an unclosed last value runs to the end.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 _JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 _JSON_CALL_START = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a call (or a list of them) writes its name first
+_HEADER_CALL = re.compile(r"\s*([\w-]+)\s*\[ARGS\]\s*")  # Mistral's `name[ARGS]{json}` (Devstral)
 _XML_NAME = re.compile(r"<function=([^>\s]+)>")
 _XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)(\n?</parameter>|$)", re.DOTALL)
 _GLM_NAME = re.compile(r"^\s*([^<>\s]+)\s*<arg_key>")
@@ -105,6 +107,8 @@ class SettledReader:
                 return partial_call_text(text, self.tools)
             after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
             return _json_name(name.group(1)), _settled_json(text[after.end():]) if after is not None else ""
+        if (header := _HEADER_CALL.match(text)) is not None:
+            return (header.group(1), _settled_json(text[header.end():])) if settled else _read(text, self.tools)
         xml, glm = _XML_NAME.search(text), _GLM_NAME.search(text)
         if (xml is None and glm is None) or self.parse is None:  # no family parser: the JSON fallback's calls
             return None
@@ -178,7 +182,7 @@ def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, stri
     read = _read(text, tools)
     if read is None:
         return None
-    arguments = read[1] if _JSON_CALL_START.match(text) else read[1] + "}"
+    arguments = read[1] if _JSON_CALL_START.match(text) or _HEADER_CALL.match(text) else read[1] + "}"
     try:
         value, end = (_STRICT_JSON if strict else json.JSONDecoder()).raw_decode(arguments)
     except (ValueError, RecursionError):
@@ -198,6 +202,8 @@ def _read(text: str, tools: list[dict[str, Any]] | None) -> tuple[str, str] | No
     if name is not None and _JSON_CALL_START.match(text):  # a top-level name: a nested "name" is no call
         after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
         return _json_name(name.group(1)), text[after.end():].rstrip() if after is not None else ""
+    if (header := _HEADER_CALL.match(text)) is not None:
+        return header.group(1), text[header.end():].rstrip()
     xml, glm = _XML_NAME.search(text), _GLM_NAME.search(text)
     if xml is not None:
         pairs = [(m.group(1), m.group(2), bool(m.group(3))) for m in _XML_PARAMETER.finditer(text, xml.end())]

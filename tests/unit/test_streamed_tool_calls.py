@@ -16,7 +16,7 @@ import pytest
 
 from engine_daemon.output.call_text import SettledReader
 from engine_daemon.output.parser import OutputParser
-from tests.unit.tokenizer_stubs import CODER, GLM, NO_PARSER, QWEN
+from tests.unit.tokenizer_stubs import CODER, GLM, MISTRAL, NO_PARSER, QWEN
 
 TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
@@ -52,6 +52,7 @@ CALLS = {
     "compact json": (QWEN, '<tool_call>{"name":"write_file","arguments":'
                      + json.dumps(EXPECTED, separators=(",", ":"), ensure_ascii=True) + '}</tool_call>'),
     "fallback json": (NO_PARSER, json.dumps({"name": "write_file", "parameters": EXPECTED})),
+    "mistral": (MISTRAL, "[TOOL_CALLS]write_file[ARGS]" + json.dumps(EXPECTED)),
     "qwen3-coder": (CODER, "<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
                     f"<parameter=content>\n{CONTENT}\n</parameter>\n<parameter=mode>\n644\n</parameter>\n"
                     "</function>\n</tool_call>"),
@@ -121,7 +122,8 @@ def test_settled_arguments_only_grow(family: str) -> None:
     """Every reading of the call so far extends the one before: nothing streamed is ever taken back."""
     tokenizer, text = CALLS[family]
     reader = SettledReader(TOOLS, tokenizer.tool_parser)
-    start = text.find(">", text.find("<tool_call")) + 1 if text.startswith("<tool_call>") else 0
+    marker = tokenizer.tool_call_start or ""
+    start = len(marker) if marker and text.startswith(marker) else 0
     before = ""
     for end in range(start, len(text)):
         settled = reader.read(text[start:end])
@@ -228,3 +230,15 @@ def test_the_end_marker_inside_a_value_is_the_values_text(family: str) -> None:
         expected = content.strip() if family == "glm" else content
         assert json.loads(call["arguments"]) == {"path": "a.py", "content": expected} and "partial" not in call
         assert answer.strip() == "Done."
+
+
+def test_mistral_calls_stream_though_they_only_close_with_the_reply() -> None:
+    """Devstral writes `[TOOL_CALLS]name[ARGS]{…}` with no end marker: its calls closed only at the end of
+    the reply, so a long one sent nothing until then."""
+    one, two = json.dumps({"path": "a.py", "content": "x" * 300}), json.dumps({"path": "b.py"})
+    pieces, calls, answer = stream(MISTRAL, f"[TOOL_CALLS]write_file[ARGS]{one}write_file[ARGS]{two}", 2)
+    assert [json.loads(call["arguments"]) for call in calls] == [json.loads(one), json.loads(two)]
+    assert len([p for p in pieces if p["index"] == 0 and p["arguments"]]) > 20 and answer == ""
+    assert calls[0]["arguments"].startswith(streamed(pieces, 0))
+    pieces, (call,), _ = stream(MISTRAL, "[TOOL_CALLS]write_file[ARGS]" + one[:120], 3, cut=True)
+    assert call["partial"] is True and call["arguments"] == one[:120] and one[:120].startswith(streamed(pieces, 0))
