@@ -10,8 +10,8 @@ streamed.
 
 Families: a JSON call (`{"name": …, "arguments": {…}}`, Hermes/Qwen and the JSON fallback),
 Mistral's `f[ARGS]{…}` (no end marker: its call closes with the reply), Qwen3-Coder's
-`<function=f><parameter=k>v</parameter>`, GLM's `f<arg_key>k</arg_key><arg_value>v</arg_value>`;
-an unclosed last value runs to the end.
+`<function=f><parameter=k>v</parameter>`, MiniMax-M2's `<invoke name="f"><parameter name="k">v</parameter>`,
+GLM's `f<arg_key>k</arg_key><arg_value>v</arg_value>`; an unclosed last value runs to the end.
 """
 
 from __future__ import annotations
@@ -19,16 +19,45 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 _JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 _JSON_CALL_START = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a call (or a list of them) writes its name first
 _HEADER_CALL = re.compile(r"\s*([\w-]+)\s*\[ARGS\]\s*")  # Mistral's `name[ARGS]{json}` (Devstral)
-_XML_NAME = re.compile(r"<function=([^>\s]+)>")
-_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)(\n?</parameter>|$)", re.DOTALL)
-_GLM_NAME = re.compile(r"^\s*([^<>\s]+)\s*<arg_key>")
-_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)(</arg_key>\s*(?:<arg_value>(.*?)(</arg_value>|$))?|$)", re.DOTALL)
+
+
+
+@dataclass(frozen=True)
+class _Markup:
+    """A key/value markup family: how its name and its (key, value) pairs are written.
+
+    `pairs` has groups `key`, `keyend` (the key is whole), `value` and `end` (the value is closed); an
+    unclosed last value runs to the end. `closer` makes the text up to a finished value a whole call for
+    the family parser. `strips`: the parser strips every value (else only the newline after and before
+    its tags). `unquote`: names and keys may be written in quotes.
+    """
+
+    family: str
+    name: re.Pattern[str]
+    pairs: re.Pattern[str]
+    closer: str
+    strips: bool
+    unquote: bool = False
+
+
+_MARKUPS = (
+    _Markup("qwen3_coder", re.compile(r"<function=([^>\s]+)>"),
+            re.compile(r"<parameter=(?P<key>[^>\s]+)(?P<keyend>>)\n?(?P<value>.*?)(?P<end>\n?</parameter>|$)",
+                       re.DOTALL), "\n</function>", strips=False),
+    _Markup("minimax", re.compile(r"<invoke name=([^>]+)>"),
+            re.compile(r"<parameter name=(?P<key>[^>]+)(?P<keyend>>)(?P<value>.*?)(?P<end></parameter>|$)", re.DOTALL),
+            "</invoke>", strips=True, unquote=True),
+    _Markup("glm", re.compile(r"^\s*([^<>\s]+)\s*<arg_key>"),
+            re.compile(r"<arg_key>(?P<key>.*?)(?:(?P<keyend></arg_key>)\s*(?:<arg_value>(?P<value>.*?)"
+                       r"(?P<end></arg_value>|$))?|$)", re.DOTALL), "", strips=True),
+)
 # Qwen3-Coder's parser keeps these schema types as written (mlx-lm `qwen3_coder._string_types`).
 _XML_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 # A JSON value may end with these while more of it is still to come (or they close the call around it).
@@ -109,35 +138,33 @@ class SettledReader:
             return _json_name(name.group(1)), _settled_json(text[after.end():]) if after is not None else ""
         if (header := _HEADER_CALL.match(text)) is not None:
             return (header.group(1), _settled_json(text[header.end():])) if settled else _read(text, self.tools)
-        xml, glm = _XML_NAME.search(text), _GLM_NAME.search(text)
-        if (xml is None and glm is None) or self.parse is None:  # no family parser: the JSON fallback's calls
+        found = _markup(text)
+        if found is None or self.parse is None:  # no family parser: the JSON fallback's calls
             return None
-        start = xml.end() if xml is not None else glm.end(1)
-        matches = list((_XML_PARAMETER if xml is not None else _GLM_ARGUMENT).finditer(text, start))
-        closed = [m for m in matches if (m.group(3) if xml is not None else m.group(4))]
+        markup, name_match = found
+        call_name = _unquoted(name_match.group(1), markup)
+        matches = list(markup.pairs.finditer(text, name_match.end(1)))
+        closed = [m for m in matches if m.group("end")]
         opened = matches[len(closed)] if len(matches) > len(closed) else None
-        call_name = xml.group(1) if xml is not None else glm.group(1)
-        prefix = self._finished(text, closed[-1].end() if closed else -1, xml is None)
+        prefix = self._finished(text, closed[-1].end() if closed else -1, markup)
         if prefix is None:
             return call_name, ""
-        if opened is None:
+        if opened is None or not opened.group("keyend"):  # nothing more, or a key still being written
             return call_name, prefix
-        key = opened.group(1) if xml is not None else (opened.group(1) if opened.group(2) else None)
-        if key is None:  # the key itself is unfinished
-            return call_name, prefix
-        value = opened.group(2) if xml is not None else opened.group(3)
-        schema = _properties(call_name, self.tools).get(key.strip())
-        head = ("" if prefix == "{" else ", ") + json.dumps(key.strip(), ensure_ascii=False) + ": "
+        key = _unquoted(opened.group("key"), markup)
+        head = ("" if prefix == "{" else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+        value = opened.group("value")
         if value is None:
             return call_name, prefix + head
-        value = _unclosed(value if xml is not None else value.lstrip())
+        value = _unclosed(value.lstrip() if markup.strips else value)
         if settled:
             value = value.rstrip()
-            if not _is_string(schema, glm=xml is None) or (xml is not None and "null".startswith(value.lower())):
+            schema = _properties(call_name, self.tools).get(key)
+            if not _is_string(schema, markup) or (markup.family != "glm" and "null".startswith(value.lower())):
                 return call_name, prefix + head  # the family may convert it (Qwen3-Coder reads "null" as null)
         return call_name, prefix + head + json.dumps(value, ensure_ascii=False)[:-1]
 
-    def _finished(self, text: str, end: int, glm: bool) -> str | None:
+    def _finished(self, text: str, end: int, markup: _Markup) -> str | None:
         """The arguments object's text through its last finished value, as the family parser converts it."""
         if end == self._closed[0]:
             return self._closed[1]
@@ -147,7 +174,7 @@ class SettledReader:
                 prefix = None
             else:
                 try:
-                    arguments = call_dict(self.parse(text[:end] + ("" if glm else "\n</function>"), self.tools))[0]
+                    arguments = call_dict(self.parse(text[:end] + markup.closer, self.tools))[0]
                     prefix = arguments["arguments"][:-1] if arguments["arguments"].endswith("}") else None
                 except Exception:  # the family cannot read it (yet): nothing more streams until it can
                     prefix = None
@@ -167,9 +194,9 @@ def inside_value(text: str) -> bool:
         for last in _JSON_STRING.finditer(text):
             pass
         return last is not None and last.end() == len(text) and not last.group(1)
-    parameter = text.rfind("<parameter=")
+    parameter = text.rfind("<parameter")  # Qwen3-Coder's `<parameter=k>`, MiniMax's `<parameter name="k">`
     if parameter >= 0:
-        return parameter > text.rfind("</parameter>") and parameter > text.rfind("</function>")
+        return parameter > max(text.rfind("</parameter>"), text.rfind("</function>"), text.rfind("</invoke>"))
     value = text.rfind("<arg_value>")
     return value >= 0 and value > text.rfind("</arg_value>")
 
@@ -204,15 +231,30 @@ def _read(text: str, tools: list[dict[str, Any]] | None) -> tuple[str, str] | No
         return _json_name(name.group(1)), text[after.end():].rstrip() if after is not None else ""
     if (header := _HEADER_CALL.match(text)) is not None:
         return header.group(1), text[header.end():].rstrip()
-    xml, glm = _XML_NAME.search(text), _GLM_NAME.search(text)
-    if xml is not None:
-        pairs = [(m.group(1), m.group(2), bool(m.group(3))) for m in _XML_PARAMETER.finditer(text, xml.end())]
-        return xml.group(1), _partial_object(xml.group(1), pairs, tools, glm=False)
-    if glm is not None:
-        pairs = [(m.group(1) if m.group(2) else None, m.group(3), bool(m.group(4)))
-                 for m in _GLM_ARGUMENT.finditer(text, glm.end(1))]
-        return glm.group(1), _partial_object(glm.group(1), pairs, tools, glm=True)
+    found = _markup(text)
+    if found is None:
+        return None
+    markup, name_match = found
+    call_name = _unquoted(name_match.group(1), markup)
+    pairs = [(_unquoted(m.group("key"), markup) if m.group("keyend") else None, m.group("value"), bool(m.group("end")))
+             for m in markup.pairs.finditer(text, name_match.end(1))]
+    return call_name, _partial_object(call_name, pairs, tools, markup)
+
+
+def _markup(text: str) -> tuple[_Markup, re.Match[str]] | None:
+    """The markup family `text` is written in, and its name's match; None before a name is written."""
+    for markup in _MARKUPS:
+        if (found := markup.name.search(text)) is not None:
+            return markup, found
     return None
+
+
+def _unquoted(text: str, markup: _Markup) -> str:
+    """A name or key as its family reads it (MiniMax's may be quoted: `<invoke name="f">`)."""
+    text = text.strip()
+    if markup.unquote and len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
 
 
 def _settled_json(arguments: str) -> str:
@@ -227,7 +269,7 @@ def _settled_json(arguments: str) -> str:
     return arguments.rstrip(_UNSETTLED_TAIL)
 
 
-def _partial_object(name: str, pairs: list[Pair], tools: list[dict[str, Any]] | None, glm: bool) -> str:
+def _partial_object(name: str, pairs: list[Pair], tools: list[dict[str, Any]] | None, markup: _Markup) -> str:
     """(key, value so far, value closed) pairs as the prefix of a JSON object, stopping at the first unfinished part."""
     properties = _properties(name, tools)
     parts = []
@@ -236,11 +278,11 @@ def _partial_object(name: str, pairs: list[Pair], tools: list[dict[str, Any]] | 
             break
         key = key.strip()
         head = json.dumps(key, ensure_ascii=False) + ": "
-        is_string = _is_string(properties.get(key), glm)
+        is_string = _is_string(properties.get(key), markup)
         if value is None:
             parts.append(head)
             break
-        if glm:  # GLM's parser strips every value; Qwen3-Coder's only the newline after and before its tags
+        if markup.strips:  # GLM's and MiniMax's parsers strip every value; Qwen3-Coder's only a newline each side
             value = value.strip() if closed else value.lstrip()
         if not closed:  # an unfinished value: an unterminated JSON string, as a streamed string would be
             value = _unclosed(value)
@@ -260,16 +302,33 @@ def _properties(name: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]
     return properties
 
 
-def _is_string(schema: Any, glm: bool) -> bool:
+def _is_string(schema: Any, markup: _Markup) -> bool:
     """Whether the family's parser keeps this parameter's value as written text (mlx-lm's rules)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
-    if glm:
+    if markup.family == "glm":
         return kind == "string"
+    if markup.family == "minimax":  # text unless its schema allows another type (anyOf, enum, a type list...)
+        return _schema_types(schema) <= {"string", "str", "text"}
     if not schema:  # Qwen3-Coder: a parameter the schema does not describe stays text
         return True
     if not isinstance(schema, dict):
         return False
     return kind is not None and str(kind).strip().lower() in _XML_STRING_TYPES
+
+
+def _schema_types(schema: Any) -> set[str]:
+    """The types a parameter's schema allows, as MiniMax's parser reads them ("string" when it says none)."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    kinds = schema.get("type")
+    types = {kinds} if isinstance(kinds, str) else {k for k in kinds if isinstance(k, str)} \
+        if isinstance(kinds, list) else set()
+    for value in schema.get("enum") or () if isinstance(schema.get("enum"), list) else ():
+        types.add("string" if isinstance(value, str) else "other")
+    for choice in ("anyOf", "oneOf", "allOf"):
+        for option in schema.get(choice) or () if isinstance(schema.get(choice), list) else ():
+            types |= _schema_types(option)
+    return {kind.lower() for kind in types} or {"string"}
 
 
 def _unclosed(value: str) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from engine_daemon.output.call_text import SettledReader
 from engine_daemon.output.parser import OutputParser
-from tests.unit.tokenizer_stubs import CODER, GLM, MISTRAL, NO_PARSER, QWEN
+from tests.unit.tokenizer_stubs import CODER, GLM, MINIMAX, MISTRAL, NO_PARSER, QWEN
 
 TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
@@ -53,6 +53,10 @@ CALLS = {
                      + json.dumps(EXPECTED, separators=(",", ":"), ensure_ascii=True) + '}</tool_call>'),
     "fallback json": (NO_PARSER, json.dumps({"name": "write_file", "parameters": EXPECTED})),
     "mistral": (MISTRAL, "[TOOL_CALLS]write_file[ARGS]" + json.dumps(EXPECTED)),
+    "minimax": (MINIMAX, '<minimax:tool_call>\n<invoke name="write_file">\n'
+                '<parameter name="path">src/a.py</parameter>\n'
+                f'<parameter name="content">{CONTENT}</parameter>\n<parameter name="mode">644</parameter>\n'
+                "</invoke>\n</minimax:tool_call>"),
     "qwen3-coder": (CODER, "<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/a.py\n</parameter>\n"
                     f"<parameter=content>\n{CONTENT}\n</parameter>\n<parameter=mode>\n644\n</parameter>\n"
                     "</function>\n</tool_call>"),
@@ -68,7 +72,7 @@ def test_a_calls_arguments_stream_while_it_is_written(family: str, size: int) ->
     tokenizer, text = CALLS[family]
     pieces, calls, answer = stream(tokenizer, text, size)
     (call,) = calls
-    expected = {**EXPECTED, "content": CONTENT.strip()} if family == "glm" else EXPECTED
+    expected = {**EXPECTED, "content": CONTENT.strip()} if family in ("glm", "minimax") else EXPECTED
     assert json.loads(call["arguments"]) == expected and "partial" not in call and answer == ""
     first = pieces[0]
     assert (first["index"], first["id"], first["name"]) == (call["index"], call["id"], "write_file")
@@ -242,3 +246,21 @@ def test_mistral_calls_stream_though_they_only_close_with_the_reply() -> None:
     assert calls[0]["arguments"].startswith(streamed(pieces, 0))
     pieces, (call,), _ = stream(MISTRAL, "[TOOL_CALLS]write_file[ARGS]" + one[:120], 3, cut=True)
     assert call["partial"] is True and call["arguments"] == one[:120] and one[:120].startswith(streamed(pieces, 0))
+
+
+@pytest.mark.parametrize("schema,value,expected", [({"type": "string"}, "null", None),
+                                                   ({"type": ["integer", "null"]}, "none", None),
+                                                   ({"anyOf": [{"type": "string"}, {"type": "integer"}]}, "5", 5),
+                                                   ({"type": "string"}, "  text  ", "text"),
+                                                   (None, "abc", "abc")])
+def test_minimax_values_stream_as_its_parser_converts_them(schema: dict | None, value: str, expected: object) -> None:
+    properties = {"k": schema} if schema is not None else {}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                           "properties": properties}}}]
+    text = f'<minimax:tool_call>\n<invoke name="f">\n<parameter name="k">{value}</parameter>\n</invoke>\n' \
+           "</minimax:tool_call>"
+    parser = OutputParser(MINIMAX, in_thinking=False, tools=tools)
+    deltas = [parser.feed(char, final=n == len(text) - 1) for n, char in enumerate(text)]
+    (call,) = [call for delta in deltas for call in delta.tool_calls]
+    sent = "".join(piece["arguments"] for delta in deltas for piece in delta.tool_call_deltas)
+    assert call["arguments"].startswith(sent) and json.loads(call["arguments"]) == {"k": expected}
