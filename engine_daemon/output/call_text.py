@@ -9,7 +9,8 @@ finished one as written, for when the family parser's canonical form does not ex
 streamed.
 
 Families: a JSON call (`{"name": …, "arguments": {…}}`, Hermes/Qwen and the JSON fallback),
-Mistral's `f[ARGS]{…}` (no end marker: its call closes with the reply), Qwen3-Coder's
+Mistral's `f[ARGS]{…}` (no end marker: its call closes with the reply), Kimi K2's
+`<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{…}`, Qwen3-Coder's
 `<function=f><parameter=k>v</parameter>`, MiniMax-M2's `<invoke name="f"><parameter name="k">v</parameter>`,
 GLM's `f<arg_key>k</arg_key><arg_value>v</arg_value>`; an unclosed last value runs to the end.
 """
@@ -25,7 +26,14 @@ from typing import Any
 _JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 _JSON_CALL_START = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a call (or a list of them) writes its name first
-_HEADER_CALL = re.compile(r"\s*([\w-]+)\s*\[ARGS\]\s*")  # Mistral's `name[ARGS]{json}` (Devstral)
+# A name, then the JSON arguments: Mistral's `name[ARGS]{…}` (Devstral), Kimi K2's
+# `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{…}`.
+_HEADER_CALLS = (re.compile(r"\s*([\w-]+)\s*\[ARGS\]\s*"),
+                 re.compile(r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(.+?):\d+\s*<\|tool_call_argument_begin\|>\s*"))
+
+
+def _header(text: str) -> re.Match[str] | None:
+    return next((found for pattern in _HEADER_CALLS if (found := pattern.match(text)) is not None), None)
 
 
 
@@ -136,7 +144,7 @@ class SettledReader:
                 return partial_call_text(text, self.tools)
             after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
             return _json_name(name.group(1)), _settled_json(text[after.end():]) if after is not None else ""
-        if (header := _HEADER_CALL.match(text)) is not None:
+        if (header := _header(text)) is not None:
             return (header.group(1), _settled_json(text[header.end():])) if settled else _read(text, self.tools)
         found = _markup(text)
         if found is None or self.parse is None:  # no family parser: the JSON fallback's calls
@@ -209,7 +217,7 @@ def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, stri
     read = _read(text, tools)
     if read is None:
         return None
-    arguments = read[1] if _JSON_CALL_START.match(text) or _HEADER_CALL.match(text) else read[1] + "}"
+    arguments = read[1] if _JSON_CALL_START.match(text) or _header(text) else read[1] + "}"
     try:
         value, end = (_STRICT_JSON if strict else json.JSONDecoder()).raw_decode(arguments)
     except (ValueError, RecursionError):
@@ -229,7 +237,7 @@ def _read(text: str, tools: list[dict[str, Any]] | None) -> tuple[str, str] | No
     if name is not None and _JSON_CALL_START.match(text):  # a top-level name: a nested "name" is no call
         after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
         return _json_name(name.group(1)), text[after.end():].rstrip() if after is not None else ""
-    if (header := _HEADER_CALL.match(text)) is not None:
+    if (header := _header(text)) is not None:
         return header.group(1), text[header.end():].rstrip()
     found = _markup(text)
     if found is None:

@@ -16,7 +16,7 @@ import pytest
 
 from engine_daemon.output.call_text import SettledReader
 from engine_daemon.output.parser import OutputParser
-from tests.unit.tokenizer_stubs import CODER, GLM, MINIMAX, MISTRAL, NO_PARSER, QWEN
+from tests.unit.tokenizer_stubs import CODER, GLM, KIMI, MINIMAX, MISTRAL, NO_PARSER, QWEN
 
 TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"},
@@ -53,6 +53,8 @@ CALLS = {
                      + json.dumps(EXPECTED, separators=(",", ":"), ensure_ascii=True) + '}</tool_call>'),
     "fallback json": (NO_PARSER, json.dumps({"name": "write_file", "parameters": EXPECTED})),
     "mistral": (MISTRAL, "[TOOL_CALLS]write_file[ARGS]" + json.dumps(EXPECTED)),
+    "kimi": (KIMI, "<|tool_calls_section_begin|><|tool_call_begin|>functions.write_file:0<|tool_call_argument_begin|>"
+             + json.dumps(EXPECTED) + "<|tool_call_end|><|tool_calls_section_end|>"),
     "minimax": (MINIMAX, '<minimax:tool_call>\n<invoke name="write_file">\n'
                 '<parameter name="path">src/a.py</parameter>\n'
                 f'<parameter name="content">{CONTENT}</parameter>\n<parameter name="mode">644</parameter>\n'
