@@ -36,7 +36,6 @@ def _header(text: str) -> re.Match[str] | None:
     return next((found for pattern in _HEADER_CALLS if (found := pattern.match(text)) is not None), None)
 
 
-
 @dataclass(frozen=True)
 class _Markup:
     """A key/value markup family: how its name and its (key, value) pairs are written.
@@ -101,7 +100,6 @@ def encodable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-
 def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The call a cut-off tool-call text was writing: its name, and its arguments as written so far.
 
@@ -113,11 +111,6 @@ def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[s
     """
     read = partial_call_text(text, tools)
     return None if read is None else {"name": read[0], "arguments": read[1], "partial": True}
-
-
-def partial_call_text(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
-    """(name, arguments as written so far) of a cut call, as `partial_call` reads it."""
-    return _read(text, tools)
 
 
 class SettledReader:
@@ -145,7 +138,7 @@ class SettledReader:
             after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
             return _json_name(name.group(1)), _settled_json(text[after.end():]) if after is not None else ""
         if (header := _header(text)) is not None:
-            return (header.group(1), _settled_json(text[header.end():])) if settled else _read(text, self.tools)
+            return (header.group(1), _settled_json(text[header.end():])) if settled else partial_call_text(text, self.tools)
         found = _markup(text)
         if found is None or self.parse is None:  # no family parser: the JSON fallback's calls
             return None
@@ -214,7 +207,7 @@ def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, stri
 
     `strict=False` also takes NaN and Infinity (not JSON: only for a call returned as `partial`).
     """
-    read = _read(text, tools)
+    read = partial_call_text(text, tools)
     if read is None:
         return None
     arguments = read[1] if _JSON_CALL_START.match(text) or _header(text) else read[1] + "}"
@@ -232,7 +225,8 @@ def _no_constant(name: str) -> Any:
 _STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity: strict clients refuse them
 
 
-def _read(text: str, tools: list[dict[str, Any]] | None) -> tuple[str, str] | None:
+def partial_call_text(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
+    """(name, arguments as written so far) of a cut call, as `partial_call` reads it."""
     name = _JSON_NAME.search(text)
     if name is not None and _JSON_CALL_START.match(text):  # a top-level name: a nested "name" is no call
         after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
