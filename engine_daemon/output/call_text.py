@@ -138,7 +138,9 @@ class SettledReader:
             after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
             return _json_name(name.group(1)), _settled_json(text[after.end():]) if after is not None else ""
         if (header := _header(text)) is not None:
-            return (header.group(1), _settled_json(text[header.end():])) if settled else partial_call_text(text, self.tools)
+            if not settled:
+                return partial_call_text(text, self.tools)
+            return header.group(1), _settled_json(text[header.end():])
         found = _markup(text)
         if found is None or self.parse is None:  # no family parser: the JSON fallback's calls
             return None
