@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from http_frontend.engine.curve import apply_client_curve
 from http_frontend.engine.frames import packed_frame
-from http_frontend.engine.handshake_watch import watch_handshakes
+from http_frontend.engine.handshake_watch import handshake_monitor, watch_handshakes
 from http_frontend.engine.loop_time import wait_free_time
 from http_frontend.engine.request_stream import EngineError, EngineUnavailable, RequestStream, Update
 from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decode, encode, new_request_id
@@ -138,11 +138,12 @@ class EngineClient:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         # CURVE client when MLX_FRONTEND_CURVE_* are set (across hosts); this engine's own server key if given
         curve = apply_client_curve(sock, server_key=self.curve_server_key)
+        monitor = handshake_monitor(sock) if curve else None  # a wrong key would look like a dead engine: say why
         sock.connect(self.endpoint)
         self._socket = sock
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
-        if curve:  # a wrong key would look like a dead engine: say why the handshake failed
-            self._tasks.append(asyncio.create_task(watch_handshakes(sock, self.endpoint)))
+        if monitor is not None:
+            self._tasks.append(asyncio.create_task(watch_handshakes(sock, monitor, self.endpoint)))
         log.info("front-end %s connecting to engine at %s", self.frontend_id, self.endpoint)
 
     async def close(self) -> None:

@@ -28,12 +28,17 @@ FAILURES = {
 }
 
 
-async def watch_handshakes(sock: zmq.asyncio.Socket, endpoint: str) -> None:
-    """Runs until cancelled; logs failed handshakes of `sock` with the engine at `endpoint`."""
+def handshake_monitor(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:
+    """The monitor of `sock`'s failed handshakes; made before `sock` connects: a refusal may come within
+    milliseconds of the connect, and ZeroMQ may not retry after it (a monitor made later saw nothing)."""
     events = 0
     for event in FAILURES:
         events |= event
-    monitor = sock.get_monitor_socket(events)
+    return sock.get_monitor_socket(events)
+
+
+async def watch_handshakes(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket, endpoint: str) -> None:
+    """Runs until cancelled; logs failed handshakes of `sock` (seen by `monitor`) with the engine at `endpoint`."""
     last: dict[int, float] = {}
     folded: dict[int, int] = {}
     try:
