@@ -50,6 +50,11 @@ class GroupLeader:
     def failed(self) -> bool:
         return self.faults.failed
 
+    @property
+    def ready(self) -> bool:
+        """Every rank's weights checked (`check_weights`): before that the group serves nothing."""
+        return self.lockstep is not None
+
     def attach(self, stream: Any, weights_bytes: int) -> None:
         """On the mlx thread, after the model loaded: plans go out on the generation stream from now on."""
         self.weights_bytes = weights_bytes
@@ -135,7 +140,8 @@ class GroupLeader:
         ranks = [{"rank": 0, "weights_bytes": self.weights_bytes, "active_bytes": mx.get_active_memory(),
                   "pid": os.getpid(), "weights_digest": current.weights_digest if current else None}]
         ranks += [{"rank": rank, **self.control.reports.get(rank, {})} for rank in range(1, self.settings.size)]
-        return {**self.settings.describe(), "failed": self.failed, **(self.faults.failure or {}),
+        return {**self.settings.describe(), "failed": self.failed, "checked": self.ready,
+                **(self.faults.failure or {}),
                 "ranks": ranks, **(self.lockstep.stats() if self.lockstep is not None else {}),
                 # steps past --group-step-timeout that every rank was alive inside (a prefill): slow, not failed
                 "slow_steps": self.watchdog.slow_steps if self.watchdog is not None else 0}

@@ -269,6 +269,8 @@ class EngineServer:
         status = self.worker.status
         if self.worker.group is not None and self.worker.group.failed:
             return "stalled"  # the group failed: alive (for /health) but serving nothing until it restarts
+        if self.worker.group is not None and not getattr(self.worker.group, "ready", True):
+            return "loading"  # loaded, but rank 0 has not yet checked every rank's weights (`check_weights`)
         if model_store.downloading is not None:
             return "loading"  # a Hub download blocks the mlx thread: slow, but not wedged
         busy_since = status.busy_since

@@ -44,6 +44,8 @@ def healthy(status: dict[str, Any]) -> dict[str, Any]:
         media["group"] = group
         if group.get("failed"):
             media["status"] = "group_failed"
+        elif group.get("checked") is False:  # its ranks' weights not yet compared: it serves nothing yet
+            media["status"] = "starting"
     return media
 
 
@@ -101,8 +103,8 @@ class Health:
             resp.set_header("Retry-After", "1")
             resp.media = unhealthy(exc)
             return
-        if status["state"] == "stalled":
-            # Alive (it answers) but wedged: distinct from unreachable, and not able to serve.
-            resp.status = falcon.HTTP_503
-            resp.set_header("Retry-After", "5")
         resp.media = healthy(status)
+        if status["state"] == "stalled" or resp.media["status"] == "starting":
+            # Alive (it answers) but wedged, or a group still checking its ranks: not able to serve.
+            resp.status = falcon.HTTP_503
+            resp.set_header("Retry-After", "5" if status["state"] == "stalled" else "1")

@@ -402,11 +402,15 @@ def test_a_rank_on_other_weights_never_comes_up_healthy(group_model: Path, ipc_d
         assert r.status_code == 503, r.text
         assert ranks[0].popen.wait(EXIT_DELAY + 15) == 75, ranks[0].log()[-3000:]
     finally:
-        frontend.stop()
-        for rank in ranks:
-            if rank.popen.poll() is None:
-                _kill_quietly(rank.pid, signal.SIGKILL)
-            rank.stop()
+        _stop_group(frontend, ranks)
+
+
+def _stop_group(frontend: Frontend, ranks: list[Engine]) -> None:
+    frontend.stop()
+    for rank in ranks:
+        if rank.popen.poll() is None:
+            _kill_quietly(rank.pid, signal.SIGKILL)
+        rank.stop()
 
 
 def test_a_slow_prefill_step_is_not_a_hung_rank(group_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
@@ -433,11 +437,7 @@ def test_a_slow_prefill_step_is_not_a_hung_rank(group_model: Path, ipc_dir: Path
         assert not info["failed"] and info["slow_steps"] >= 1, info
         assert "slow, not hung" in ranks[0].log() and "engine group failed" not in ranks[0].log()
     finally:
-        frontend.stop()
-        for rank in ranks:
-            if rank.popen.poll() is None:
-                _kill_quietly(rank.pid, signal.SIGKILL)
-            rank.stop()
+        _stop_group(frontend, ranks)
 
 
 class _Unit(threading.Thread):
