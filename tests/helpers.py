@@ -197,6 +197,25 @@ def answers_from_two_engines(socket_prefix: str, logs: list[Path], model: str, e
 
 
 @contextlib.contextmanager
+def one_frontend_for(engines: dict[str, Engine], log: Path) -> Iterator[Frontend]:
+    """One front-end (one worker) routing to every engine of `engines` by its id, the engines ready first;
+    the front-end and every engine stopped after."""
+    front = None
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        first, *rest = [f"{engine_id}={engine.endpoint}" for engine_id, engine in engines.items()]
+        front = Frontend(first, log, workers=1, args=[arg for endpoint in rest for arg in ("--endpoint", endpoint)])
+        front.wait_healthy()
+        yield front
+    finally:
+        if front is not None:
+            front.stop()
+        for engine in engines.values():
+            engine.stop()
+
+
+@contextlib.contextmanager
 def stream_running(url: str, model_id: str, max_tokens: int) -> Iterator[None]:
     """A streaming chat completion decoding in the background (EOS ignored) for the block's duration.
 

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from http_frontend.engine.routing import affinity_key, rendezvous_order
-from tests.helpers import Engine, Frontend, call_engine, ping_engine
+from tests.helpers import Engine, Frontend, call_engine, one_frontend_for, ping_engine
 
 EPSILON = 0.25
 IDS = ("a", "b")
@@ -394,13 +394,7 @@ def test_a_model_whose_engine_is_down_gets_a_503_not_another_engines_400(
     endpoints = {"a": f"ipc://{ipc_dir}/models-a.sock", "b": f"ipc://{ipc_dir}/models-b.sock"}
     engines = {"a": Engine(endpoints["a"], logs / "a.log", model=str(tiny_model)),
                "b": Engine(endpoints["b"], logs / "b.log", model=str(other))}
-    front = None
-    try:
-        for engine in engines.values():
-            engine.wait_ready()
-        front = Frontend(f"a={endpoints['a']}", logs / "frontend.log", workers=1,
-                         args=["--endpoint", f"b={endpoints['b']}"])
-        front.wait_healthy()
+    with one_frontend_for(engines, logs / "frontend.log") as front:
         wait_for(lambda: engines_view(front)["b"]["model"] == str(other), "b reports its model")
         engines["b"].stop()
         wait_for(lambda: not engines_view(front)["b"]["routable"], "the front-end sees b down")
@@ -408,8 +402,3 @@ def test_a_model_whose_engine_is_down_gets_a_503_not_another_engines_400(
             "model": str(other), "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert answer.status_code == 503 and answer.headers.get("retry-after"), answer.text
         assert answer.json()["error"]["code"] == "engine_unavailable"
-    finally:
-        if front is not None:
-            front.stop()
-        for engine in engines.values():
-            engine.stop()

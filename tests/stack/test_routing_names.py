@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Engine, Frontend, call_engine, ping_engine
+from tests.helpers import Engine, Frontend, call_engine, one_frontend_for, ping_engine
 
 KEYS = [f"conversation-{i}" for i in range(8)]  # rendezvous spreads these over both engines
 HI = [{"role": "user", "content": "hi"}]
@@ -36,19 +36,8 @@ def named_pair(tiny_model: Path, ipc_dir: Path,
     engines = {engine_id: Engine(endpoints[engine_id], base / f"{engine_id}.log", model=str(root / name),
                                  args=["--model-dir", str(root)])
                for engine_id, name in (("a", "tiny"), ("b", "other"))}
-    front = None
-    try:
-        for engine in engines.values():
-            engine.wait_ready()
-        front = Frontend(f"a={endpoints['a']}", base / "frontend.log", workers=1,
-                         args=["--endpoint", f"b={endpoints['b']}"])
-        front.wait_healthy()
+    with one_frontend_for(engines, base / "frontend.log") as front:
         yield root, engines, front
-    finally:
-        if front is not None:
-            front.stop()
-        for engine in engines.values():
-            engine.stop()
 
 
 def loads(engine: Engine) -> int:
