@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +58,10 @@ class RequestStream:
         self.error: dict[str, Any] | None = None
         self.finished = False
         self.max_pending_bytes = max_pending_bytes  # None: unbounded
-        self.pending_bytes = 0  # estimated (`delta_bytes`) size of the update not yet taken
+        self.pending_bytes = 0  # estimated (`delta_bytes`) size of the updates not yet taken
         self._pending = Update()
+        self._pending_bytes = 0  # of `_pending` alone
+        self._ready: deque[tuple[Update, int]] = deque()  # closed updates before `_pending`, with their sizes
         self._has_news = asyncio.Event()
 
     @property
@@ -72,8 +75,13 @@ class RequestStream:
         self._has_news.set()
 
     def on_deltas(self, item: dict[str, Any]) -> None:
+        if _starts_new_update(self._pending, item):
+            self._ready.append((self._pending, self._pending_bytes))
+            self._pending, self._pending_bytes = Update(), 0
         pending = self._pending
-        self.pending_bytes += delta_bytes(item)
+        size = delta_bytes(item)
+        self.pending_bytes += size
+        self._pending_bytes += size
         pending.text += item.get("text") or ""
         pending.reasoning += item.get("reasoning") or ""
         pending.tool_calls.extend(item.get("tool_calls") or ())
@@ -90,7 +98,8 @@ class RequestStream:
     def on_error(self, body: dict[str, Any]) -> None:
         self.error = body
         self.finished = True
-        self._pending, self.pending_bytes = Update(), 0  # never delivered after an error: free it now
+        self._pending, self._pending_bytes, self.pending_bytes = Update(), 0, 0  # never delivered: free it now
+        self._ready.clear()
         self._has_news.set()
 
     # -- read by the HTTP handler -----------------------------------------------------
@@ -119,12 +128,30 @@ class RequestStream:
                     return None
         if self.error is not None:
             raise EngineError(self.error)
-        update, self._pending, self.pending_bytes = self._pending, Update(), 0
+        if self._ready:
+            update, size = self._ready.popleft()
+            self.pending_bytes -= size
+            return update
+        update, self._pending, self._pending_bytes, self.pending_bytes = self._pending, Update(), 0, 0
         return update
 
     def _has_output(self) -> bool:
         p = self._pending
-        return bool(p.text or p.reasoning or p.tool_parts or p.token_ids or p.finish_reason or self.error is not None)
+        return bool(self._ready or p.text or p.reasoning or p.tool_parts or p.token_ids or p.finish_reason
+                    or self.error is not None)
+
+
+def _starts_new_update(pending: Update, item: dict[str, Any]) -> bool:
+    """Whether `item` must not merge into `pending`: an update keeps one order (reasoning, text, then
+    tool-call parts, `relay.tool_calls.ToolCallRelay.events_around_text`), so text or reasoning after a
+    tool call, or reasoning after text, starts the next update. A slow reader then gets the model's order:
+    an agent's "think, call, think, call" stays four blocks in that order instead of two thinking pieces
+    merged before both calls."""
+    if not pending.tool_parts and not pending.text:
+        return False
+    if item.get("reasoning") and (pending.tool_parts or pending.text):
+        return True
+    return bool(item.get("text") and pending.tool_parts)
 
 
 def _add_tool_parts(parts: list[tuple[str, dict[str, Any]]], item: dict[str, Any]) -> None:
