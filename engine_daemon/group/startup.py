@@ -6,6 +6,12 @@ like a sound one; only the first token checksum (after the group was reported he
 and after it served wrong text) would notice. Each rank hashes a sample of the whole
 checkpoint's files (`engine_daemon.models.digest.weights_digest`, milliseconds) and reports
 it in its heartbeats; rank 0 compares them with its own before the group goes ready.
+
+A follower whose heartbeats carry no digest field at all runs an engine from before this check:
+it would never report one, so rank 0 refuses at once, naming the rank, instead of waiting out the
+timeout (a follower still loading sends "-" in that field and is waited for). Rank 0 refuses on
+that rank's first heartbeat (`GroupLeader`), before or during its own load, in case the two
+versions' loads do not even meet.
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ def check_weights(loaded: Any, control: ControlServer, timeout: float) -> tuple[
     deadline = time.monotonic() + timeout
     # A follower finished its load with rank 0 (the load ends in a collective); its next heartbeat carries the digest.
     while any("weights_digest" not in control.reports.get(rank, {}) for rank in followers):
+        older = [rank for rank in followers if rank in control.older]
+        if older:
+            return older_engine(older[0], control.older[older[0]]), older[0]
         if time.monotonic() > deadline:
             silent = [rank for rank in followers if "weights_digest" not in control.reports.get(rank, {})]
-            return f"ranks {silent} reported no weights digest in {timeout:.0f} s (an older engine?)", silent[0]
+            return f"ranks {silent} reported no weights digest in {timeout:.0f} s", silent[0]
         time.sleep(0.05)
     digests = {rank: control.reports[rank]["weights_digest"] for rank in followers}
     differ = [rank for rank, digest in digests.items() if digest != own]
@@ -40,3 +49,9 @@ def check_weights(loaded: Any, control: ControlServer, timeout: float) -> tuple[
     return (f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} loaded other weights than rank 0 "
             f"(weights digest {own} on rank 0 from {where}; {theirs}): start every rank on the same model files"), \
         differ[0]
+
+
+def older_engine(rank: int, fields: int) -> str:
+    """Why rank 0 refuses a follower whose heartbeats have no digest field (`ControlServer.older`)."""
+    return (f"rank {rank} runs an older mlx-engined than rank 0 (heartbeats of {fields} fields, with no weights "
+            f"digest): the engines' versions differ; start every rank on the same mlx-engined version")

@@ -47,7 +47,8 @@ class FollowerLoop:
         self.context = zmq.Context()
         self.control = ControlClient(self.context, settings.control, settings.rank, self._memory,
                                      digest=lambda: self.models.current.weights_digest if self.models.current else "",
-                                     progress=lambda: (self.at_tick, self.in_step))
+                                     progress=lambda: (self.at_tick, self.in_step),
+                                     older_fields=injected_older_heartbeats())
         self.stopping = threading.Event()
         self.checksum = TokenChecksum()
         self._local: dict[int, int] = {}  # rank 0's uid -> this generator's
@@ -175,3 +176,11 @@ def injected_prefill_delay() -> float:
     if os.environ.get("MLX_ENGINE_FAULT_INJECTION") != "1":
         return 0.0
     return float(os.environ.get("MLX_ENGINE_DEBUG_GROUP_PREFILL_SECONDS") or 0.0)
+
+
+def injected_older_heartbeats() -> int:
+    """Tests only (MLX_ENGINE_FAULT_INJECTION=1, MLX_ENGINE_DEBUG_GROUP_HEARTBEAT_FIELDS=3|4): this follower's
+    heartbeats carry only their first fields, as an engine from before the weights check sent them."""
+    if os.environ.get("MLX_ENGINE_FAULT_INJECTION") != "1":
+        return 0
+    return int(os.environ.get("MLX_ENGINE_DEBUG_GROUP_HEARTBEAT_FIELDS") or 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -16,9 +17,9 @@ import zmq
 
 from engine_daemon.group.control import ControlServer
 from engine_daemon.group.faults import GroupFaults
-from engine_daemon.group.lockstep import GroupFailed, Lockstep
+from engine_daemon.group.lockstep import Lockstep
 from engine_daemon.group.settings import GroupSettings
-from engine_daemon.group.startup import check_weights
+from engine_daemon.group.startup import check_weights, older_engine
 from engine_daemon.group.watchdog import StepWatchdog
 from engine_daemon.group.wire import PlanChannel
 from engine_daemon.prefix_cache.planned import PlannedPrefixCache
@@ -41,6 +42,7 @@ class GroupLeader:
         self.faults = GroupFaults(self.control, settings.exit_delay, self._fail_streams_elsewhere,
                                   lambda: self.lockstep.last_progress if self.lockstep is not None else 0.0)
         self.control.on_lost = self._lost
+        self.control.on_older = lambda rank, fields: self.refuse(older_engine(rank, fields), rank, wait=0.0)
         self.lockstep: Lockstep | None = None
         self.watchdog: StepWatchdog | None = None
         self.weights_bytes = 0
@@ -58,12 +60,18 @@ class GroupLeader:
     def attach(self, stream: Any, weights_bytes: int) -> None:
         """On the mlx thread, after the model loaded: plans go out on the generation stream from now on."""
         self.weights_bytes = weights_bytes
+        if self.failed:  # refused while loading (a follower on an older engine): never goes ready
+            return
+        started = time.monotonic()
         if not self.control.wait_for_followers(FOLLOWERS_TIMEOUT):
-            raise GroupFailed(f"followers {self.control.stale_ranks()} never reached the control socket "
-                              f"{self.settings.control}")
+            stale = self.control.stale_ranks()
+            self.refuse(f"followers {stale} never reached the control socket {self.settings.control} in "
+                        f"{FOLLOWERS_TIMEOUT:.0f} s", stale[0] if stale else None)
+            return
         reason, rank = check_weights(self.scheduler.models.current, self.control, FOLLOWERS_TIMEOUT)
         if reason:  # never healthy: /health says group_failed and why until the exit (75)
-            self.faults.fail(reason, rank)
+            log.info("group: rank 0 refuses the group %.2f s after its load", time.monotonic() - started)
+            self.refuse(reason, rank)
             return
         self.lockstep = Lockstep(PlanChannel(self.group, stream), self.control, self.settings.checksum_every)
         self.scheduler.lockstep = self.lockstep
@@ -74,6 +82,15 @@ class GroupLeader:
         self.watchdog.start()
         log.info("engine group ready: %d ranks, %s over %s", self.settings.size, self.settings.mode,
                  self.settings.backend)
+
+    def refuse(self, reason: str, rank: int | None = None, wait: float = 1.0) -> None:
+        """A start-up verdict (other weights, an older engine, a rank missing): every follower is told why over
+        the control socket and exits at once (rank 0 never sends them a plan, so they must not wait on a
+        collective); rank 0 reports it in /health as group_failed until its own exit (75). `wait`: how long
+        to wait for the control thread to send it (0 on that thread)."""
+        if not self.control.refuse(reason, wait) and wait:
+            log.warning("group: the control thread did not send the refusal within %.0f s", wait)
+        self.faults.fail(reason, rank)
 
     def after_tick(self) -> None:
         """Nothing left to run: the followers go back to their idle wait (no busy collective)."""

@@ -24,7 +24,6 @@ from engine_daemon.auxiliary.jobs import AuxiliaryQueue
 from engine_daemon.auxiliary.slots import AuxiliarySlots
 from engine_daemon.config import SchedulerConfig
 from engine_daemon.errors import RequestError
-from engine_daemon.group.lockstep import GroupFailed
 from engine_daemon.group.settings import GroupSettings
 from engine_daemon.models.manager import ModelManager
 from engine_daemon.scheduling.base import BaseScheduler, Event
@@ -192,8 +191,9 @@ class MlxWorker(threading.Thread):
 
     def _attach_group(self) -> None:
         current = self.models.current
-        if current is None:
-            raise GroupFailed("the group's model did not load on rank 0")
+        if current is None:  # the followers are told (and exit); /health says so until rank 0 exits 75
+            self.group.refuse("the group's model did not load on rank 0", 0)
+            return
         if current.profile.context_overflow == "summarize":
             # A summary would run the model on rank 0 alone, outside any plan: its collectives would wait forever.
             log.warning("--context-overflow summarize is not available in an engine group: truncating instead")
@@ -216,8 +216,11 @@ class MlxWorker(threading.Thread):
             self.scheduler.adapters.warm(self.models.current)  # --adapter-path: checked against the model now
             if self.scheduler.speculative is not None:  # --draft-model: loaded and checked now
                 self.scheduler.speculative.draft_for(self.models.current)
-        except Exception:
-            log.exception("could not preload model %s", name)
+        except Exception as exc:
+            if self.group is not None and self.group.failed:  # refused mid-load: the told followers left its collective
+                log.warning("model %s not loaded: the group was refused during the load (%s)", name, exc)
+            else:
+                log.exception("could not preload model %s", name)
         self._update_status()
         self._last_active = time.monotonic()  # --idle-unload counts from the end of the preload
 
