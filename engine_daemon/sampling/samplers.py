@@ -9,14 +9,46 @@ mlx-lm's BatchGenerator sample them in one batched call.
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    categorical_sampling,
+    make_logits_processors,
+    make_sampler,
+)
+
+log = logging.getLogger(__name__)
 
 Sampler = Callable[[mx.array], mx.array]
+
+
+def _top_k(logprobs: mx.array, top_k: int) -> mx.array:
+    """mlx-lm's `apply_top_k`, where a `top_k` of the vocabulary or more keeps every token.
+
+    Why: `apply_top_k` raises for such a `top_k` inside its `mx.compile`, and a raise there leaves
+    `mx.random.state` a placeholder: every later draw of every request failed until a restart.
+    """
+    return logprobs if top_k >= logprobs.shape[-1] else apply_top_k(logprobs, top_k)
+
+
+def recover_random_state() -> bool:
+    """After a failed step: a new global PRNG key when a raise inside a compiled sampler left
+    `mx.random.state` unusable (see `_top_k`); True when it had to. Seeded requests keep their own keys."""
+    try:
+        mx.eval(mx.random.state)
+        return False
+    except Exception:  # noqa: BLE001 - any failure to evaluate the key means it is the placeholder
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        log.warning("the global random state was left unusable by a failed step: reseeded")
+        return True
 
 
 def _filters(top_p: float, min_p: float, top_k: int) -> list[Callable[[mx.array], mx.array]]:
@@ -27,14 +59,24 @@ def _filters(top_p: float, min_p: float, top_k: int) -> list[Callable[[mx.array]
     if min_p != 0.0:
         chain.append(lambda x: apply_min_p(x, min_p))
     if top_k > 0:
-        chain.append(lambda x: apply_top_k(x, top_k))
+        chain.append(lambda x: _top_k(x, top_k))
     return chain
 
 
 @functools.lru_cache(maxsize=256)
 def shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:
-    """One sampler object per distinct setting (greedy is mlx-lm's own greedy sampler)."""
-    return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    """One sampler object per distinct setting: mlx-lm's `make_sampler` (its greedy sampler at 0), the
+    filters from `_filters`."""
+    if temperature == 0:
+        return make_sampler(temp=0.0)
+    chain = _filters(top_p, min_p, top_k)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for method in chain:
+            logprobs = method(logprobs)
+        return categorical_sampling(logprobs, temperature)
+
+    return sample
 
 
 def seeded_sampler(seed: int, temperature: float, top_p: float, min_p: float, top_k: int) -> Sampler:

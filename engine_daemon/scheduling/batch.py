@@ -1,10 +1,9 @@
 """Continuous batching on mlx-lm's BatchGenerator, with a prefix cache in front of it.
 
-Requests join the running batch between steps and leave it the step they finish
-or are aborted. Each request brings its own sampler and logits processors, so
-different sampling settings share a batch. While others decode, prompts are
-prefilled in small chunks (`interleave_prefill_tokens`) so a long prompt never
-stalls running streams for its whole prefill.
+Requests join the running batch between steps and leave it the step they finish or are
+aborted. Each request brings its own sampler and logits processors, so different sampling
+settings share a batch. While others decode, prompts are prefilled in small chunks
+(`interleave_prefill_tokens`) so a long prompt never stalls running streams for its whole prefill.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from engine_daemon.multimodal import inputs as vision
 from engine_daemon.prefix_cache.disk import DiskTier
 from engine_daemon.prefix_cache.tiered import PrefixCache
 from engine_daemon.request.state import EngineRequest
-from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler
+from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler, recover_random_state
 from engine_daemon.scheduling import coalesce, fair_slots
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
 from engine_daemon.scheduling.prefill_pacer import ROW_TILE, PrefillPacer, StepPeriods
@@ -257,6 +256,7 @@ class BatchScheduler(BaseScheduler):
         if self.generator is not None:
             self.generator.close()
         self.generator, self.generator_ref = None, None
+        recover_random_state()  # a failed step may have left the global key unusable (`samplers._top_k`)
 
     def reset(self) -> None:
         super().reset()

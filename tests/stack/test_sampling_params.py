@@ -1,6 +1,8 @@
-"""logit_bias and presence/frequency penalties reach the sampler, per request, through the stack."""
+"""logit_bias, penalties and top_k reach the sampler, per request, through the stack."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 
@@ -67,3 +69,28 @@ def test_min_tokens_holds_eos_back(frontend: Frontend, model_id: str) -> None:
     for bad in (-1, 13, "5"):  # max_tokens is 12
         r = chat(frontend, model_id, min_tokens=bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", (bad, r.text)
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token_and_hurts_no_one(frontend: Frontend, model_id: str) -> None:
+    """mlx-lm's apply_top_k raised for such a top_k inside its compiled function, which left the global random
+    key a placeholder: that request and the stream beside it failed with 500, then every sampled request after
+    them ("Attempting to eval an array without a primitive") until a restart, while /health said healthy."""
+    victim = {"model": model_id, "messages": MESSAGES, "max_tokens": 60, "temperature": 1.0, "ignore_eos": True,
+              "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{frontend.base_url}/v1/chat/completions", json=victim, timeout=120) as stream:
+        lines = stream.iter_lines()
+        seen = [line for line, _ in zip(lines, range(3))]  # it runs: its first chunks came
+        for top_k in (10**6, 2**31 - 1):
+            r = chat(frontend, model_id, temperature=1.0, top_k=top_k)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] >= 1
+        seen += list(lines)
+    chunks = [json.loads(line[6:]) for line in seen if line.startswith("data: {")]
+    assert not [chunk for chunk in chunks if "error" in chunk], chunks[-1]
+    assert chunks[-1]["usage"]["completion_tokens"] == 60
+    for extra in ({"temperature": 1.0}, {"temperature": 0.7, "seed": 3}, {"temperature": 1.0, "top_k": 5}):
+        r = chat(frontend, model_id, **extra)
+        assert r.status_code == 200, (extra, r.text)
+    anthropic = httpx.post(f"{frontend.base_url}/v1/messages", timeout=60, json={
+        "model": model_id, "max_tokens": 4, "top_k": 1 << 20, "messages": [{"role": "user", "content": "Hi"}]})
+    assert anthropic.status_code == 200, anthropic.text
