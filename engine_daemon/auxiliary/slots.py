@@ -186,14 +186,15 @@ class AuxiliarySlots:
 
     def _publish(self) -> None:
         now_wall, now = time.time(), time.monotonic()
-        self.snapshot = [{"kind": kind, "name": slot.model.name, "weight_bytes": slot.model.weight_bytes,
+        self.snapshot = [{"kind": kind, "name": slot.model.name, "path": str(slot.model.path),
+                          "weight_bytes": slot.model.weight_bytes,
                           "loaded_at": slot.loaded_at, "last_used": now_wall - (now - slot.last_used)}
                          for kind, slot in self.slots.items()]
 
     def catalogue(self) -> list[dict[str, Any]]:
         """/v1/models entries: the loaded auxiliary models and the configured ones not loaded yet."""
-        entries = [{"id": slot["name"], "created": int(slot["loaded_at"]), "kind": slot["kind"], "loaded": True}
-                   for slot in self.snapshot]
+        entries = [{"id": slot["name"], "created": int(slot["loaded_at"]), "kind": slot["kind"], "loaded": True,
+                    "path": slot["path"]} for slot in self.snapshot]
         loaded_kinds = {slot["kind"]: slot["name"] for slot in self.snapshot}
         for kind, name in self.preload.items():
             if loaded_kinds.get(kind) != name:

@@ -65,18 +65,31 @@ def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:
     loaded = current.ref.id if current else None
     if current is not None and loaded not in {m["id"] for m in models}:
         models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
+    auxiliary = ctx.worker.aux.catalogue()  # loaded or configured (--embedding-model and the like), typed by kind
+    aux_dirs = [entry.pop("path") for entry in auxiliary if "path" in entry]
     for entry in models:
         path = entry.pop("path", None)
         if entry.get("kind", "text") == "text" and path and pooling_of(Path(path)):
             entry["kind"] = "embedding"  # served by /v1/embeddings in the embedding slot, not as a chat model
         served_as = entry["id"] if entry["id"] in names.entries else names.name_of_path(path) or entry["id"]
-        entry["loaded"] = served_as == loaded
-        if entry["loaded"]:
+        # As `BaseScheduler.resolve_model` folds them: an unnamed spelling of the loaded directory is the loaded model
+        # (and one of a loaded auxiliary model's directory is served by its slot without a load).
+        unnamed = bool(path) and entry["id"] not in names.entries
+        chat = served_as == loaded or (unnamed and current is not None and loaded not in names.entries
+                                       and _same_dir(path, current.ref.path))
+        entry["loaded"] = chat or (unnamed and any(_same_dir(path, directory) for directory in aux_dirs))
+        if chat:
             entry["context_window"] = current.context_window  # as loaded: a profile may override it
-    # The auxiliary slots' models (loaded, or configured with --embedding-model and the like), typed by kind.
-    auxiliary = ctx.worker.aux.catalogue()
     aux_ids = {entry["id"] for entry in auxiliary}
     return auxiliary + [m for m in models if m["id"] not in aux_ids]
+
+
+def _same_dir(a: str | Path, b: str | Path) -> bool:
+    """Two spellings of one directory (relative, symlinked, trailing slash)."""
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
 
 
 def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:

@@ -112,6 +112,8 @@ def test_unknown_names_reach_the_configured_model(client: openai.OpenAI, models:
     listed = {m.id: m for m in client.models.list().data}
     assert listed[str(models["bert"])].type == "embedding"
     assert listed["qwen3-embed"].type == "embedding" and listed["tiny-bert"].type == "embedding"
+    # `tiny-bert` under --model-dir is the slot's loaded directory: served without a load, so listed as loaded
+    assert listed["tiny-bert"].loaded is True and listed["qwen3-embed"].loaded is False
 
 
 def test_a_chat_request_for_an_embedding_model_is_refused_without_a_load(stack, client: openai.OpenAI) -> None:

@@ -83,3 +83,15 @@ def test_retrieving_a_spelling_finds_the_engine_that_serves_it(
     assert found.status_code == 200, found.text
     assert (found.json()["id"], found.json()["loaded"]) == ("./other", True)
     assert httpx.get(f"{front.base_url}/v1/models/no-such-model", timeout=30).status_code == 404
+
+
+def test_each_engine_lists_its_loaded_directory_as_loaded_under_its_root_name(
+        named_pair: tuple[Path, dict[str, Engine], Frontend]) -> None:
+    """An engine started on a path lists that directory under --model-dir by its short name: a request naming it
+    runs without a load, so the catalogue says `loaded` (it said false: compared with the path as typed)."""
+    root, engines, _ = named_pair
+    for engine_id, name, other in (("a", "tiny", "other"), ("b", "other", "tiny")):
+        listed = {m["id"]: m for m in call_engine(engines[engine_id].endpoint, "list_models")}
+        assert listed[name]["loaded"] is True and listed[str(root / name)]["loaded"] is True, (engine_id, listed)
+        assert listed[other]["loaded"] is False and "context_window" in listed[name]
+    assert listed["tiny-link"]["loaded"] is False  # engine b: a link to a's directory is not b's model
