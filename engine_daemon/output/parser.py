@@ -151,8 +151,8 @@ class OutputParser:
                 self._emit(out, self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
-            if self.state == TOOL and marker == self.tool_end and \
-                    inside_value(self.tool_text + self.buffer[:position]):  # `</tool_call>` inside a string value
+            if self.state == TOOL and marker == self.tool_end and inside_value(  # `</tool_call>` inside a string value
+                    self.tool_text + self.buffer[:position], self.tool_parser):
                 self._emit(out, self.buffer[:position + len(marker)])
                 self.buffer = self.buffer[position + len(marker):]
                 continue
@@ -295,8 +295,12 @@ class OutputParser:
             name, sent = self.open_call["name"], self.open_call["sent"]
         else:
             read = partial_call(text, self.tools)
-            if read is None:
-                return None
+            if read is None:  # a bracketed call (Gemma 4, pythonic): as its reader reads it
+                reader = reader or SettledReader(self.tools, self.tool_parser if self.state == TOOL else None)
+                settled = reader.read(text, settled=False) if reader.bracketed is not None else None
+                if settled is None:
+                    return None
+                read = {"name": settled[0]}
             name, sent = read["name"], ""
         whole = written_arguments(text, self.tools)
         if whole is not None and whole.startswith(sent):
