@@ -74,9 +74,10 @@ FAMILIES = {
     "gemma4": Bracketed(re.compile(r"\s*call:([\w-]+)\{"), "{",
                         re.compile(r'(?P<quote><\|"\|>)(?P<body>.*?)(?P<close><\|"\|>|\Z)|(?P<open>[{\[])'
                                    r"|(?P<shut>[}\]])|(?P<sep>,)", re.DOTALL), '<|"|><|"|>', _delimited('<|"|>')),
-    # Its parser reads the arguments up to the first `}` and has no nesting.
+    # Its parser reads the arguments up to the first `}`, in a string or not, and has no nesting.
     "function_gemma": Bracketed(re.compile(r"\s*call:(\w+)\{"), "{",
-                                re.compile(r"(?P<quote><escape>)(?P<body>.*?)(?P<close><escape>|\Z)|(?P<open>(?!))"
+                                re.compile(r"(?P<quote><escape>)(?P<body>[^}]*?)(?P<close><escape>|(?=\})|\Z)"
+                                           r"|(?P<open>(?!))"
                                            r"|(?P<shut>\})|(?P<sep>,)", re.DOTALL), "<escape><escape>",
                                 _delimited("<escape>")),
     "pythonic": Bracketed(re.compile(r"\s*\[\s*([\w.]+)\s*\("), "[(",
@@ -110,7 +111,7 @@ def _scan(text: str, family: Bracketed, start: int) -> _Scan:
             scan.inside = not token.group("close")
             scan.string = token if len(stack) == level else None
             continue
-        scan.string = None
+        scan.string, scan.inside = None, False
         if token.group("open") is not None:
             stack.append(token.group("open"))
         elif token.group("shut") is not None:

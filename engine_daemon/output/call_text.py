@@ -33,6 +33,7 @@ from engine_daemon.output.markup_calls import (
     kept_as_text,
     markup_of,
     open_text,
+    pair_matches,
     properties,
     unclosed,
     unquoted,
@@ -138,7 +139,7 @@ class SettledReader:
             return None
         markup, name_match = found
         call_name = unquoted(name_match.group(1), markup)
-        matches = list(markup.pairs.finditer(text, name_match.end(1)))
+        matches = pair_matches(markup, text, name_match.end(1))
         closed = [m for m in matches if m.group("end")]
         opened = matches[len(closed)] if len(matches) > len(closed) else None
         prefix = self._finished(text, closed[-1].end() if closed else -1, markup)
@@ -206,12 +207,18 @@ def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, stri
     read = partial_call_text(text, tools)
     if read is None:
         return None
-    arguments = read[1] if _JSON_CALL_START.match(text) or _header(text) else read[1] + "}"
+    arguments = read[1] if written_as_json(text) else read[1] + "}"
     try:
         value, end = (_STRICT_JSON if strict else json.JSONDecoder()).raw_decode(arguments)
     except (ValueError, RecursionError):
         return None
     return arguments[:end] if isinstance(value, dict) else None
+
+
+def written_as_json(text: str) -> bool:
+    """Whether a call's arguments are written as a JSON object (a JSON call, Mistral's, Kimi K2's): whole
+    when that object is, where a markup call whose parser refused it is not."""
+    return bool(_JSON_CALL_START.match(text) or _header(text))
 
 
 def _no_constant(name: str) -> Any:
@@ -235,7 +242,7 @@ def partial_call_text(text: str, tools: list[dict[str, Any]] | None = None) -> t
     markup, name_match = found
     call_name = unquoted(name_match.group(1), markup)
     pairs = [(unquoted(m.group("key"), markup) if m.group("keyend") else None, m.group("value"), bool(m.group("end")),
-              m.groupdict().get("attrs")) for m in markup.pairs.finditer(text, name_match.end(1))]
+              m.groupdict().get("attrs")) for m in pair_matches(markup, text, name_match.end(1))]
     return call_name, _partial_object(call_name, pairs, tools, markup)
 
 

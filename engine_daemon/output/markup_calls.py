@@ -21,7 +21,8 @@ class Markup:
     makes the text up to a finished value a whole call for the family parser; `ends`: what closes a value.
     `rule`: how the parser converts a value (`kept_as_text`). `strips`: the parser strips every value
     (else only the newline after and before its tags). `unquote`: names and keys may be written in
-    quotes. `cdata`: a value may be a CDATA block, kept as written.
+    quotes. `cdata`: a value may be a CDATA block, kept as written. `call_end`: the parser ends the call
+    at the first one, in a value or not; `last_end`: at the first one outside a value.
     """
 
     family: str
@@ -33,6 +34,8 @@ class Markup:
     strips: bool
     unquote: bool = False
     cdata: bool = False
+    call_end: str = ""
+    last_end: str = ""
 
 
 MARKUPS = (
@@ -52,12 +55,13 @@ MARKUPS = (
     Markup("muse_spark", re.compile(r'<atem:invoke\b[^>]*?\bname="([^"]+)">'),
            re.compile(r'<atem:parameter\b[^>]*?\bname="(?P<key>[^"]+)"[^>]*?(?P<keyend>>)(?P<value>.*?)'
                       r"(?P<end></atem:parameter>|$)", re.DOTALL), "</atem:invoke>", ("</atem:parameter>",),
-           "json_or_text", strips=True),
+           "json_or_text", strips=True, last_end="</atem:invoke>"),
     Markup("kimi_k3", re.compile(r'<\|open\|>call\b(?:(?!<\|sep\|>).)*?\btool="([^"]+)"(?:(?!<\|sep\|>).)*<\|sep\|>',
                                  re.DOTALL),
            re.compile(r'<\|open\|>argument(?P<attrs>(?:(?!<\|sep\|>).)*?\bkey="(?P<key>[^"]*)"(?:(?!<\|sep\|>).)*)'
                       r"(?P<keyend><\|sep\|>)(?P<value>.*?)(?P<end><\|close\|>argument<\|sep\|>|$)", re.DOTALL),
-           "<|close|>call<|sep|>", ("<|close|>argument<|sep|>",), "type_attr", strips=False),
+           "<|close|>call<|sep|>", ("<|close|>argument<|sep|>", "<|close|>call<|sep|>"), "type_attr", strips=False,
+           call_end="<|close|>call<|sep|>"),
     # Last: its name is only `"f">` (the start marker `<function name=` is not the call's text).
     Markup("minicpm5", re.compile(r"""^\s*("[^"]*"|'[^']*'|[^\s"'<>]+)\s*>"""),
            re.compile(r"""<param\s+name\s*=\s*(?P<key>"[^"]*"|'[^']*'|[^\s"'<>]+)\s*(?P<keyend>>)(?P<value>.*?)"""
@@ -68,7 +72,8 @@ MARKUPS = (
 # (the family parser reads it so). Not MiniCPM5's: its parser ends the call at the first `</function>`.
 VALUE_TAGS = (("<parameter", ("</parameter>", "</function>", "</invoke>")), ("<arg_value>", ("</arg_value>",)),
               ("<longcat_arg_value>", ("</longcat_arg_value>",)), ("<atem:parameter", ("</atem:parameter>",)),
-              ("<|open|>argument", ("<|close|>argument<|sep|>",)), ("<|open|>json", ("<|close|>json<|sep|>",)))
+              ("<|open|>argument", ("<|close|>argument<|sep|>", "<|close|>call<|sep|>")),
+              ("<|open|>json", ("<|close|>json<|sep|>",)))
 _CDATA = "<![CDATA["
 _JSON_STARTS = frozenset('{["-0123456789')
 _JSON_WORDS = ("true", "false", "null", "NaN", "Infinity")  # what `json.loads` reads besides those
@@ -83,6 +88,19 @@ def markup_of(text: str) -> tuple[Markup, re.Match[str]] | None:
         if (found := markup.name.search(text)) is not None:
             return markup, found
     return None
+
+
+def pair_matches(markup: Markup, text: str, start: int) -> list[re.Match[str]]:
+    """The call's (key, value) matches from `start`, up to where the family parser ends the call: a
+    parameter after Muse Spark's `</atem:invoke>` is another call's, or junk."""
+    if markup.call_end and (end := text.find(markup.call_end, start)) >= 0:
+        text = text[:end]
+    matches: list[re.Match[str]] = []
+    for match in markup.pairs.finditer(text, start):
+        if markup.last_end and markup.last_end in text[matches[-1].end() if matches else start:match.start()]:
+            break
+        matches.append(match)
+    return matches
 
 
 def unquoted(text: str, markup: Markup) -> str:

@@ -25,6 +25,7 @@ from engine_daemon.output.call_text import (
     inside_value,
     partial_call,
     written_arguments,
+    written_as_json,
 )
 
 log = logging.getLogger(__name__)
@@ -303,8 +304,8 @@ class OutputParser:
                 read = {"name": settled[0]}
             name, sent = read["name"], ""
         whole = written_arguments(text, self.tools)
-        if whole is not None and whole.startswith(sent):
-            return {"name": name, "arguments": whole}
+        if whole is not None and whole.startswith(sent):  # markup its parser refused: malformed, so partial
+            return {"name": name, "arguments": whole, **({} if written_as_json(text) else {"partial": True})}
         lenient = written_arguments(text, self.tools, strict=False)  # NaN: not JSON, so partial
         if lenient is not None and lenient.startswith(sent):
             return {"name": name, "arguments": lenient, "partial": True}
