@@ -181,3 +181,35 @@ def test_a_value_the_family_may_convert_is_held_until_it_closes(family: str, val
     tokenizer, opening = OPENINGS[family]
     _, arguments = SettledReader(tools, tokenizer.tool_parser).read(opening + value)
     assert arguments.startswith('{"k": ') and (arguments != '{"k": ') == streams, arguments
+
+
+# Found by fuzzing (random values, chunk sizes and delimiters written inside values).
+FUZZED = {
+    # FunctionGemma's parser ends the arguments at the first `}`, in a string or not: the end marker after it
+    # is the call's end, not a string's text (the answer after it was lost).
+    "function_gemma": (FUNCTION_GEMMA, "call:f{a:<escape>x<escape>,b:y<escape>}"),
+    # A parameter after `</atem:invoke>` is not the call's (it streamed as one).
+    "muse_spark": (MUSE, '<atem:invoke name="f"><atem:parameter name="a">x</atem:parameter></atem:invoke>'
+                         '<atem:parameter name="b">5</atem:parameter>'),
+    # Nor is an argument after `<|close|>call<|sep|>`.
+    "kimi_k3": (KIMI3, '<|open|>call tool="f"<|sep|>' + kimi3_argument("a", "string", "x") + "<|close|>call<|sep|>"
+                + kimi3_argument("b", "integer", "5")),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FUZZED))
+@pytest.mark.parametrize("size", [1, 3, 17])
+def test_fuzzed_calls_close_as_mlx_lm_reads_them(family: str, size: int) -> None:
+    tokenizer, call_text = FUZZED[family]
+    text = f"{tokenizer.tool_call_start}{call_text}{tokenizer.tool_call_end} Done."
+    pieces, (call,), answer, _ = stream(tokenizer, text, size)
+    assert {k: call[k] for k in ("name", "arguments")} == expected(tokenizer, call_text) and answer == "Done."
+    assert call["arguments"].startswith(streamed(pieces, 0)) and "partial" not in call
+
+
+def test_a_markup_call_its_parser_refuses_ends_partial_though_its_values_are_whole() -> None:
+    """Kimi K3's parser needs `<|close|>call<|sep|>`: without it the call, its arguments all closed, was
+    returned whole (the arguments as written made a JSON object), not as the malformed call it is."""
+    call_text = '<|open|>call tool="write_file"<|sep|>' + kimi3_argument("path", "string", "a.py") + "junk"
+    pieces, (call,), answer, _ = stream(KIMI3, f"{KIMI3.tool_call_start}{call_text}{KIMI3.tool_call_end}", 2)
+    assert call["partial"] is True and call["arguments"] == '{"path": "a.py"}' and answer == ""
