@@ -85,7 +85,8 @@ def encodable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+def partial_call(text: str, tools: list[dict[str, Any]] | None = None,
+                 parse: Callable[..., Any] | None = None) -> dict[str, Any] | None:
     """The call a cut-off tool-call text was writing: its name, and its arguments as written so far.
 
     OpenAI returns a call cut by max_tokens as a call with partial arguments (finish
@@ -94,7 +95,7 @@ def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[s
     would (strings stay strings where the schema says so). Without a complete name there
     is no call to return, and the markup is never returned as text either: None.
     """
-    read = partial_call_text(text, tools)
+    read = partial_call_text(text, tools, parse)
     return None if read is None else {"name": read[0], "arguments": read[1], "partial": True}
 
 
@@ -127,14 +128,14 @@ class SettledReader:
         name = _JSON_NAME.search(text)
         if name is not None and _JSON_CALL_START.match(text):
             if not settled:
-                return partial_call_text(text, self.tools)
+                return partial_call_text(text, self.tools, self.parse)
             after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
             return _json_name(name.group(1)), _settled_json(text[after.end():]) if after is not None else ""
         if (header := _header(text)) is not None:
             if not settled:
-                return partial_call_text(text, self.tools)
+                return partial_call_text(text, self.tools, self.parse)
             return header.group(1), _settled_json(text[header.end():])
-        found = markup_of(text)
+        found = markup_of(text, self.parse)
         if found is None or self.parse is None:  # no family parser: the JSON fallback's calls
             return None
         markup, name_match = found
@@ -199,12 +200,13 @@ def inside_value(text: str, parse: Callable[..., Any] | None = None) -> bool:
     return False
 
 
-def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, strict: bool = True) -> str | None:
+def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, strict: bool = True,
+                      parse: Callable[..., Any] | None = None) -> str | None:
     """A finished call's arguments as the model wrote them (a JSON object's own text); None when not JSON.
 
     `strict=False` also takes NaN and Infinity (not JSON: only for a call returned as `partial`).
     """
-    read = partial_call_text(text, tools)
+    read = partial_call_text(text, tools, parse)
     if read is None:
         return None
     arguments = read[1] if written_as_json(text) else read[1] + "}"
@@ -228,15 +230,16 @@ def _no_constant(name: str) -> Any:
 _STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity: strict clients refuse them
 
 
-def partial_call_text(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
-    """(name, arguments as written so far) of a cut call, as `partial_call` reads it."""
+def partial_call_text(text: str, tools: list[dict[str, Any]] | None = None,
+                      parse: Callable[..., Any] | None = None) -> tuple[str, str] | None:
+    """(name, arguments as written so far) of a cut call, as `partial_call` reads it (`parse`: `markup_of`)."""
     name = _JSON_NAME.search(text)
     if name is not None and _JSON_CALL_START.match(text):  # a top-level name: a nested "name" is no call
         after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
         return _json_name(name.group(1)), text[after.end():].rstrip() if after is not None else ""
     if (header := _header(text)) is not None:
         return header.group(1), text[header.end():].rstrip()
-    found = markup_of(text)
+    found = markup_of(text, parse)
     if found is None:
         return None
     markup, name_match = found

@@ -8,6 +8,7 @@ readers in `call_text` stream a value as written only where the family keeps it 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,8 @@ class Markup:
     `rule`: how the parser converts a value (`kept_as_text`). `strips`: the parser strips every value
     (else only the newline after and before its tags). `unquote`: names and keys may be written in
     quotes. `cdata`: a value may be a CDATA block, kept as written. `call_end`: the parser ends the call
-    at the first one, in a value or not; `last_end`: at the first one outside a value.
+    at the first one, in a value or not; `last_end`: at the first one outside a value. `modules`: the
+    mlx-lm parsers that read it; `loose`: its name pattern matches other text, so only they look for it.
     """
 
     family: str
@@ -36,37 +38,41 @@ class Markup:
     cdata: bool = False
     call_end: str = ""
     last_end: str = ""
+    modules: tuple[str, ...] = ()
+    loose: bool = False
 
 
 MARKUPS = (
     Markup("qwen3_coder", re.compile(r"<function=([^>\s]+)>"),
            re.compile(r"<parameter=(?P<key>[^>\s]+)(?P<keyend>>)\n?(?P<value>.*?)(?P<end>\n?</parameter>|$)",
-                      re.DOTALL), "\n</function>", ("\n</parameter>", "</parameter>"), "qwen3_coder", strips=False),
+                      re.DOTALL), "\n</function>", ("\n</parameter>", "</parameter>"), "qwen3_coder", strips=False,
+           modules=("qwen3_coder",)),
     Markup("minimax", re.compile(r"<invoke name=([^>]+)>"),
            re.compile(r"<parameter name=(?P<key>[^>]+)(?P<keyend>>)(?P<value>.*?)(?P<end></parameter>|$)", re.DOTALL),
-           "</invoke>", ("</parameter>",), "schema_types", strips=True, unquote=True),
+           "</invoke>", ("</parameter>",), "schema_types", strips=True, unquote=True, modules=("minimax_m2",)),
     Markup("glm", re.compile(r"^\s*([^<>\s]+)\s*<arg_key>"),
            re.compile(r"<arg_key>(?P<key>.*?)(?:(?P<keyend></arg_key>)\s*(?:<arg_value>(?P<value>.*?)"
-                      r"(?P<end></arg_value>|$))?|$)", re.DOTALL), "", ("</arg_value>",), "schema_type", strips=True),
+                      r"(?P<end></arg_value>|$))?|$)", re.DOTALL), "", ("</arg_value>",), "schema_type", strips=True,
+           modules=("glm47", "laguna")),
     Markup("longcat", re.compile(r"^\s*([^<>\s]+)\s*<longcat_arg_key>"),
            re.compile(r"<longcat_arg_key>(?P<key>.*?)(?:(?P<keyend></longcat_arg_key>)\s*(?:<longcat_arg_value>"
                       r"(?P<value>.*?)(?P<end></longcat_arg_value>|$))?|$)", re.DOTALL), "",
-           ("</longcat_arg_value>",), "schema_type", strips=True),
+           ("</longcat_arg_value>",), "schema_type", strips=True, modules=("longcat",)),
     Markup("muse_spark", re.compile(r'<atem:invoke\b[^>]*?\bname="([^"]+)">'),
            re.compile(r'<atem:parameter\b[^>]*?\bname="(?P<key>[^"]+)"[^>]*?(?P<keyend>>)(?P<value>.*?)'
                       r"(?P<end></atem:parameter>|$)", re.DOTALL), "</atem:invoke>", ("</atem:parameter>",),
-           "json_or_text", strips=True, last_end="</atem:invoke>"),
+           "json_or_text", strips=True, last_end="</atem:invoke>", modules=("muse_spark",)),
     Markup("kimi_k3", re.compile(r'<\|open\|>call\b(?:(?!<\|sep\|>).)*?\btool="([^"]+)"(?:(?!<\|sep\|>).)*<\|sep\|>',
                                  re.DOTALL),
            re.compile(r'<\|open\|>argument(?P<attrs>(?:(?!<\|sep\|>).)*?\bkey="(?P<key>[^"]*)"(?:(?!<\|sep\|>).)*)'
                       r"(?P<keyend><\|sep\|>)(?P<value>.*?)(?P<end><\|close\|>argument<\|sep\|>|$)", re.DOTALL),
            "<|close|>call<|sep|>", ("<|close|>argument<|sep|>", "<|close|>call<|sep|>"), "type_attr", strips=False,
-           call_end="<|close|>call<|sep|>"),
+           call_end="<|close|>call<|sep|>", modules=("kimi_k3",)),
     # Last: its name is only `"f">` (the start marker `<function name=` is not the call's text).
     Markup("minicpm5", re.compile(r"""^\s*("[^"]*"|'[^']*'|[^\s"'<>]+)\s*>"""),
            re.compile(r"""<param\s+name\s*=\s*(?P<key>"[^"]*"|'[^']*'|[^\s"'<>]+)\s*(?P<keyend>>)(?P<value>.*?)"""
                       r"(?P<end></param>|$)", re.DOTALL), "", ("</param>",), "schema_types", strips=True,
-           unquote=True, cdata=True),
+           unquote=True, cdata=True, modules=("minicpm5",), loose=True),
 )
 # Where a value's text starts, and what ends it: the end-of-call marker between them is the value's text
 # (the family parser reads it so). Not MiniCPM5's: its parser ends the call at the first `</function>`.
@@ -82,9 +88,11 @@ _TYPE_ATTR = re.compile(r'\btype="([^"]*)"')
 _XML_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 
 
-def markup_of(text: str) -> tuple[Markup, re.Match[str]] | None:
-    """The markup family `text` is written in, and its name's match; None before a name is written."""
-    for markup in MARKUPS:
+def markup_of(text: str, parse: Callable[..., Any] | None = None) -> tuple[Markup, re.Match[str]] | None:
+    """The markup family `text` is written in, and its name's match; None before a name is written. Only
+    the family of `parse` (an mlx-lm parser) where it is one: MiniCPM5's `"f">` is junk to Gemma 4."""
+    module = (getattr(parse, "__module__", None) or "").rsplit(".", 1)[-1]
+    for markup in [m for m in MARKUPS if module in m.modules] or [m for m in MARKUPS if not m.loose]:
         if (found := markup.name.search(text)) is not None:
             return markup, found
     return None

@@ -213,3 +213,10 @@ def test_a_markup_call_its_parser_refuses_ends_partial_though_its_values_are_who
     call_text = '<|open|>call tool="write_file"<|sep|>' + kimi3_argument("path", "string", "a.py") + "junk"
     pieces, (call,), answer, _ = stream(KIMI3, f"{KIMI3.tool_call_start}{call_text}{KIMI3.tool_call_end}", 2)
     assert call["partial"] is True and call["arguments"] == '{"path": "a.py"}' and answer == ""
+
+
+def test_minicpm5s_name_pattern_reads_only_minicpm5s_calls() -> None:
+    """Fuzzed: Gemma 4 junk (`12>x`) matched MiniCPM5's loose `"f">` name and came back as a call named 12."""
+    text = '<|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|><|tool_call>12>x<tool_call|>'
+    _, calls, answer, _ = stream(GEMMA4, text, 3)
+    assert [call["name"] for call in calls] == ["f"] and "12>x" in answer
