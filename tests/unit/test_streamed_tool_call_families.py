@@ -220,3 +220,19 @@ def test_minicpm5s_name_pattern_reads_only_minicpm5s_calls() -> None:
     text = '<|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|><|tool_call>12>x<tool_call|>'
     _, calls, answer, _ = stream(GEMMA4, text, 3)
     assert [call["name"] for call in calls] == ["f"] and "12>x" in answer
+
+
+@pytest.mark.parametrize("family", ["gemma4", "pythonic"])
+@pytest.mark.parametrize("size", [1, 1000])
+def test_a_cut_bracketed_call_is_the_call_as_far_as_it_settled_however_it_was_fed(family: str, size: int) -> None:
+    """max_tokens cut the call: streamed or fed whole, it is the call as far as its reader read it, partial
+    (fed whole it was dropped: `partial_call` reads no bracketed call)."""
+    tokenizer = {"gemma4": GEMMA4, "pythonic": PYTHONIC}[family]
+    text = tokenizer.tool_call_start + {"gemma4": 'call:write_file{path:<|"|>a.py<|"|>,content:<|"|>abc',
+                                        "pythonic": '[write_file(path="a.py", content="abc'}[family]
+    parser = OutputParser(tokenizer, in_thinking=False, tools=TOOLS)
+    chunks = [text[i:i + size] for i in range(0, len(text), size)]
+    deltas = [parser.feed(chunk, final=n == len(chunks) - 1, cut=True) for n, chunk in enumerate(chunks)]
+    (call,) = [call for delta in deltas for call in delta.tool_calls]
+    assert call["partial"] is True and call["arguments"] == '{"path": "a.py", "content": "abc'
+    assert not "".join(delta.text for delta in deltas)
