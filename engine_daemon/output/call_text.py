@@ -43,9 +43,12 @@ _JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 _JSON_CALL_START = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a call (or a list of them) writes its name first
 # A name, then the JSON arguments: Mistral's `name[ARGS]{…}` (Devstral), Kimi K2's
-# `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{…}`.
+# `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{…}`, Kimi K3's JSON block
+# `<|open|>call tool="name"<|sep|><|open|>json type="object"<|sep|>{…}`.
 _HEADER_CALLS = (re.compile(r"\s*([\w-]+)\s*\[ARGS\]\s*"),
-                 re.compile(r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(.+?):\d+\s*<\|tool_call_argument_begin\|>\s*"))
+                 re.compile(r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(.+?):\d+\s*<\|tool_call_argument_begin\|>\s*"),
+                 re.compile(r'\s*<\|open\|>call\b(?:(?!<\|sep\|>).)*?\btool="([^"]+)"(?:(?!<\|sep\|>).)*<\|sep\|>'
+                            r"\s*<\|open\|>json\b(?:(?!<\|sep\|>).)*<\|sep\|>\s*", re.DOTALL))
 
 
 def _header(text: str) -> re.Match[str] | None:

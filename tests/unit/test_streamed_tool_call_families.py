@@ -236,3 +236,14 @@ def test_a_cut_bracketed_call_is_the_call_as_far_as_it_settled_however_it_was_fe
     (call,) = [call for delta in deltas for call in delta.tool_calls]
     assert call["partial"] is True and call["arguments"] == '{"path": "a.py", "content": "abc'
     assert not "".join(delta.text for delta in deltas)
+
+
+@pytest.mark.parametrize("size", [1, 3, 17])
+def test_kimi_k3s_json_block_streams_as_written(size: int) -> None:
+    arguments = json.dumps({"path": "src/a.py", "content": CONTENT, "mode": 644}, separators=(",", ":"))
+    call_text = '<|open|>call tool="write_file" index="1"<|sep|><|open|>json type="object"<|sep|>' + arguments \
+        + "<|close|>json<|sep|><|close|>call<|sep|>"
+    text = f"{KIMI3.tool_call_start}{call_text}{KIMI3.tool_call_end}"
+    pieces, (call,), answer, early = stream(KIMI3, text, size)
+    assert json.loads(call["arguments"]) == json.loads(expected(KIMI3, call_text)["arguments"]) and answer == ""
+    assert call["arguments"] == arguments and arguments.startswith(streamed(pieces, 0)) and early > 1
