@@ -27,13 +27,16 @@ Decode = Callable[[str, str, bool], "str | None"]  # (quote, body, closed) → t
 class Bracketed:
     """A family's call syntax. `head`: group 1 the name, ending inside the brackets `opened` (outermost
     first). `tokens`: a string (`quote`, `body`, `close` empty when open), an `open` or `shut` bracket, a
-    `sep`. `empty`: an empty string literal. `decode`: a string's text, None where it cannot tell yet."""
+    `sep`. `empty`: an empty string literal. `decode`: a string's text, None where it cannot tell yet.
+    `decodes`: whether the family parser reads a call's strings as `decode` does (not where it falls
+    back to another reading); None: always."""
 
     head: re.Pattern[str]
     opened: str
     tokens: re.Pattern[str]
     empty: str
     decode: Decode
+    decodes: Callable[[str], bool] | None = None
 
 
 def _delimited(delimiter: str) -> Decode:
@@ -70,6 +73,16 @@ def _python_text(quote: str, body: str, closed: bool) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _python(text: str) -> bool:
+    """Whether the pythonic parser reads this call as Python (`ast`): else its fallback regex reads it, and
+    that keeps a string's escapes as written (`in="…"`, a keyword as a key, is no Python)."""
+    try:
+        ast.parse(text[text.find("["):text.rfind("]") + 1], mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    return True
+
+
 FAMILIES = {
     "gemma4": Bracketed(re.compile(r"\s*call:([\w-]+)\{"), "{",
                         re.compile(r'(?P<quote><\|"\|>)(?P<body>.*?)(?P<close><\|"\|>|\Z)|(?P<open>[{\[])'
@@ -83,7 +96,7 @@ FAMILIES = {
     "pythonic": Bracketed(re.compile(r"\s*\[\s*([\w.]+)\s*\("), "[(",
                           re.compile(r"""(?P<quote>\"\"\"|'''|"|')(?P<body>(?:\\.|(?!(?P=quote)).)*?)"""
                                      r"""(?P<close>(?P=quote)|\Z)|(?P<open>[\[{(])|(?P<shut>[\]})])|(?P<sep>,)""",
-                                     re.DOTALL), '""', _python_text),
+                                     re.DOTALL), '""', _python_text, _python),
 }
 
 
@@ -175,7 +188,10 @@ class BracketedReader:
         """The arguments through the opening quote of the string at `at` (its key as the parser writes it):
         the parser's reading of the call with an empty string there. None: not a string value it keeps."""
         if at != self._probed[0]:
-            opening = self._parsed(text[:at] + self.family.empty + closer, '""}')
+            probe = text[:at] + self.family.empty + closer
+            opening = self._parsed(probe, '""}')
+            if self.family.decodes is not None and not self.family.decodes(probe):
+                opening = None  # its strings are read another way: each streams once finished
             self._probed = (at, None if opening is None else opening + '"')
         return self._probed[1]
 

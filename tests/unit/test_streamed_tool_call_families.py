@@ -247,3 +247,12 @@ def test_kimi_k3s_json_block_streams_as_written(size: int) -> None:
     pieces, (call,), answer, early = stream(KIMI3, text, size)
     assert json.loads(call["arguments"]) == json.loads(expected(KIMI3, call_text)["arguments"]) and answer == ""
     assert call["arguments"] == arguments and arguments.startswith(streamed(pieces, 0)) and early > 1
+
+
+def test_a_pythonic_call_that_is_no_python_streams_no_decoded_string() -> None:
+    """Fuzzed: `in=` (a keyword as a key) is no Python, so mlx-lm's fallback regex reads the call and keeps
+    a string's escapes as written; the string had streamed decoded (`\\n` as a newline)."""
+    call_text = '[write_file(in="x\\ny", path="a\\nb")]'  # a keyword after a string is undecidable till then
+    pieces, (call,), _, _ = stream(PYTHONIC, f"{PYTHONIC.tool_call_start}{call_text}{PYTHONIC.tool_call_end}", 1)
+    assert {k: call[k] for k in ("name", "arguments")} == expected(PYTHONIC, call_text)
+    assert call["arguments"].startswith(streamed(pieces, 0)) and "partial" not in call
