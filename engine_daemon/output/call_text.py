@@ -12,7 +12,11 @@ Families: a JSON call (`{"name": …, "arguments": {…}}`, Hermes/Qwen and the 
 Mistral's `f[ARGS]{…}` (no end marker: its call closes with the reply), Kimi K2's
 `<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{…}`, Qwen3-Coder's
 `<function=f><parameter=k>v</parameter>`, MiniMax-M2's `<invoke name="f"><parameter name="k">v</parameter>`,
-GLM's `f<arg_key>k</arg_key><arg_value>v</arg_value>`; an unclosed last value runs to the end.
+GLM's (and Laguna's) `f<arg_key>k</arg_key><arg_value>v</arg_value>`, LongCat's the same with `longcat_` tags,
+Muse Spark's `<atem:invoke name="f"><atem:parameter name="k">v</atem:parameter>`, Kimi K3's
+`<|open|>call tool="f"<|sep|><|open|>argument key="k" type="string"<|sep|>v<|close|>argument<|sep|>`,
+MiniCPM5's `"f"><param name="k">v</param>`; an unclosed last value runs to the end. The bracketed
+families (Gemma 4, FunctionGemma, pythonic) are `bracketed_calls`'.
 """
 
 from __future__ import annotations
@@ -20,57 +24,41 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+from engine_daemon.output.bracketed_calls import BracketedReader, family_of, inside_string
+from engine_daemon.output.markup_calls import (
+    VALUE_TAGS,
+    Markup,
+    kept_as_text,
+    markup_of,
+    open_text,
+    pair_matches,
+    properties,
+    unclosed,
+    unquoted,
+)
 
 _JSON_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)+)"')
 _JSON_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
 _JSON_CALL_START = re.compile(r'\s*\[?\s*\{\s*"name"\s*:')  # a call (or a list of them) writes its name first
 # A name, then the JSON arguments: Mistral's `name[ARGS]{…}` (Devstral), Kimi K2's
-# `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{…}`.
+# `<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{…}`, Kimi K3's JSON block
+# `<|open|>call tool="name"<|sep|><|open|>json type="object"<|sep|>{…}`.
 _HEADER_CALLS = (re.compile(r"\s*([\w-]+)\s*\[ARGS\]\s*"),
-                 re.compile(r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(.+?):\d+\s*<\|tool_call_argument_begin\|>\s*"))
+                 re.compile(r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(.+?):\d+\s*<\|tool_call_argument_begin\|>\s*"),
+                 re.compile(r'\s*<\|open\|>call\b(?:(?!<\|sep\|>).)*?\btool="([^"]+)"(?:(?!<\|sep\|>).)*<\|sep\|>'
+                            r"\s*<\|open\|>json\b(?:(?!<\|sep\|>).)*<\|sep\|>\s*", re.DOTALL))
 
 
 def _header(text: str) -> re.Match[str] | None:
     return next((found for pattern in _HEADER_CALLS if (found := pattern.match(text)) is not None), None)
 
 
-@dataclass(frozen=True)
-class _Markup:
-    """A key/value markup family: how its name and its (key, value) pairs are written.
-
-    `pairs` has groups `key`, `keyend` (the key is whole), `value` and `end` (the value is closed); an
-    unclosed last value runs to the end. `closer` makes the text up to a finished value a whole call for
-    the family parser. `strips`: the parser strips every value (else only the newline after and before
-    its tags). `unquote`: names and keys may be written in quotes.
-    """
-
-    family: str
-    name: re.Pattern[str]
-    pairs: re.Pattern[str]
-    closer: str
-    strips: bool
-    unquote: bool = False
-
-
-_MARKUPS = (
-    _Markup("qwen3_coder", re.compile(r"<function=([^>\s]+)>"),
-            re.compile(r"<parameter=(?P<key>[^>\s]+)(?P<keyend>>)\n?(?P<value>.*?)(?P<end>\n?</parameter>|$)",
-                       re.DOTALL), "\n</function>", strips=False),
-    _Markup("minimax", re.compile(r"<invoke name=([^>]+)>"),
-            re.compile(r"<parameter name=(?P<key>[^>]+)(?P<keyend>>)(?P<value>.*?)(?P<end></parameter>|$)", re.DOTALL),
-            "</invoke>", strips=True, unquote=True),
-    _Markup("glm", re.compile(r"^\s*([^<>\s]+)\s*<arg_key>"),
-            re.compile(r"<arg_key>(?P<key>.*?)(?:(?P<keyend></arg_key>)\s*(?:<arg_value>(?P<value>.*?)"
-                       r"(?P<end></arg_value>|$))?|$)", re.DOTALL), "", strips=True),
-)
-# Qwen3-Coder's parser keeps these schema types as written (mlx-lm `qwen3_coder._string_types`).
-_XML_STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 # A JSON value may end with these while more of it is still to come (or they close the call around it).
 _UNSETTLED_TAIL = " \t\r\n}]"
 
-Pair = tuple[str | None, str | None, bool]  # (key, value so far, value closed)
+Pair = tuple[str | None, str | None, bool, str | None]  # (key, value so far, value closed, the key's attributes)
 
 
 def call_dict(parsed: Any) -> list[dict[str, Any]]:
@@ -100,7 +88,8 @@ def encodable(text: str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+def partial_call(text: str, tools: list[dict[str, Any]] | None = None,
+                 parse: Callable[..., Any] | None = None) -> dict[str, Any] | None:
     """The call a cut-off tool-call text was writing: its name, and its arguments as written so far.
 
     OpenAI returns a call cut by max_tokens as a call with partial arguments (finish
@@ -109,7 +98,7 @@ def partial_call(text: str, tools: list[dict[str, Any]] | None = None) -> dict[s
     would (strings stay strings where the schema says so). Without a complete name there
     is no call to return, and the markup is never returned as text either: None.
     """
-    read = partial_call_text(text, tools)
+    read = partial_call_text(text, tools, parse)
     return None if read is None else {"name": read[0], "arguments": read[1], "partial": True}
 
 
@@ -123,30 +112,38 @@ class SettledReader:
     it closes, and a string value's trailing whitespace and any start of its closing tag. A
     markup call's finished values are converted by the family parser itself (`parse`, run
     on the text up to the last one), so they stream exactly as the whole call will say them.
+    A bracketed family's call (Gemma 4, FunctionGemma, pythonic: known by `parse`'s module, not
+    by the text) is read the same way by `BracketedReader`.
     """
 
     def __init__(self, tools: list[dict[str, Any]] | None, parse: Callable[..., Any] | None):
         self.tools, self.parse = tools, parse
+        family = family_of(parse)
+        self.bracketed = None if family is None or parse is None else BracketedReader(
+            family, parse, tools, lambda parsed: call_dict(parsed)[0]["arguments"])
         self._closed: tuple[int, str | None] = (-1, "{")  # (end of the last finished value, the object so far)
 
     def read(self, text: str, settled: bool = True) -> tuple[str, str] | None:
-        """`settled=False`: a cut call's arguments, its last value as far as it got (`partial_call`)."""
+        """`settled=False`: a cut call's arguments, its last value as far as it got (`partial_call`); a
+        bracketed call's are its settled ones (its open value may still be an escape or a number)."""
+        if self.bracketed is not None:
+            return self.bracketed.read(text)
         name = _JSON_NAME.search(text)
         if name is not None and _JSON_CALL_START.match(text):
             if not settled:
-                return partial_call_text(text, self.tools)
+                return partial_call_text(text, self.tools, self.parse)
             after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
             return _json_name(name.group(1)), _settled_json(text[after.end():]) if after is not None else ""
         if (header := _header(text)) is not None:
             if not settled:
-                return partial_call_text(text, self.tools)
+                return partial_call_text(text, self.tools, self.parse)
             return header.group(1), _settled_json(text[header.end():])
-        found = _markup(text)
+        found = markup_of(text, self.parse)
         if found is None or self.parse is None:  # no family parser: the JSON fallback's calls
             return None
         markup, name_match = found
-        call_name = _unquoted(name_match.group(1), markup)
-        matches = list(markup.pairs.finditer(text, name_match.end(1)))
+        call_name = unquoted(name_match.group(1), markup)
+        matches = pair_matches(markup, text, name_match.end(1))
         closed = [m for m in matches if m.group("end")]
         opened = matches[len(closed)] if len(matches) > len(closed) else None
         prefix = self._finished(text, closed[-1].end() if closed else -1, markup)
@@ -154,20 +151,19 @@ class SettledReader:
             return call_name, ""
         if opened is None or not opened.group("keyend"):  # nothing more, or a key still being written
             return call_name, prefix
-        key = _unquoted(opened.group("key"), markup)
+        key = unquoted(opened.group("key"), markup)
         head = ("" if prefix == "{" else ", ") + json.dumps(key, ensure_ascii=False) + ": "
         value = opened.group("value")
         if value is None:
             return call_name, prefix + head
-        value = _unclosed(value.lstrip() if markup.strips else value)
-        if settled:
-            value = value.rstrip()
-            schema = _properties(call_name, self.tools).get(key)
-            if not _is_string(schema, markup) or (markup.family != "glm" and "null".startswith(value.lower())):
-                return call_name, prefix + head  # the family may convert it (Qwen3-Coder reads "null" as null)
+        value = open_text(unclosed(value, markup.ends), markup, settled)
+        schema = properties(call_name, self.tools).get(key)
+        if value is None or settled and not kept_as_text(markup, schema, opened.groupdict().get("attrs"), value,
+                                                           settled=True):
+            return call_name, prefix + head  # the family may convert it (Qwen3-Coder reads "null" as null)
         return call_name, prefix + head + json.dumps(value, ensure_ascii=False)[:-1]
 
-    def _finished(self, text: str, end: int, markup: _Markup) -> str | None:
+    def _finished(self, text: str, end: int, markup: Markup) -> str | None:
         """The arguments object's text through its last finished value, as the family parser converts it."""
         if end == self._closed[0]:
             return self._closed[1]
@@ -188,36 +184,46 @@ class SettledReader:
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*(?:(")|\\?$)', re.DOTALL)  # group 1: its closing quote
 
 
-def inside_value(text: str) -> bool:
+def inside_value(text: str, parse: Callable[..., Any] | None = None) -> bool:
     """Whether a call's text so far ends inside one of its values: a JSON string, an open `<parameter=…>`
-    (before `</function>`) or `<arg_value>`. The end-of-call marker written there is the value's text
-    (a file that mentions `</tool_call>`), not the call's end. Linear, in C (`re`, `rfind`)."""
+    (before `</function>`) or `<arg_value>` (`VALUE_TAGS`), a string of the bracketed family `parse` reads.
+    The end-of-call marker written there is the value's text (a file that mentions `</tool_call>`), not
+    the call's end. Linear, in C (`re`, `rfind`)."""
+    if (family := family_of(parse)) is not None:
+        return inside_string(text, family)
     if text.lstrip()[:1] in ("{", "["):  # a JSON call, its name first or not
         last = None
         for last in _JSON_STRING.finditer(text):
             pass
         return last is not None and last.end() == len(text) and not last.group(1)
-    parameter = text.rfind("<parameter")  # Qwen3-Coder's `<parameter=k>`, MiniMax's `<parameter name="k">`
-    if parameter >= 0:
-        return parameter > max(text.rfind("</parameter>"), text.rfind("</function>"), text.rfind("</invoke>"))
-    value = text.rfind("<arg_value>")
-    return value >= 0 and value > text.rfind("</arg_value>")
+    for opening, closings in VALUE_TAGS:
+        at = text.rfind(opening)
+        if at >= 0:
+            return at > max(text.rfind(closing) for closing in closings)
+    return False
 
 
-def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, strict: bool = True) -> str | None:
+def written_arguments(text: str, tools: list[dict[str, Any]] | None = None, strict: bool = True,
+                      parse: Callable[..., Any] | None = None) -> str | None:
     """A finished call's arguments as the model wrote them (a JSON object's own text); None when not JSON.
 
     `strict=False` also takes NaN and Infinity (not JSON: only for a call returned as `partial`).
     """
-    read = partial_call_text(text, tools)
+    read = partial_call_text(text, tools, parse)
     if read is None:
         return None
-    arguments = read[1] if _JSON_CALL_START.match(text) or _header(text) else read[1] + "}"
+    arguments = read[1] if written_as_json(text) else read[1] + "}"
     try:
         value, end = (_STRICT_JSON if strict else json.JSONDecoder()).raw_decode(arguments)
     except (ValueError, RecursionError):
         return None
     return arguments[:end] if isinstance(value, dict) else None
+
+
+def written_as_json(text: str) -> bool:
+    """Whether a call's arguments are written as a JSON object (a JSON call, Mistral's, Kimi K2's): whole
+    when that object is, where a markup call whose parser refused it is not."""
+    return bool(_JSON_CALL_START.match(text) or _header(text))
 
 
 def _no_constant(name: str) -> Any:
@@ -227,38 +233,23 @@ def _no_constant(name: str) -> Any:
 _STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)  # NaN and Infinity: strict clients refuse them
 
 
-def partial_call_text(text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
-    """(name, arguments as written so far) of a cut call, as `partial_call` reads it."""
+def partial_call_text(text: str, tools: list[dict[str, Any]] | None = None,
+                      parse: Callable[..., Any] | None = None) -> tuple[str, str] | None:
+    """(name, arguments as written so far) of a cut call, as `partial_call` reads it (`parse`: `markup_of`)."""
     name = _JSON_NAME.search(text)
     if name is not None and _JSON_CALL_START.match(text):  # a top-level name: a nested "name" is no call
         after = _JSON_ARGUMENTS.search(text, name.end()) or _JSON_ARGUMENTS.search(text)
         return _json_name(name.group(1)), text[after.end():].rstrip() if after is not None else ""
     if (header := _header(text)) is not None:
         return header.group(1), text[header.end():].rstrip()
-    found = _markup(text)
+    found = markup_of(text, parse)
     if found is None:
         return None
     markup, name_match = found
-    call_name = _unquoted(name_match.group(1), markup)
-    pairs = [(_unquoted(m.group("key"), markup) if m.group("keyend") else None, m.group("value"), bool(m.group("end")))
-             for m in markup.pairs.finditer(text, name_match.end(1))]
+    call_name = unquoted(name_match.group(1), markup)
+    pairs = [(unquoted(m.group("key"), markup) if m.group("keyend") else None, m.group("value"), bool(m.group("end")),
+              m.groupdict().get("attrs")) for m in pair_matches(markup, text, name_match.end(1))]
     return call_name, _partial_object(call_name, pairs, tools, markup)
-
-
-def _markup(text: str) -> tuple[_Markup, re.Match[str]] | None:
-    """The markup family `text` is written in, and its name's match; None before a name is written."""
-    for markup in _MARKUPS:
-        if (found := markup.name.search(text)) is not None:
-            return markup, found
-    return None
-
-
-def _unquoted(text: str, markup: _Markup) -> str:
-    """A name or key as its family reads it (MiniMax's may be quoted: `<invoke name="f">`)."""
-    text = text.strip()
-    if markup.unquote and len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
-        return text[1:-1]
-    return text
 
 
 def _settled_json(arguments: str) -> str:
@@ -273,77 +264,27 @@ def _settled_json(arguments: str) -> str:
     return arguments.rstrip(_UNSETTLED_TAIL)
 
 
-def _partial_object(name: str, pairs: list[Pair], tools: list[dict[str, Any]] | None, markup: _Markup) -> str:
+def _partial_object(name: str, pairs: list[Pair], tools: list[dict[str, Any]] | None, markup: Markup) -> str:
     """(key, value so far, value closed) pairs as the prefix of a JSON object, stopping at the first unfinished part."""
-    properties = _properties(name, tools)
+    schemas = properties(name, tools)
     parts = []
-    for key, value, closed in pairs:
+    for key, value, closed, attrs in pairs:
         if key is None:  # the key itself is unfinished: nothing of it is known
             break
         key = key.strip()
         head = json.dumps(key, ensure_ascii=False) + ": "
-        is_string = _is_string(properties.get(key), markup)
         if value is None:
             parts.append(head)
             break
         if markup.strips:  # GLM's and MiniMax's parsers strip every value; Qwen3-Coder's only a newline each side
             value = value.strip() if closed else value.lstrip()
         if not closed:  # an unfinished value: an unterminated JSON string, as a streamed string would be
-            value = _unclosed(value)
+            value = unclosed(value, markup.ends)
             parts.append(head + json.dumps(value, ensure_ascii=False)[:-1])
             break
+        is_string = kept_as_text(markup, schemas.get(key), attrs, value, settled=False)
         parts.append(head + (json.dumps(value, ensure_ascii=False) if is_string else _json_value(value)))
     return "{" + ", ".join(parts)
-
-
-def _properties(name: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-    properties: dict[str, Any] = {}
-    for tool in tools or ():
-        function = tool.get("function") or {}
-        if function.get("name") == name and isinstance(function.get("parameters"), dict):
-            found = function["parameters"].get("properties")
-            properties = found if isinstance(found, dict) else {}  # a schema may be `true`, a list, anything
-    return properties
-
-
-def _is_string(schema: Any, markup: _Markup) -> bool:
-    """Whether the family's parser keeps this parameter's value as written text (mlx-lm's rules)."""
-    kind = schema.get("type") if isinstance(schema, dict) else None
-    if markup.family == "glm":
-        return kind == "string"
-    if markup.family == "minimax":  # text unless its schema allows another type (anyOf, enum, a type list...)
-        return _schema_types(schema) <= {"string", "str", "text"}
-    if not schema:  # Qwen3-Coder: a parameter the schema does not describe stays text
-        return True
-    if not isinstance(schema, dict):
-        return False
-    return kind is not None and str(kind).strip().lower() in _XML_STRING_TYPES
-
-
-def _schema_types(schema: Any) -> set[str]:
-    """The types a parameter's schema allows, as MiniMax's parser reads them ("string" when it says none)."""
-    if not isinstance(schema, dict):
-        return {"string"}
-    kinds = schema.get("type")
-    types = {kinds} if isinstance(kinds, str) else {k for k in kinds if isinstance(k, str)} \
-        if isinstance(kinds, list) else set()
-    for value in schema.get("enum") or () if isinstance(schema.get("enum"), list) else ():
-        types.add("string" if isinstance(value, str) else "other")
-    for choice in ("anyOf", "oneOf", "allOf"):
-        for option in schema.get(choice) or () if isinstance(schema.get(choice), list) else ():
-            types |= _schema_types(option)
-    return {kind.lower() for kind in types} or {"string"}
-
-
-def _unclosed(value: str) -> str:
-    """An unfinished value without the start of its closing tag (`…\n</param`, `…</para` cut mid-tag)."""
-    longest = 0
-    for closer in ("\n</parameter>", "</parameter>", "</arg_value>"):
-        for size in range(min(len(closer), len(value)), longest, -1):
-            if value.endswith(closer[:size]):
-                longest = size
-                break
-    return value[:len(value) - longest]
 
 
 def _json_name(raw: str) -> str:

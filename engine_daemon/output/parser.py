@@ -25,6 +25,7 @@ from engine_daemon.output.call_text import (
     inside_value,
     partial_call,
     written_arguments,
+    written_as_json,
 )
 
 log = logging.getLogger(__name__)
@@ -151,8 +152,8 @@ class OutputParser:
                 self._emit(out, self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
-            if self.state == TOOL and marker == self.tool_end and \
-                    inside_value(self.tool_text + self.buffer[:position]):  # `</tool_call>` inside a string value
+            if self.state == TOOL and marker == self.tool_end and inside_value(  # `</tool_call>` inside a string value
+                    self.tool_text + self.buffer[:position], self.tool_parser):
                 self._emit(out, self.buffer[:position + len(marker)])
                 self.buffer = self.buffer[position + len(marker):]
                 continue
@@ -259,7 +260,7 @@ class OutputParser:
             try:  # the parse of a hostile text must end this call, never the request (or the batch)
                 # A JSON answer the model ended itself is the answer (a nested "name" made it a call).
                 wanted = raw_if_invalid is not None and (cut or self.state == TOOL)
-                written = partial_call(text, self.tools) if wanted else None
+                written = partial_call(text, self.tools, self._parse()) if wanted else None
             except (ValueError, RecursionError):
                 written = None
             if written is not None and self.state == JSON_TOOL and written["name"] not in self._tool_names():
@@ -278,12 +279,16 @@ class OutputParser:
                 return
         self._add_calls(out, calls, cut, text, reader)
 
+    def _parse(self) -> Callable[..., Any] | None:
+        """The family parser of the call being read: none for the JSON fallback's."""
+        return self.tool_parser if self.state == TOOL else None
+
     def _announceable(self, text: str) -> bool:
         """Whether `_stream_call` would have announced this call: a name written (in the JSON fallback, a tool's)."""
         if self.state == TOOL:
             return True
         try:
-            read = partial_call(text, self.tools)
+            read = partial_call(text, self.tools, self._parse())
         except (ValueError, RecursionError):
             return False
         return read is not None and read["name"] in self._tool_names()
@@ -294,14 +299,18 @@ class OutputParser:
         if self.open_call is not None:
             name, sent = self.open_call["name"], self.open_call["sent"]
         else:
-            read = partial_call(text, self.tools)
-            if read is None:
-                return None
+            read = partial_call(text, self.tools, self._parse())
+            if read is None:  # a bracketed call (Gemma 4, pythonic): as its reader reads it
+                reader = reader or SettledReader(self.tools, self.tool_parser if self.state == TOOL else None)
+                settled = reader.read(text, settled=False) if reader.bracketed is not None else None
+                if settled is None:
+                    return None
+                read = {"name": settled[0]}
             name, sent = read["name"], ""
-        whole = written_arguments(text, self.tools)
-        if whole is not None and whole.startswith(sent):
-            return {"name": name, "arguments": whole}
-        lenient = written_arguments(text, self.tools, strict=False)  # NaN: not JSON, so partial
+        whole = written_arguments(text, self.tools, parse=self._parse())
+        if whole is not None and whole.startswith(sent):  # markup its parser refused: malformed, so partial
+            return {"name": name, "arguments": whole, **({} if written_as_json(text) else {"partial": True})}
+        lenient = written_arguments(text, self.tools, strict=False, parse=self._parse())  # NaN: not JSON, so partial
         if lenient is not None and lenient.startswith(sent):
             return {"name": name, "arguments": lenient, "partial": True}
         reader = reader or SettledReader(self.tools, self.tool_parser if self.state == TOOL else None)
@@ -345,7 +354,7 @@ class OutputParser:
         if call["arguments"].startswith(sent):
             return
         try:
-            written = written_arguments(text, self.tools)
+            written = written_arguments(text, self.tools, parse=self._parse())
             if written is not None and written.startswith(sent) and json.loads(written) == json.loads(
                     call["arguments"]):
                 call["arguments"] = encodable(written)
