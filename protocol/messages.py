@@ -139,6 +139,8 @@ SCHEMAS: dict[MsgType, Schema] = {
         "response_format": ((dict, NONE), False),
         # Images / audio for vision models: [{"type": "image"|"audio", "data": bytes, ...}]
         "media": ((list, NONE), False),
+        # This request's own context-overflow mode, over its model's: "truncate" | "error" (Responses `truncation`)
+        "context_overflow": ((str, NONE), False),
     },
     MsgType.ABORT: {"rids": ((list,), True), "reason": ((str,), False)},
     MsgType.CALL: {

@@ -18,6 +18,9 @@ requests already decoding pause for that long (about one long prefill plus 128
 decode steps); a large window is never prefilled in full for a summary, because the
 transcript is cut to its head and tail first.
 
+A request may pick its own mode in the ADD's `context_overflow` ("truncate" or "error"):
+the Responses API's `truncation: "auto"` / `"disabled"` is a client's choice, over the model's.
+
 Whichever happened is recorded on the request (`context_overflow`: mode and number of
 dropped messages); the ACCEPTED frame carries it, and the front-end reports it in the
 `X-Context-Overflow` header and in `usage.context_overflow`.
@@ -44,6 +47,20 @@ SUMMARY_INSTRUCTION = ("Summarize the conversation below in a few sentences. Kee
                        "decisions and open questions. Write only the summary.")
 
 
+REQUEST_MODES = ("error", "truncate")  # what an ADD may ask for itself: a summary is the operator's call
+
+
+def overflow_mode(body: dict[str, Any], loaded: LoadedModel) -> str:
+    """The request's own mode (ADD `context_overflow`), else its model's; an unknown one is refused."""
+    asked = body.get("context_overflow")
+    if asked is None:
+        return loaded.profile.context_overflow
+    if asked not in REQUEST_MODES:
+        raise RequestError(400, "invalid_value", f"context_overflow must be one of {', '.join(REQUEST_MODES)}, "
+                           f"not {asked!r}", param="context_overflow")
+    return str(asked)
+
+
 def overflows(prompt_len: int, requested: int | None, window: int) -> bool:
     """What `settle_max_tokens` would refuse: no room left, or not enough for the requested tokens."""
     return prompt_len >= window if requested is None else prompt_len + requested > window
@@ -54,14 +71,17 @@ def fit_context(request: EngineRequest, loaded: LoadedModel, default_max_tokens:
 
     Raw prompts and media requests are left alone: only chat messages can be dropped.
     """
-    mode = loaded.profile.context_overflow
+    mode = overflow_mode(request.body, loaded)
     messages = request.body.get("messages")
     window = loaded.context_window
     if mode == "error" or not messages or window is None or loaded.kind != "text" or request.body.get("media"):
         return
     requested = request.params.get("max_tokens")
     before = len(request.prompt_tokens)
+    by_size = request.body.get("_dropped_by_size", 0)  # turns too large to ever fit, dropped before rendering
     if not overflows(before, requested, window):
+        if by_size:
+            request.context_overflow = {"mode": "truncated", "dropped_messages": by_size}
         return
     # Without max_tokens, leave the reply some room (a quarter of the window at most), not a single token.
     reserve = requested or min(default_max_tokens, max(1, window // 4))
@@ -84,6 +104,7 @@ def fit_context(request: EngineRequest, loaded: LoadedModel, default_max_tokens:
                            "are needed for the completion", param="messages")
     request.body = {**request.body, "messages": kept}
     request.prompt_tokens = tokens
+    dropped += by_size
     request.context_overflow = {"mode": label, "dropped_messages": dropped}
     log.info("rid=%s context overflow (%s): %d message(s) dropped, prompt %d -> %d tokens (window %d, reserve %d)",
              request.rid, label, dropped, before, len(tokens), window, reserve)

@@ -23,6 +23,7 @@ from typing import Any
 
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
+from engine_daemon.request.context_overflow import overflow_mode
 from engine_daemon.request.param_checks import check_params, parse_logit_bias
 from engine_daemon.request.prompt import build_prompt
 from engine_daemon.request.state import PreparedPrompt
@@ -97,13 +98,44 @@ def check_size(body: dict[str, Any], loaded: LoadedModel) -> None:
                              param="prompt" if body.get("messages") is None else "messages")
 
 
+# Set on an ADD body whose oldest turns `drop_oversized_turns` removed: `fit_context` reports them with its own.
+DROPPED_BY_SIZE = "_dropped_by_size"
+
+
+def drop_oversized_turns(body: dict[str, Any], loaded: LoadedModel) -> None:
+    """A truncating chat's oldest non-system turns that could never fit, dropped by their bytes before any rendering.
+
+    A prompt of more bytes than the window holds at the longest token cannot fit, so `truncate`
+    would drop at least these; cutting them here, off the mlx thread, keeps a 16 MiB conversation
+    from being rendered and tokenized whole (and again for each cut `truncate` tries).
+    """
+    window, longest = loaded.context_window, longest_token_bytes(loaded)
+    messages = body["messages"]
+    if not window or not longest or prompt_bytes(body) <= window * longest:
+        return
+    excess, dropped = prompt_bytes(body) - window * longest, set()
+    for index, message in enumerate(messages[:-1]):  # the last message always stays
+        if message.get("role") == "system":
+            continue
+        if excess <= 0 and message.get("role") == "user":
+            break  # as `truncate` prefers: what is kept starts with a user turn (no orphaned tool result)
+        dropped.add(index)
+        excess -= prompt_bytes({"messages": [message]})
+    body["messages"] = [message for index, message in enumerate(messages) if index not in dropped]
+    body[DROPPED_BY_SIZE] = len(dropped)
+
+
 def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
     """The prompt's tokens and the request's logits processors, or the refusal of either."""
     try:
         params = body.get("params") or {}
         check_params(params)  # before any compile: a refusal for a bad value costs nothing
         parse_logit_bias(params.get("logit_bias"), loaded.vocab_size)
-        check_size(body, loaded)
+        # A chat that may drop its oldest turns (`fit_context`) is not refused for its length alone.
+        if overflow_mode(body, loaded) == "error" or not body.get("messages") or body.get("media"):
+            check_size(body, loaded)
+        else:
+            drop_oversized_turns(body, loaded)
         tokens = build_prompt(loaded, body)
         in_thinking = prompt_in_thinking(loaded.tokenizer, tokens)
         # A grammar (structured output, forced tool calls) compiles here too: a large schema takes seconds.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from http_frontend.anthropic.client_tools import CLIENT_TOOLS, client_tool
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
 from http_frontend.parsing.documents import document_text
@@ -128,9 +129,12 @@ def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     return parts
 
 
-def _user_turn(blocks: list[dict[str, Any]], param: str, deferred: dict[str, dict[str, Any]]
-               ) -> list[dict[str, Any]]:
-    """One Anthropic user turn -> `tool` messages for its tool results and `user` messages for the rest."""
+def _user_turn(blocks: list[dict[str, Any]], param: str, deferred: dict[str, dict[str, Any]],
+               calls: set[str]) -> list[dict[str, Any]]:
+    """One Anthropic user turn -> `tool` messages for its tool results and `user` messages for the rest.
+
+    A tool_result must answer a tool_use of the assistant turn before it (`calls`), in Anthropic's words.
+    """
     messages: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     attachments: list[dict[str, Any]] = []  # tool results' images: after the run of tool results
@@ -155,6 +159,10 @@ def _user_turn(blocks: list[dict[str, Any]], param: str, deferred: dict[str, dic
             if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
                 raise bad_request(f"{where}.tool_use_id: expected a string", param=f"{where}.tool_use_id",
                                   code="invalid_type")
+            if block["tool_use_id"] not in calls:
+                raise bad_request(f"{where}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                                  f"{block['tool_use_id']}. Each `tool_result` block must have a corresponding "
+                                  "`tool_use` block in the previous message.", param=where)
             flush(with_attachments=False)
             text, images = _tool_result(block, where, deferred)
             messages.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
@@ -240,6 +248,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("messages: at least one message is required", param="messages")
     converted: list[dict[str, Any]] = []
+    calls: set[str] = set()  # the tool_use ids of the last assistant turn
+    dropped: list[str] = []  # user turns of blocks that reach no model, for the error that names them
     deferred = deferred_tools(body)
     system = parse_system(body)
     if system is not None:
@@ -262,11 +272,17 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                               param=f"{param}.role")
         blocks = _blocks(message.get("content"), f"{param}.content")
         if role == "user":
-            converted.extend(_user_turn(blocks, f"{param}.content", deferred))
+            turn = _user_turn(blocks, f"{param}.content", deferred, calls)
+            if not turn and blocks:
+                dropped.append(f"{param} ({', '.join(sorted({block['type'] for block in blocks}))})")
+            converted.extend(turn)
         else:
             converted.append(_assistant_turn(blocks, f"{param}.content"))
+            calls = {call["id"] for call in converted[-1].get("tool_calls", ())}
     if not any(turn["role"] == "user" for turn in converted):
-        raise bad_request("messages: at least one 'user' message is required", param="messages")
+        because = f": {'; '.join(dropped)} only hold blocks this server does not pass to the model" if dropped else ""
+        raise bad_request(f"messages: at least one 'user' message is required{because}",
+                          param="messages")
     if messages[-1].get("role") == "assistant":
         # A final assistant turn asks the model to continue it; the engine always opens a new turn.
         raise bad_request("Prefilling the assistant's response (a final 'assistant' message) is not supported; "
@@ -280,15 +296,16 @@ def hosted_tools(body: dict[str, Any]) -> list[str]:
     tools = body.get("tools")
     if not isinstance(tools, list):
         return []
-    return [str(t.get("name") or t.get("type")) for t in tools
-            if isinstance(t, dict) and t.get("type", "custom") != "custom" and isinstance(t.get("type"), str)]
+    return [str(t.get("name") or t.get("type")) for t in tools if isinstance(t, dict) and isinstance(t.get("type"), str)
+            and t["type"] != "custom" and t["type"] not in CLIENT_TOOLS]
 
 
 def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Custom tools `{name, description, input_schema}` as chat function tools.
 
-    Anthropic-hosted tools (a versioned `type` such as `web_search_20250305`) cannot run here:
-    they are left out of the prompt (the route names them in `X-Ignored-Tools`), never a 400.
+    Anthropic's client tools (bash, text editor) become function tools with their documented input
+    (`client_tools`). Anthropic-hosted tools (a versioned `type` such as `web_search_20250305`) cannot
+    run here: they are left out of the prompt (the route names them in `X-Ignored-Tools`), never a 400.
     """
     tools = get_field(body, "tools", (list,))
     if not tools:
@@ -298,6 +315,9 @@ def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         param = f"tools.{index}"
         if not isinstance(tool, dict):
             raise bad_request(f"{param}: expected an object", param=param, code="invalid_type")
+        if tool.get("type") in CLIENT_TOOLS:
+            converted.append(client_tool(tool, param))
+            continue
         if tool.get("type", "custom") != "custom" and isinstance(tool.get("type"), str):
             continue  # hosted: see hosted_tools
         if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):

@@ -26,12 +26,14 @@ from http_frontend.errors import APIError, bad_request
 from http_frontend.middleware.auth import caller_of
 from http_frontend.openai.responses_items import (
     NO_THINKING_EFFORTS,
+    TRUNCATION_MODES,
     input_item_list,
     name_tool_results,
     parse_input,
     parse_reasoning,
     parse_text_format,
     parse_tool_choice,
+    parse_truncation,
     tools_of,
 )
 from http_frontend.openai.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
@@ -61,6 +63,8 @@ UNSUPPORTED = {
 # `include` asks for each output_text's logprobs (other values, e.g. Codex's "reasoning.encrypted_content",
 # name things this server has none of: accepted and nothing added).
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Engine errors name the chat request's fields: the Responses fields that carried them.
+ENGINE_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens"}
 
 
 def parse_logprobs(body: dict[str, Any]) -> dict[str, Any]:
@@ -128,19 +132,23 @@ def parse_request(body: dict[str, Any], max_items: int, max_tokens_limit: int | 
         template_kwargs.setdefault("enable_thinking", effort not in NO_THINKING_EFFORTS)
         template_kwargs.setdefault("reasoning_effort", effort)
     metadata = check_metadata(get_field(body, "metadata", (dict,), default={}))
+    truncation = parse_truncation(body.get("truncation"))
+    # OpenAI caps calls to its built-in tools with it; this server runs none, so it is checked and echoed only.
+    max_tool_calls = get_field(body, "max_tool_calls", (int,), minimum=1)
     engine = {"model": model, "params": params, "tools": tools, "tool_choice": tool_choice,
               "parallel_tool_calls": parallel, "response_format": response_format,
-              "chat_template_kwargs": template_kwargs or None}
+              "chat_template_kwargs": template_kwargs or None,
+              "context_overflow": TRUNCATION_MODES[truncation] if truncation else None}
     text = {"format": body["text"]["format"] if response_format else {"type": "text"}, "verbosity": "medium"}
     echo = {
         "object": "response", "background": False, "instructions": instructions,
-        "max_output_tokens": max_output, "max_tool_calls": None,
+        "max_output_tokens": max_output, "max_tool_calls": max_tool_calls,
         "parallel_tool_calls": True if parallel is None else parallel, "previous_response_id": previous,
         "reasoning": {"effort": effort, "summary": None}, "service_tier": "default",
         "store": get_field(body, "store", (bool,), default=True), "temperature": params.get("temperature"),
         "text": text, "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-        "top_p": params.get("top_p"), "top_logprobs": params.get("top_logprobs"), "truncation": "disabled",
-        "user": get_field(body, "user", (str,)),
+        "top_p": params.get("top_p"), "top_logprobs": params.get("top_logprobs"),
+        "truncation": truncation or "disabled", "user": get_field(body, "user", (str,)),
         "metadata": metadata,
     }
     return ResponsesRequest(messages, instructions, previous, {k: v for k, v in engine.items() if v is not None},
@@ -250,31 +258,42 @@ class Responses(GenerationRoute):
         if media:
             engine_request["media"] = media
         check_frame_size(engine_request, request.echo)
-        await serve_generation(
-            req, resp, self.client, self.request_timeout, self.metrics, engine_request, "resp",
-            request.engine.get("model"), request.stream,
-            events=lambda stream, meta, timer: self._events(stream, self._builder(meta, request, stream), timer,
-                                                            request, conversation, media),
-            complete=lambda stream, meta, timer: self._complete(stream, self._builder(meta, request, stream), timer,
-                                                                request, conversation, media))
+        try:
+            await serve_generation(
+                req, resp, self.client, self.request_timeout, self.metrics, engine_request, "resp",
+                request.engine.get("model"), request.stream,
+                events=lambda stream, meta, timer: self._events(stream, self._builder(meta, request, stream), timer,
+                                                                request, conversation, media),
+                complete=lambda stream, meta, timer: self._complete(stream, self._builder(meta, request, stream),
+                                                                    timer, request, conversation, media))
+        except APIError as exc:
+            # The engine names the chat fields it was sent; a Responses client sent these.
+            exc.param = ENGINE_PARAMS.get(exc.param or "", exc.param)
+            raise
 
     def _builder(self, meta: dict[str, Any], request: ResponsesRequest, stream: RequestStream) -> ResponseBuilder:
         # With several engines the id names the engine that stores it: a follow-up finds it there.
         response_id = self.client.response_id(meta["id"].split("-", 1)[1], stream.engine_id)
+        echo = dict(request.echo)
+        if (stream.accepted or {}).get("context_overflow"):  # older items made way for the window
+            echo["truncation"] = "auto"
         return ResponseBuilder({"id": response_id, "created_at": meta["created"], "model": meta["model"],
-                                **request.echo}, request.tools.origins)
+                                **echo}, request.tools.origins)
 
     async def _store(self, builder: ResponseBuilder, request: ResponsesRequest, conversation: list[dict[str, Any]],
                      media: list[dict[str, Any]], engine: str | None = None) -> None:
         """Hands a finished response to the engine's store; a failure is logged, the answer still goes out.
 
         The record keeps the conversation's media (their placeholders are in its messages)
-        so a later turn sends them again: the engine keeps nothing between requests.
+        so a later turn sends them again: the engine keeps nothing between requests. A failed
+        response is stored too, as OpenAI keeps every response it gave an id (`GET` shows its
+        error); a later turn from it resumes from what it had written, if anything.
         """
-        if not request.store or builder.status == "failed":
+        if not request.store:
             return
         response = builder.response()
-        record = {"response": response, "messages": conversation + [builder.assistant_message()],
+        reply = [builder.assistant_message()] if builder.status != "failed" or builder.output else []
+        record = {"response": response, "messages": conversation + reply,
                   "input_items": request.input_items, "owner": request.owner}
         if media:
             record["media"] = media
@@ -323,8 +342,10 @@ class Responses(GenerationRoute):
                 payload = event.json
                 if isinstance(payload, dict) and "error" in payload and "type" not in payload:
                     error = payload["error"]
-                    for failed in builder.fail(APIError(500, error.get("message", "engine error"),
-                                                        code=error.get("code"), param=error.get("param"))):
+                    failure = builder.fail(APIError(500, error.get("message", "engine error"),
+                                                    code=error.get("code"), param=error.get("param")))
+                    await self._store(builder, request, conversation, media, stream.engine_id)
+                    for failed in failure:
                         yield _sse(failed)
                     continue
                 if isinstance(payload, dict) and payload.get("type") in TERMINAL_EVENTS:

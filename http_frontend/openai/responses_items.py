@@ -13,7 +13,7 @@ import logging
 import uuid
 from typing import Any
 
-from http_frontend.errors import bad_request
+from http_frontend.errors import APIError, bad_request
 from http_frontend.openai.responses_tools import ToolCatalog, build_catalog
 from http_frontend.parsing.generation_fields import REASONING_EFFORTS
 from http_frontend.parsing.media import MediaCollector
@@ -203,14 +203,34 @@ def parse_input(value: Any, max_items: int, media: MediaCollector | None = None,
 
 
 def name_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Gives each tool result the name of the call it answers (some templates print it)."""
+    """Gives each tool result the name of the call it answers (some templates print it).
+
+    A result that answers no earlier call (in this input or the `previous_response_id` chain) is
+    refused as OpenAI refuses it: a model shown an output of a call it never made is misled.
+    """
     names: dict[str, str] = {}
     for message in messages:
         for call in message.get("tool_calls") or ():
             names[call["id"]] = call["function"]["name"]
-        if message["role"] == "tool" and "name" not in message and message["tool_call_id"] in names:
-            message["name"] = names[message["tool_call_id"]]
+        if message["role"] != "tool":
+            continue
+        if message["tool_call_id"] not in names:
+            raise APIError(400, f"No tool call found for function call output with call_id "
+                                f"{message['tool_call_id']}.", param="input")  # OpenAI's words; its code is null
+        message.setdefault("name", names[message["tool_call_id"]])
     return messages
+
+
+TRUNCATION_MODES = {"auto": "truncate", "disabled": "error"}  # Responses `truncation` -> the ADD's context_overflow
+
+
+def parse_truncation(value: Any) -> str | None:
+    """`truncation`: "auto" drops the oldest input items to fit the window, "disabled" refuses (400), as
+    OpenAI; absent (null), the model's own `context_overflow` setting decides."""
+    if value is None or value in TRUNCATION_MODES:
+        return value
+    raise bad_request(f"Invalid value for 'truncation': {value!r}; expected 'auto' or 'disabled'",
+                      param="truncation")
 
 
 def _allowed_tools(value: dict[str, Any], catalog: ToolCatalog) -> str | dict[str, Any]:

@@ -278,8 +278,9 @@ class ResponseBuilder:
     def _finish(self, finish_reason: str, usage: dict[str, int] | None) -> list[Event]:
         cut = finish_reason == "length"
         events = self._close("incomplete" if cut else "completed")
-        if not self.output:
-            # Nothing was generated: still one (empty) assistant message, as OpenAI answers.
+        if not self.output and not cut:
+            # The model ended at once: still one (empty) assistant message, as OpenAI answers. One cut
+            # by max_output_tokens before anything whole (a forced call before its name) has no item.
             events += self._open_item("message")
             events += self._close("incomplete" if cut else "completed")
         self.status = "incomplete" if cut else "completed"

@@ -143,3 +143,36 @@ def test_summarize_needs_older_turns(served: tuple[Engine, Frontend]) -> None:
     r = chat(frontend, "summ", few)  # five long turns: nothing older than the last six to summarise
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert json.loads(r.text)["error"]["type"] == "invalid_request_error"
+
+
+def respond(frontend: Frontend, model: str, items: list[dict] | str, **extra: object) -> httpx.Response:
+    return httpx.post(f"{frontend.base_url}/v1/responses", timeout=60, json={
+        "model": model, "input": items, "max_output_tokens": MAX_TOKENS, "temperature": 0, **extra})
+
+
+def test_responses_truncation_auto_drops_the_oldest_items_and_says_so(served: tuple[Engine, Frontend]) -> None:
+    _, frontend = served
+    items = conversation(30)
+    # "auto" truncates even on a model set to refuse (`strict`): the client asked for it.
+    r = respond(frontend, "strict", items, truncation="auto", max_tool_calls=2)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert r.headers["X-Context-Overflow"] == "truncated" and 0 < body["usage"]["context_overflow"][
+        "dropped_messages"] < 30
+    assert body["usage"]["input_tokens"] + MAX_TOKENS <= WINDOW
+    assert body["truncation"] == "auto" and body["max_tool_calls"] == 2
+    assert prompt_tokens(frontend, "strict", items) + MAX_TOKENS > WINDOW  # it really did not fit
+    # "disabled" refuses even on a model set to truncate, naming a Responses field.
+    r = respond(frontend, "trunc", items, truncation="disabled")
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] in ("input", "max_output_tokens")
+    # Unset, the model's setting decides, and the echo says what was done.
+    assert respond(frontend, "trunc", items).json()["truncation"] == "auto"
+    assert respond(frontend, "trunc", "hi").json()["truncation"] == "disabled"
+    assert respond(frontend, "trunc", "hi", truncation="middle").status_code == 400
+    # An input whose bytes alone could never fit is truncated too, not refused by its size.
+    huge = [{"role": "user", "content": "word " * 20000}, {"role": "assistant", "content": "ok"}, items[-1]]
+    r = respond(frontend, "strict", huge, truncation="auto")
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["context_overflow"]["dropped_messages"] == 2

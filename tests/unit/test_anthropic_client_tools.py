@@ -1,0 +1,86 @@
+"""Anthropic's bash and text editor tools become callable function tools; turns that reach no model and
+tool results that answer no tool_use are refused with the reason (front-end, fake engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.unit.fake_engine import FakeEngine, client_for, usage
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def post(engine: FakeEngine, **body: Any):
+    return client_for(engine).simulate_post("/v1/messages", json={"model": "m", "max_tokens": 16, "messages": HELLO,
+                                                                  **body})
+
+
+def offered(engine: FakeEngine) -> dict[str, dict[str, Any]]:
+    return {tool["function"]["name"]: tool["function"] for tool in engine.added[-1].get("tools") or []}
+
+
+@pytest.mark.parametrize("kind,name,undo", [
+    ("text_editor_20241022", "str_replace_editor", True), ("text_editor_20250124", "str_replace_editor", True),
+    ("text_editor_20250429", "str_replace_based_edit_tool", False),
+    ("text_editor_20250728", "str_replace_based_edit_tool", False)])
+def test_text_editor_tools_are_offered_with_their_documented_input(kind: str, name: str, undo: bool) -> None:
+    engine = FakeEngine()
+    result = post(engine, tools=[{"type": kind, "name": name}])
+    assert result.status_code == 200, result.text
+    schema = offered(engine)[name]["parameters"]
+    assert schema["required"] == ["command", "path"]
+    assert set(schema["properties"]) == {"command", "path", "file_text", "old_str", "new_str", "insert_line",
+                                         "view_range"}
+    assert schema["properties"]["command"]["enum"] == ["view", "create", "str_replace", "insert"] + (
+        ["undo_edit"] if undo else [])
+    assert "X-Ignored-Tools" not in result.headers
+
+
+@pytest.mark.parametrize("kind", ["bash_20241022", "bash_20250124"])
+def test_a_forced_bash_call_comes_back_as_a_tool_use_named_bash(kind: str) -> None:
+    engine = FakeEngine(script=lambda request: [
+        {"tool_calls": [{"id": "toolu_1", "name": "bash", "arguments": '{"command": "ls"}'}]},
+        {"finish_reason": "tool_calls", "usage": usage(3)}])
+    result = post(engine, tools=[{"type": kind, "name": "bash"}, {"type": "web_search_20250305", "name": "web"}],
+                  tool_choice={"type": "any"})
+    assert result.status_code == 200, result.text
+    properties = offered(engine)["bash"]["parameters"]["properties"]
+    assert properties["command"]["type"] == "string" and properties["restart"]["type"] == "boolean"
+    assert engine.added[-1]["tool_choice"] == "required"
+    (block,) = result.json["content"]
+    assert (block["type"], block["name"], block["input"]) == ("tool_use", "bash", {"command": "ls"})
+    assert result.json["stop_reason"] == "tool_use"
+    assert result.headers["X-Ignored-Tools"] == "web"  # hosted tools: left out and named, as before
+
+
+def test_a_client_tool_named_otherwise_is_a_400() -> None:
+    result = post(FakeEngine(), tools=[{"type": "bash_20250124", "name": "shell"}])
+    assert result.status_code == 400 and result.json["error"]["type"] == "invalid_request_error"
+    assert "'bash'" in result.json["error"]["message"] and "tools.0.name" in result.json["error"]["message"]
+
+
+def test_a_tool_result_answering_no_tool_use_is_refused_in_anthropics_words() -> None:
+    engine = FakeEngine()
+    orphan = {"type": "tool_result", "tool_use_id": "toolu_9", "content": "42"}
+    result = post(engine, messages=[{"role": "user", "content": [orphan]}])
+    assert result.status_code == 400 and not engine.added
+    assert result.json["error"]["message"] == (
+        "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_9. Each "
+        "`tool_result` block must have a corresponding `tool_use` block in the previous message.")
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_9", "name": "f", "input": {}}]}
+    assert post(engine, messages=[*HELLO, call, {"role": "user", "content": [orphan]}]).status_code == 200
+    # Only the turn just before counts: a result two turns later answers nothing.
+    later = [*HELLO, call, {"role": "user", "content": [orphan]}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": [orphan]}]
+    assert "messages.4.content.0: unexpected" in post(engine, messages=later).json["error"]["message"]
+
+
+def test_a_user_turn_of_blocks_no_model_sees_is_named() -> None:
+    search = {"type": "search_result", "source": "https://example.com", "title": "Example",
+              "content": [{"type": "text", "text": "A result."}]}
+    result = post(FakeEngine(), messages=[{"role": "user", "content": [search]}])
+    assert result.status_code == 400
+    message = result.json["error"]["message"]
+    assert "messages.0 (search_result)" in message and "does not pass to the model" in message
