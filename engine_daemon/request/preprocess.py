@@ -136,6 +136,7 @@ def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
             check_size(body, loaded)
         else:
             drop_oversized_turns(body, loaded)
+            check_size(body, loaded)  # what must stay (the last turn, system prompt, tools) may still not fit
         tokens = build_prompt(loaded, body)
         in_thinking = prompt_in_thinking(loaded.tokenizer, tokens)
         # A grammar (structured output, forced tool calls) compiles here too: a large schema takes seconds.

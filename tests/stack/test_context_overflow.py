@@ -176,3 +176,7 @@ def test_responses_truncation_auto_drops_the_oldest_items_and_says_so(served: tu
     r = respond(frontend, "strict", huge, truncation="auto")
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["context_overflow"]["dropped_messages"] == 2
+    # What must stay (the last turn) could never fit: refused by its size, never rendered or tokenized.
+    r = respond(frontend, "strict", [items[0], {"role": "user", "content": "word " * 20000}], truncation="auto")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "cannot fit" in r.json()["error"]["message"]
