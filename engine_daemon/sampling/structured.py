@@ -28,6 +28,7 @@ from engine_daemon.errors import RequestError, describe
 from engine_daemon.sampling.custom_grammar import custom_lark, input_rule
 from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.schema_depth import MAX_SCHEMA_DEPTH, schema_depth_within
+from engine_daemon.sampling.strict_schema import strict_schema
 from engine_daemon.sampling.tool_call_grammar import (
     FunctionSpec,
     can_offer_calls_beside_answer,
@@ -44,8 +45,48 @@ PROBE_STEPS = 4  # tokens `first_steps_error` follows a new grammar for before i
 _CACHE_ATTR = "_mlx_engined_llg_tokenizer"  # underscore: TokenizerWrapper keeps it on itself
 
 
+class _TextOnlyTokenizer:
+    """llguidance's tokenizer protocol (`llguidance.TokenizerWrapper`) over a built LLTokenizer, never
+    encoding text as a special token.
+
+    Why: llguidance turns the bytes a grammar forces (`"</think>"}` once a const's value is fixed) into
+    the tokens the mask then allows, with the HF tokenizer's `encode`, which matches added tokens in
+    text; but llguidance's vocabulary marks those same added tokens (every `<...>` one, Qwen's
+    `</think>`, `<tool_call>` included) special, so they never spell text. The mask allowed only
+    `</think>`'s id, the matcher refused it, and the request failed (500) at any temperature. Here a
+    special token in an encoding is spelled with ordinary tokens instead; the vocabulary is the same
+    bytes, the same special marks, so grammar references to special tokens (`<[id]>`) are unchanged.
+    """
+
+    is_tokenizer_wrapper = True  # llguidance's check for this protocol
+
+    def __init__(self, built: LLTokenizer):
+        self._built = built
+        size = built.vocab_size
+        self.eos_token_id: int = built.eos_token
+        self.bos_token_id: int | None = None
+        self.special_token_ids = [i for i in range(size) if built.is_special_token(i)]
+        self.tokens = [built.decode_bytes([i]) for i in range(size)]  # special ones without llguidance's mark
+        self._special = frozenset(self.special_token_ids)
+
+    def __call__(self, text: str) -> list[int]:
+        ids = self._built.tokenize_str(text)
+        if self._special.isdisjoint(ids):
+            return ids
+        spelled: list[int] = []
+        for token in ids:
+            spelled += self._built.greedy_tokenize(self._built.decode_str([token])) if token in self._special \
+                else [token]
+        # An added token that strips the spaces around it took text its own does not spell: then all greedily.
+        return spelled if self._built.decode_bytes(spelled) == text.encode() else self._built.greedy_tokenize(text)
+
+
 def llg_tokenizer(tokenizer: Any) -> LLTokenizer:
-    """The llguidance tokenizer for an mlx-lm TokenizerWrapper, built on first use and cached on it."""
+    """The llguidance tokenizer for an mlx-lm TokenizerWrapper, built on first use and cached on it.
+
+    Built from the HF tokenizer, then rebuilt over `_TextOnlyTokenizer` so that forced text is never
+    encoded as a special token.
+    """
     cached = getattr(tokenizer, _CACHE_ATTR, None)
     if cached is not None:
         return cached
@@ -55,7 +96,8 @@ def llg_tokenizer(tokenizer: Any) -> LLTokenizer:
     hf_tokenizer = getattr(tokenizer, "_tokenizer", tokenizer)
     eos = sorted(getattr(tokenizer, "eos_token_ids", None) or []) or None
     try:
-        built = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos)
+        from_hf = llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos)
+        built = LLTokenizer(_TextOnlyTokenizer(from_hf), eos_token=from_hf.eos_tokens)
     except Exception as exc:  # e.g. a slow (pure Python) tokenizer: llguidance needs tokenizer.json
         raise RequestError(400, "unsupported_value",
                            f"Constrained decoding is not available for this model's tokenizer: {describe(exc)}",
@@ -69,7 +111,7 @@ def llg_tokenizer(tokenizer: Any) -> LLTokenizer:
 # -- request fields ------------------------------------------------------------------
 
 def response_schema(response_format: Any) -> Any | None:
-    """The JSON schema a `response_format` demands, or None for plain text."""
+    """The JSON schema a `response_format` demands (with `strict`'s semantics when strict), or None for text."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
@@ -88,13 +130,16 @@ def response_schema(response_format: Any) -> Any | None:
         if schema is False or not isinstance(schema, (dict, bool)):
             raise RequestError(400, "invalid_value", "'response_format.json_schema.schema' must be a JSON schema "
                                "object that some value satisfies", param="response_format.json_schema.schema")
-        return schema
+        return strict_schema(schema) if spec.get("strict") is True else schema
     raise RequestError(400, "unsupported_value", f"response_format type {kind!r} is not supported; use 'text', "
                        "'json_object' or 'json_schema'", param="response_format.type")
 
 
 def function_specs(tools: Any) -> list[FunctionSpec]:
-    """The function tools of a request (other tool types cannot be called through a grammar)."""
+    """The function tools of a request (other tool types cannot be called through a grammar).
+
+    A tool with `strict: true` gets its parameters with strict's semantics (`strict_schema`).
+    """
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -114,6 +159,8 @@ def function_specs(tools: Any) -> list[FunctionSpec]:
         if parameters is False or not isinstance(parameters, (dict, bool)):
             raise RequestError(400, "invalid_value", f"tools[{index}].function.parameters must be a JSON schema "
                                "object", param=f"tools[{index}].function.parameters")
+        if function.get("strict") is True:
+            parameters = strict_schema(parameters)
         specs.append(FunctionSpec(name=name, parameters=parameters, index=index))
     return specs
 
