@@ -393,8 +393,10 @@ def parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
         raise bad_request("output_config.format: expected {\"type\": \"json_schema\", \"schema\": {...}}",
                           param="output_config.format")
+    # Not OpenAI's `strict`: Anthropic keeps properties left out of `required` optional (its schemas close
+    # their objects themselves: `additionalProperties: false` is a rule of its structured outputs).
     return parse_response_format({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "output", "schema": spec["schema"], "strict": True}}})
+        "name": "output", "schema": spec["schema"]}}})
 
 
 def parse_stop_sequences(body: dict[str, Any], max_count: int = MAX_STOP_STRINGS,

@@ -222,3 +222,17 @@ def test_strict_schema_is_bounded_and_iterative() -> None:
         closed += node.get("additionalProperties") is False
         node = node["properties"].get("n")
     assert closed == MAX_SCHEMA_DEPTH + 1
+
+
+def test_anthropic_structured_outputs_keep_properties_left_out_of_required_optional(tokenizer: Any) -> None:
+    """Anthropic's `output_config.format` is not OpenAI's strict: a property its schema does not require may be
+    left out (the closing `additionalProperties: false` is the schema's own, as Anthropic asks)."""
+    from http_frontend.anthropic.request import parse_output_format
+
+    schema = {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3}, "y": {"type": "integer"}},
+              "required": ["z"], "additionalProperties": False}
+    response_format = parse_output_format({"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    constraint = constraint_for(tokenizer, response_format, None, None, None, False)
+    assert accepts(constraint.matcher, tokenizer, '{"z": "ab"}') and accepts(constraint.matcher, tokenizer,
+                                                                            '{"z": "ab", "y": 1}')
+    assert not accepts(constraint.matcher, tokenizer, '{"z": "ab", "q": 1}')
