@@ -277,8 +277,9 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 dropped.append(f"{param} ({', '.join(sorted({block['type'] for block in blocks}))})")
             converted.extend(turn)
         else:
+            answered = calls if index and messages[index - 1].get("role") == "assistant" else set()  # one turn
             converted.append(_assistant_turn(blocks, f"{param}.content"))
-            calls = {call["id"] for call in converted[-1].get("tool_calls", ())}
+            calls = answered | {call["id"] for call in converted[-1].get("tool_calls", ())}
     if not any(turn["role"] == "user" for turn in converted):
         because = f": {'; '.join(dropped)} only hold blocks this server does not pass to the model" if dropped else ""
         raise bad_request(f"messages: at least one 'user' message is required{because}",
@@ -393,8 +394,7 @@ def parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
         raise bad_request("output_config.format: expected {\"type\": \"json_schema\", \"schema\": {...}}",
                           param="output_config.format")
-    # Not OpenAI's `strict`: Anthropic keeps properties left out of `required` optional (its schemas close
-    # their objects themselves: `additionalProperties: false` is a rule of its structured outputs).
+    # Not OpenAI's `strict`: Anthropic keeps properties left out of `required` optional (its schemas close objects).
     return parse_response_format({"response_format": {"type": "json_schema", "json_schema": {
         "name": "output", "schema": spec["schema"]}}})
 

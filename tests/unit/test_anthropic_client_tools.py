@@ -75,6 +75,10 @@ def test_a_tool_result_answering_no_tool_use_is_refused_in_anthropics_words() ->
     later = [*HELLO, call, {"role": "user", "content": [orphan]}, {"role": "assistant", "content": "ok"},
              {"role": "user", "content": [orphan]}]
     assert "messages.4.content.0: unexpected" in post(engine, messages=later).json["error"]["message"]
+    # Consecutive assistant messages are one turn to Anthropic (a client may send its text and its calls apart).
+    split = [*HELLO, call, {"role": "assistant", "content": [{"type": "text", "text": "Running it."}]},
+             {"role": "user", "content": [orphan]}]
+    assert post(engine, messages=split).status_code == 200
 
 
 def test_a_user_turn_of_blocks_no_model_sees_is_named() -> None:
