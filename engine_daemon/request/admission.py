@@ -76,7 +76,15 @@ def resolve_sampling(loaded: LoadedModel, params: dict[str, Any], server_default
             if source.get(key) is not None:
                 merged[key] = source[key]
                 break
+    if 0 < merged.get("temperature", 0) < GREEDY_BELOW:
+        merged["temperature"] = 0.0
     return merged
+
+
+# A temperature this small is greedy (vLLM's _SAMPLING_EPS). Why: the sampler scales logits by 1/temperature,
+# which below ~1e-38 overflows float32 to -inf everywhere, and the draw was uniform over the whole vocabulary,
+# past every filter, logit bias and grammar mask (a structured request then failed with 500).
+GREEDY_BELOW = 1e-5
 
 
 def check_token_ids(tokens: list[int], vocab_size: int) -> None:

@@ -94,3 +94,20 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token_and_hurts_no_one(frontend
     anthropic = httpx.post(f"{frontend.base_url}/v1/messages", timeout=60, json={
         "model": model_id, "max_tokens": 4, "top_k": 1 << 20, "messages": [{"role": "user", "content": "Hi"}]})
     assert anthropic.status_code == 200, anthropic.text
+
+
+def test_a_vanishing_temperature_is_greedy(frontend: Frontend, model_id: str) -> None:
+    """1/temperature overflowed float32 below ~1e-38: every logit -inf, a uniform draw past every filter, bias and
+    grammar mask (random text; a structured request 500 output_constraint_failed)."""
+    greedy = chat(frontend, model_id, max_tokens=16, ignore_eos=True).json()["choices"][0]["message"]["content"]
+    for temperature in (1e-300, 1e-39, 1e-6):
+        r = chat(frontend, model_id, max_tokens=16, ignore_eos=True, temperature=temperature)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == greedy, temperature
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    r = chat(frontend, model_id, max_tokens=40, temperature=1e-300,
+             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert r.status_code == 200, r.text
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        assert set(json.loads(r.json()["choices"][0]["message"]["content"])) == {"a"}
