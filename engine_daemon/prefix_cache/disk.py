@@ -93,6 +93,18 @@ def _read_metadata(path: Path) -> dict[str, str]:
     return header.get("__metadata__") or {}
 
 
+def _check_lengths(cache: list[Any], tokens: int) -> None:
+    """Raises unless every layer that counts its tokens holds the KV of exactly the entry's tokens.
+
+    Why: a file whose KV is shorter than its token list (written so by hand, or by a buggy writer) was
+    served as a full hit, and the answer was computed over missing positions.
+    """
+    for layer, layer_cache in enumerate(cache):
+        offset = getattr(layer_cache, "offset", None)
+        if isinstance(offset, int) and offset != tokens:
+            raise ValueError(f"layer {layer} holds the KV of {offset} tokens, the entry names {tokens}")
+
+
 def _cache_nbytes(cache: list[Any]) -> int:
     """Bytes of the arrays an entry would write (its file is this plus a small header)."""
     total = 0
@@ -187,6 +199,7 @@ class DiskTier:
             if _file_sha(entry.path) != entry.path.stem.rsplit("-", 1)[-1]:
                 raise ValueError("content hash mismatch")
             cache = load_prompt_cache(str(entry.path))
+            _check_lengths(cache, len(entry.tokens))
         except FileNotFoundError:
             self._index.pop(entry.path.name, None)  # another engine evicted it meanwhile
             return None

@@ -18,7 +18,16 @@ from engine_daemon.prefix_cache.memory import Entry, MemoryTier, as_tokens
 
 log = logging.getLogger(__name__)
 
-CacheKey = tuple[str, "str | None"]  # (model identity, adapter key)
+CacheKey = tuple[str, "str | None"]  # (model identity and KV layout: `layout_key`, adapter key)
+
+
+def layout_key(model_identity: str, max_kv_size: int | None) -> str:
+    """The identity a prefix's KV is keyed on: the weights', and the cache's layout when it is not the plain one.
+
+    Why: `--max-kv-size` makes rotating caches; a plain cache from the disk tier, written by a run without it,
+    joined into a rotating batch failed the whole step (every stream in it) after such a restart.
+    """
+    return model_identity if not max_kv_size else f"{model_identity}:rotating-{max_kv_size}"
 
 
 class PrefixCache:

@@ -29,7 +29,7 @@ from engine_daemon.models.store import ModelRef
 from engine_daemon.models.vision_support import cache_stats as vision_cache_stats
 from engine_daemon.multimodal import inputs as vision
 from engine_daemon.prefix_cache.disk import DiskTier
-from engine_daemon.prefix_cache.tiered import PrefixCache
+from engine_daemon.prefix_cache.tiered import PrefixCache, layout_key
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler, recover_random_state
 from engine_daemon.scheduling import coalesce, fair_slots
@@ -195,8 +195,8 @@ class BatchScheduler(BaseScheduler):
         return PrefixCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes or 1 << 62, self.disk_cache)
 
     def _cache_key(self, adapter: str | None = None) -> tuple[str, str | None]:
-        """(the loaded weights' identity, adapter key: `AdapterManager`): names do not matter, files do."""
-        return (self.models.current.identity, adapter)
+        """(the loaded weights' identity and KV layout, adapter key: `AdapterManager`): names do not matter."""
+        return (layout_key(self.models.current.identity, self.config.max_kv_size), adapter)
 
     def _insert(self, request: EngineRequest) -> None:
         """Reuses the longest cached prefix of the prompt, then queues the rest for prefill."""

@@ -7,6 +7,7 @@ exactly a cold engine's. A damaged file is skipped with a log line, never served
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -144,3 +145,33 @@ def test_weights_rewritten_in_place_never_get_the_old_prefixes(other_model: Path
     with running_stack(f"ipc://{ipc_dir}/disk-wc.sock", tmp_path / "cold", model=str(model_a)) as (_, fe):
         cold = ask(fe, str(model_a), second)
     assert back.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_a_restart_with_another_kv_layout_never_loads_the_old_layouts_prefixes(tiny_model: Path, ipc_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """Prefixes written by a run with plain KV caches, read by one with `--max-kv-size` (rotating caches): the
+    plain cache joined the rotating batch and failed the whole step, the stream beside it too (500
+    "'BatchKVCache' object has no attribute 'rotated'")."""
+    cache_dir, model = tmp_path / "kv", str(tiny_model)
+    first, second = turns(model)
+    args = ["--prompt-cache-dir", str(cache_dir)]
+    for run in "ab":
+        (tmp_path / run).mkdir()
+    with running_stack(f"ipc://{ipc_dir}/layout-a.sock", tmp_path / "a", model=model, engine_args=args) as (_, fe):
+        ask(fe, model, first)
+    assert list(cache_dir.glob("*.safetensors"))
+    rotating = [*args, "--max-kv-size", "512"]
+    with running_stack(f"ipc://{ipc_dir}/layout-b.sock", tmp_path / "b", model=model, engine_args=rotating) as (_, fe):
+        victim = {"model": model, "messages": [{"role": "user", "content": "A long story, please."}],
+                  "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{fe.base_url}/v1/chat/completions", json=victim, timeout=300) as stream:
+            lines = stream.iter_lines()
+            seen = [line for line, _ in zip(lines, range(3))]  # the victim is decoding
+            answer = httpx.post(f"{fe.base_url}/v1/chat/completions", timeout=300, json={
+                "model": model, "messages": second, "max_tokens": 12, "temperature": 0})
+            seen += list(lines)
+        assert answer.status_code == 200, answer.text
+        assert stats(fe)["prompt_cache_disk_loads"] == 0
+    chunks = [json.loads(line[6:]) for line in seen if line.startswith("data: {")]
+    assert not [chunk for chunk in chunks if "error" in chunk] and chunks[-1]["usage"]["completion_tokens"] == 200

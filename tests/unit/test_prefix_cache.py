@@ -182,3 +182,18 @@ def test_the_disk_tier_skips_what_is_not_a_plain_file_and_cleans_up(tmp_path: Pa
     assert not tier.store("k", np.arange(300, dtype=np.int32), kv(300, layers=8), trimmable=True)  # > the cap
     assert tier.store("k", np.arange(100, dtype=np.int32), kv(100), trimmable=True)
     assert len(tier) == 1 and tier.nbytes() <= 300_000
+
+
+def test_an_entry_whose_kv_is_shorter_than_its_tokens_is_never_served(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    assert disk.store(key_digest("w", None), np.arange(400, dtype=np.int32), kv(300), trimmable=True)
+    found = disk.best_match(key_digest("w", None), np.arange(500, dtype=np.int32), at_least=0)
+    assert found is not None and found[1] == 400 and disk.load(found[0]) is None
+    assert disk.corrupt == 1 and len(disk) == 0
+
+
+def test_prefixes_are_keyed_on_the_kv_layout() -> None:
+    from engine_daemon.prefix_cache.tiered import layout_key
+
+    assert layout_key("w", None) == "w"
+    assert len({layout_key("w", None), layout_key("w", 512), layout_key("w", 1024)}) == 3
