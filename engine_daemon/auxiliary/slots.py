@@ -61,6 +61,7 @@ class AuxiliarySlots:
         # What /health, /stats and /v1/models show: replaced (never mutated) on every change, so the
         # io thread reads it without a lock.
         self.snapshot: list[dict[str, Any]] = []
+        self.dirs: list[str] = []  # the loaded models' directories, published with `snapshot`
         self._fallback_logged: set[tuple[str, str]] = set()
 
     # -- serving ---------------------------------------------------------------------------------
@@ -186,15 +187,19 @@ class AuxiliarySlots:
 
     def _publish(self) -> None:
         now_wall, now = time.time(), time.monotonic()
-        self.snapshot = [{"kind": kind, "name": slot.model.name, "path": str(slot.model.path),
-                          "weight_bytes": slot.model.weight_bytes,
+        self.dirs = [str(slot.model.path) for slot in self.slots.values()]
+        self.snapshot = [{"kind": kind, "name": slot.model.name, "weight_bytes": slot.model.weight_bytes,
                           "loaded_at": slot.loaded_at, "last_used": now_wall - (now - slot.last_used)}
                          for kind, slot in self.slots.items()]
 
+    def loaded_dirs(self) -> list[str]:
+        """The loaded models' directories: another name of one is served without a load (/v1/models `loaded`)."""
+        return self.dirs
+
     def catalogue(self) -> list[dict[str, Any]]:
         """/v1/models entries: the loaded auxiliary models and the configured ones not loaded yet."""
-        entries = [{"id": slot["name"], "created": int(slot["loaded_at"]), "kind": slot["kind"], "loaded": True,
-                    "path": slot["path"]} for slot in self.snapshot]
+        entries = [{"id": slot["name"], "created": int(slot["loaded_at"]), "kind": slot["kind"], "loaded": True}
+                   for slot in self.snapshot]
         loaded_kinds = {slot["kind"]: slot["name"] for slot in self.snapshot}
         for kind, name in self.preload.items():
             if loaded_kinds.get(kind) != name:

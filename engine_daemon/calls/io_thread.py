@@ -66,7 +66,7 @@ def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:
     if current is not None and loaded not in {m["id"] for m in models}:
         models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
     auxiliary = ctx.worker.aux.catalogue()  # loaded or configured (--embedding-model and the like), typed by kind
-    aux_dirs = [entry.pop("path") for entry in auxiliary if "path" in entry]
+    aux_dirs = ctx.worker.aux.loaded_dirs()
     for entry in models:
         path = entry.pop("path", None)
         if entry.get("kind", "text") == "text" and path and pooling_of(Path(path)):
