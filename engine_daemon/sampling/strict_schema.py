@@ -22,23 +22,20 @@ _ONE = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", 
 _LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 # Keywords whose value maps names to schemas (`$defs`: the targets of `$ref`s).
 _MAPS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")
-# Keywords by which an object's keys come from other schemas.
-_COMPOSED = ("allOf", "anyOf", "oneOf", "$ref")
 
 
 def _is_object(node: dict[str, Any]) -> bool:
-    """Whether `node` describes an object's keys itself (so strict closes it).
+    """Whether strict closes `node`: an object schema that lists its properties itself.
 
-    An object typed node that lists no properties but composes subschemas (`anyOf`, `$ref`, ...) is
-    left open: its keys are those subschemas', which are closed in their turn; closing it too would
-    allow only `{}`.
+    Left open: an object without `properties` (a free-form `{"type": "object"}` field of a tool's
+    schema, or one whose keys come from `anyOf` / `$ref` subschemas, which are closed in their turn):
+    closing it would allow only `{}`. And an object combined with `allOf`: its keys are spread over
+    itself and its branches, so closing any of them would refuse the others' keys.
     """
     kind = node.get("type")
-    if kind is None:
-        return isinstance(node.get("properties"), dict)
-    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+    if kind is not None and kind != "object" and not (isinstance(kind, list) and "object" in kind):
         return False
-    return "properties" in node or not any(key in node for key in _COMPOSED)
+    return isinstance(node.get("properties"), dict) and "allOf" not in node
 
 
 def strict_schema(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> Any:
@@ -52,28 +49,28 @@ def strict_schema(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> Any:
     if not isinstance(schema, dict):
         return schema
     root = dict(schema)
-    pending: list[tuple[dict[str, Any], int]] = [(root, 0)]
+    pending: list[tuple[dict[str, Any], int, bool]] = [(root, 0, True)]  # (node, depth, may be closed)
     while pending:
-        node, depth = pending.pop()
-        if _is_object(node):
+        node, depth, closable = pending.pop()
+        if closable and _is_object(node):
             node.setdefault("additionalProperties", False)
-            properties = node.get("properties")
-            if "required" not in node and isinstance(properties, dict):
-                node["required"] = list(properties)
+            node.setdefault("required", list(node["properties"]))
         if depth < limit:
-            pending += ((child, depth + 1) for child in _copy_subschemas(node))
+            pending += ((child, depth + 1, not in_all_of) for child, in_all_of in _copy_subschemas(node))
     return root
 
 
-def _copy_subschemas(node: dict[str, Any]) -> list[dict[str, Any]]:
-    """Replaces each subschema of `node` (an own copy already) by a copy of it, and returns those copies."""
-    copies: list[dict[str, Any]] = []
+def _copy_subschemas(node: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
+    """Replaces each subschema of `node` (an own copy already) by a copy of it, and returns those copies,
+    each with whether it is a branch of `allOf` (never closed: `_is_object`)."""
+    copies: list[tuple[dict[str, Any], bool]] = []
+    in_all_of = False
 
     def copy(child: Any) -> Any:
         if not isinstance(child, dict):
             return child
-        copies.append(dict(child))
-        return copies[-1]
+        copies.append((dict(child), in_all_of))
+        return copies[-1][0]
 
     for key in _ONE:
         value = node.get(key)
@@ -83,7 +80,9 @@ def _copy_subschemas(node: dict[str, Any]) -> list[dict[str, Any]]:
             node[key] = [copy(child) for child in value]
     for key in _LISTS:
         if isinstance(node.get(key), list):
+            in_all_of = key == "allOf"
             node[key] = [copy(child) for child in node[key]]
+            in_all_of = False
     for key in _MAPS:
         if isinstance(node.get(key), dict):
             node[key] = {name: copy(child) for name, child in node[key].items()}

@@ -236,3 +236,16 @@ def test_anthropic_structured_outputs_keep_properties_left_out_of_required_optio
     assert accepts(constraint.matcher, tokenizer, '{"z": "ab"}') and accepts(constraint.matcher, tokenizer, "{}")
     assert accepts(constraint.matcher, tokenizer, '{"z": "ab", "y": 1}')
     assert not accepts(constraint.matcher, tokenizer, '{"z": "ab", "q": 1}')
+
+
+def test_strict_leaves_free_form_objects_and_all_of_compositions_open(tokenizer: Any) -> None:
+    """A field typed only `object` (tools' free-form `meta`, MCP schemas) stays free-form, and an object whose keys
+    `allOf` spreads over branches compiles (closing each part refused the others' keys: unsatisfiable, a 400)."""
+    free = {"type": "object", "properties": {"meta": {"type": "object"}, "n": {"type": ["object", "null"]}}}
+    constraint = constraint_for(tokenizer, json_schema_format(free, True), None, None, None, False)
+    assert accepts(constraint.matcher, tokenizer, '{"meta": {"k": 1}, "n": {"j": 2}}')
+    assert not accepts(constraint.matcher, tokenizer, '{"meta": {}, "n": null, "extra": 1}')
+    composed = {"type": "object", "properties": {"a": {"type": "integer"}},
+                "allOf": [{"properties": {"b": {"type": "integer"}}}]}
+    constraint = constraint_for(tokenizer, json_schema_format(composed, True), None, None, None, False)
+    assert accepts(constraint.matcher, tokenizer, '{"a": 1, "b": 2}')
