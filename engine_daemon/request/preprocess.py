@@ -105,6 +105,10 @@ DROPPED_BY_SIZE = "_dropped_by_size"
 def drop_oversized_turns(body: dict[str, Any], loaded: LoadedModel) -> None:
     """A truncating chat's oldest non-system turns that could never fit, dropped by their bytes before any rendering.
 
+    Only as many as the bytes demand, then any tool results of a dropped call: an agent's history is one
+    user turn and hundreds of assistant and tool turns after it, so waiting for a user turn to stop at
+    dropped all of them. `fit_context` then cuts what still does not fit by tokens, as `truncate` does.
+
     A prompt of more bytes than the window holds at the longest token cannot fit, so `truncate`
     would drop at least these; cutting them here, off the mlx thread, keeps a 16 MiB conversation
     from being rendered and tokenized whole (and again for each cut `truncate` tries).
@@ -117,8 +121,8 @@ def drop_oversized_turns(body: dict[str, Any], loaded: LoadedModel) -> None:
     for index, message in enumerate(messages[:-1]):  # the last message always stays
         if message.get("role") == "system":
             continue
-        if excess <= 0 and message.get("role") == "user":
-            break  # as `truncate` prefers: what is kept starts with a user turn (no orphaned tool result)
+        if excess <= 0 and message.get("role") != "tool":
+            break  # enough dropped, and what is kept starts with no tool result whose call is gone
         dropped.add(index)
         excess -= prompt_bytes({"messages": [message]})
     body["messages"] = [message for index, message in enumerate(messages) if index not in dropped]
