@@ -72,6 +72,7 @@ def shared_sampler(temperature: float, top_p: float, min_p: float, top_k: int) -
     chain = _filters(top_p, min_p, top_k)
 
     def sample(logprobs: mx.array) -> mx.array:
+        logprobs = logprobs.astype(mx.float32)  # see `SeededSampler.__call__`
         for method in chain:
             logprobs = method(logprobs)
         return categorical_sampling(logprobs, temperature)
@@ -107,6 +108,9 @@ class SeededSampler:
         self._before.append(self.key)
         self.key, draw = mx.random.split(self.key)
         self.draws += 1
+        # float32: scaled by 1/temperature, float16 logits overflow to -inf past ~65504 (every token at a
+        # temperature of 2e-5 with a log-probability below -1.3): a uniform draw past every mask.
+        logprobs = logprobs.astype(mx.float32)
         for method in self.chain:
             logprobs = method(logprobs)
         return mx.random.categorical(logprobs * (1.0 / self.temperature), key=draw)

@@ -31,3 +31,13 @@ def test_a_raise_inside_a_compiled_sampler_is_recovered_from() -> None:
     draw = make_request_sampler({"temperature": 1.0})(mx.zeros((1, 10)))
     mx.eval(draw)
     assert not recover_random_state()
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_a_small_temperature_on_half_precision_logits_stays_inside_the_mask(dtype: mx.Dtype, seed: int | None) -> None:
+    """1/temperature scaled float16 logits past 65504: every allowed token became -inf, the draw uniform."""
+    masked = mx.where(mx.arange(2000) >= 1000, mx.log(mx.array(1 / 1000)), -mx.inf).astype(dtype)[None]
+    sampler = make_request_sampler({"temperature": 2e-5, "seed": seed})
+    draws = [int(sampler(masked).item()) for _ in range(20)]
+    assert all(1000 <= token < 2000 for token in draws), draws
