@@ -34,6 +34,7 @@ from http_frontend.openai.responses_items import (
     parse_text_format,
     parse_tool_choice,
     parse_truncation,
+    skips_items,
     tools_of,
 )
 from http_frontend.openai.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
@@ -249,7 +250,7 @@ class Responses(GenerationRoute):
             req.context.previous_response_id = request.previous_response_id  # routing: back to its engine
             history = list(record.get("messages") or [])
             media = list(record.get("media") or [])
-        conversation = name_tool_results(history + request.messages)
+        conversation = name_tool_results(history + request.messages, calls_elsewhere=skips_items(body))
         if not conversation:
             raise bad_request("'input' must contain at least one item", param="input")
         media += await collector.resolve() or []  # fetches http(s) images: after every other check

@@ -202,23 +202,32 @@ def parse_input(value: Any, max_items: int, media: MediaCollector | None = None,
     return conversation.messages
 
 
-def name_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def name_tool_results(messages: list[dict[str, Any]], calls_elsewhere: bool = False) -> list[dict[str, Any]]:
     """Gives each tool result the name of the call it answers (some templates print it).
 
     A result that answers no earlier call (in this input or the `previous_response_id` chain) is
-    refused as OpenAI refuses it: a model shown an output of a call it never made is misled.
+    refused as OpenAI refuses it: a model shown an output of a call it never made is misled. Unless
+    `calls_elsewhere`: the input skipped items that may hold its call (an `item_reference` to an item
+    stored at OpenAI, a compaction), which OpenAI resolves and this server cannot.
     """
     names: dict[str, str] = {}
     for message in messages:
         for call in message.get("tool_calls") or ():
             names[call["id"]] = call["function"]["name"]
-        if message["role"] != "tool":
+        if message["role"] != "tool" or (calls_elsewhere and message["tool_call_id"] not in names):
             continue
         if message["tool_call_id"] not in names:
             raise APIError(400, f"No tool call found for function call output with call_id "
                                 f"{message['tool_call_id']}.", param="input")  # OpenAI's words; its code is null
         message.setdefault("name", names[message["tool_call_id"]])
     return messages
+
+
+def skips_items(body: dict[str, Any]) -> bool:
+    """Whether the request's `input` holds items skipped here (`SKIPPED_ITEMS`), which may hold calls."""
+    items = body.get("input")
+    return isinstance(items, list) and any(isinstance(item, dict) and item.get("type") in SKIPPED_ITEMS
+                                           for item in items)
 
 
 TRUNCATION_MODES = {"auto": "truncate", "disabled": "error"}  # Responses `truncation` -> the ADD's context_overflow

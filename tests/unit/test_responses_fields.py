@@ -70,6 +70,9 @@ def test_a_call_output_answering_no_call_is_refused_as_openai_does() -> None:
     assert post(engine, input=[{"role": "user", "content": "hi"}, CALL, OUTPUT]).status_code == 200
     tool = engine.added[-1]["messages"][-1]
     assert (tool["role"], tool["tool_call_id"], tool["name"]) == ("tool", "call_1", "f")
+    # Its call may be an item stored at OpenAI (`item_reference`), which OpenAI resolves and this server cannot.
+    reference = {"type": "item_reference", "id": "fc_stored"}
+    assert post(engine, input=[{"role": "user", "content": "hi"}, reference, OUTPUT]).status_code == 200
 
 
 def test_a_call_output_may_answer_a_call_of_the_previous_response() -> None:
