@@ -15,6 +15,11 @@ from typing import Any
 from http_frontend.engine.frames import delta_bytes
 
 
+# What one more queued `Update` costs beyond its text (~740 bytes measured): counted against the slow-client cap,
+# so output alternating text and tool calls cannot hold hundreds of times the cap in near-empty updates.
+UPDATE_BYTES = 512
+
+
 class EngineUnavailable(Exception):
     """The engine cannot be reached (dead, restarting, or never started)."""
 
@@ -77,7 +82,8 @@ class RequestStream:
     def on_deltas(self, item: dict[str, Any]) -> None:
         if _starts_new_update(self._pending, item):
             self._ready.append((self._pending, self._pending_bytes))
-            self._pending, self._pending_bytes = Update(), 0
+            self._pending, self._pending_bytes = Update(), UPDATE_BYTES
+            self.pending_bytes += UPDATE_BYTES
         pending = self._pending
         size = delta_bytes(item)
         self.pending_bytes += size

@@ -76,3 +76,20 @@ def test_text_before_a_call_still_merges_with_it() -> None:
     updates = asyncio.run(_unread_then_drained([{"text": "Let me look."}, {"text": "\n"},
                                                 {"tool_calls": [_call(0, "{}")]}]))
     assert len(updates) == 1 and updates[0].text == "Let me look.\n" and updates[0].finish_reason
+
+
+def test_updates_kept_apart_count_against_the_slow_client_cap() -> None:
+    """Output alternating one character of text and a one-character call piece: each switch keeps an update of
+    its own; they must reach the cap long before their memory (~740 bytes each) is hundreds of times it."""
+    stream = RequestStream("fe:1", max_pending_bytes=50_000)
+    seq = 0
+    while not stream.over_limit and seq < 40_000:
+        stream.on_deltas({"rid": "fe:1", "seq": seq, "text": "a"})
+        stream.on_deltas({"rid": "fe:1", "seq": seq + 1, "tool_call_deltas": [{"index": seq, "arguments": "{"}]})
+        seq += 2
+    assert stream.over_limit and seq < 400
+
+
+def test_a_drained_stream_counts_nothing() -> None:
+    updates = asyncio.run(_unread_then_drained(_INTERLEAVED * 3))
+    assert updates[-1].finish_reason == "tool_calls"
