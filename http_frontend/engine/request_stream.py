@@ -14,7 +14,6 @@ from typing import Any
 
 from http_frontend.engine.frames import delta_bytes
 
-
 # What one more queued `Update` costs beyond its text (~740 bytes measured): counted against the slow-client cap,
 # so output alternating text and tool calls cannot hold hundreds of times the cap in near-empty updates.
 UPDATE_BYTES = 512
