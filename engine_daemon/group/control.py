@@ -85,6 +85,12 @@ class ControlServer(threading.Thread):
             self._refusal = REFUSE + reason.encode(errors="replace")
         return self._refusal_sent.wait(wait)
 
+    def flush_refusal(self, timeout: float = 1.0) -> None:
+        """Before the process exits: a refusal the control thread is about to send gets out (sent, then ~0.1 s
+        for ZeroMQ's I/O thread to write it; `os._exit` would drop a queued frame)."""
+        if self._refusal is not None and self._refusal_sent.wait(timeout):
+            time.sleep(0.1)
+
     def stop(self) -> None:
         """Ends the thread and closes every socket (the engine's context.term() waits for them)."""
         self._halt.set()

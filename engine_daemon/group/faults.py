@@ -67,5 +67,6 @@ class GroupFaults:
         log.critical("engine group failed at rank %s; exiting with %d in %.1f s", self.failure["failed_rank"],
                      GROUP_FAILED_EXIT, self.exit_delay)
         time.sleep(max(0.0, self.exit_delay - (time.monotonic() - started)))
+        self.control.flush_refusal()  # with --group-exit-delay 0 the followers must still hear why
         logging.shutdown()
         os._exit(GROUP_FAILED_EXIT)

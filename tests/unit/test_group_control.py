@@ -110,3 +110,18 @@ def test_an_older_heartbeat_keeps_only_its_fields() -> None:
     fields = client._heartbeat().split()
     assert fields[0] == b"HB" and fields[1:4] == [b"1", b"10", b"20"] and len(fields) == 5
     assert len(ControlClient(None, "x", 1, lambda: (10, 20))._heartbeat().split()) == 8
+
+
+def test_flushing_a_refusal_waits_until_the_control_thread_sent_it() -> None:
+    """`GroupFaults` exits with `os._exit` right after its delay (0 with --group-exit-delay 0): it first waits
+    for a refusal set with `refuse(wait=0)` to be sent, which takes the control thread's next pass."""
+    context = zmq.Context()
+    server = ControlServer(context, f"tcp://127.0.0.1:{free_port()}", 2)
+    server.start()
+    try:
+        assert not server.refuse("rank 1 runs an older engine", wait=0)  # as `on_older` does, on that thread
+        server.flush_refusal(timeout=5.0)
+        assert server._refusal_sent.is_set()
+    finally:
+        server.stop()
+        context.term()
