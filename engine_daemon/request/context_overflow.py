@@ -47,6 +47,8 @@ SUMMARY_INSTRUCTION = ("Summarize the conversation below in a few sentences. Kee
                        "decisions and open questions. Write only the summary.")
 
 
+# Set on an ADD body whose oldest turns `preprocess.drop_oversized_turns` removed: `fit_context` reports them too.
+DROPPED_BY_SIZE = "_dropped_by_size"
 REQUEST_MODES = ("error", "truncate")  # what an ADD may ask for itself: a summary is the operator's call
 
 
@@ -78,7 +80,7 @@ def fit_context(request: EngineRequest, loaded: LoadedModel, default_max_tokens:
         return
     requested = request.params.get("max_tokens")
     before = len(request.prompt_tokens)
-    by_size = request.body.get("_dropped_by_size", 0)  # turns too large to ever fit, dropped before rendering
+    by_size = request.body.get(DROPPED_BY_SIZE, 0)  # turns too large to ever fit, dropped before rendering
     if not overflows(before, requested, window):
         if by_size:
             request.context_overflow = {"mode": "truncated", "dropped_messages": by_size}

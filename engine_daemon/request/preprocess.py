@@ -23,7 +23,7 @@ from typing import Any
 
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
-from engine_daemon.request.context_overflow import overflow_mode
+from engine_daemon.request.context_overflow import DROPPED_BY_SIZE, overflow_mode
 from engine_daemon.request.param_checks import check_params, parse_logit_bias
 from engine_daemon.request.prompt import build_prompt
 from engine_daemon.request.state import PreparedPrompt
@@ -98,10 +98,6 @@ def check_size(body: dict[str, Any], loaded: LoadedModel) -> None:
                              param="prompt" if body.get("messages") is None else "messages")
 
 
-# Set on an ADD body whose oldest turns `drop_oversized_turns` removed: `fit_context` reports them with its own.
-DROPPED_BY_SIZE = "_dropped_by_size"
-
-
 def drop_oversized_turns(body: dict[str, Any], loaded: LoadedModel) -> None:
     """A truncating chat's oldest non-system turns that could never fit, dropped by their bytes before any rendering.
 
@@ -115,9 +111,11 @@ def drop_oversized_turns(body: dict[str, Any], loaded: LoadedModel) -> None:
     """
     window, longest = loaded.context_window, longest_token_bytes(loaded)
     messages = body["messages"]
-    if not window or not longest or prompt_bytes(body) <= window * longest:
+    if not window or not longest:
         return
     excess, dropped = prompt_bytes(body) - window * longest, set()
+    if excess <= 0:
+        return
     for index, message in enumerate(messages[:-1]):  # the last message always stays
         if message.get("role") == "system":
             continue
@@ -135,12 +133,11 @@ def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
         params = body.get("params") or {}
         check_params(params)  # before any compile: a refusal for a bad value costs nothing
         parse_logit_bias(params.get("logit_bias"), loaded.vocab_size)
-        # A chat that may drop its oldest turns (`fit_context`) is not refused for its length alone.
-        if overflow_mode(body, loaded) == "error" or not body.get("messages") or body.get("media"):
-            check_size(body, loaded)
-        else:
+        # A chat that may drop its oldest turns (`fit_context`) is refused only for what must stay (the last
+        # turn, system prompt, tools).
+        if overflow_mode(body, loaded) != "error" and body.get("messages") and not body.get("media"):
             drop_oversized_turns(body, loaded)
-            check_size(body, loaded)  # what must stay (the last turn, system prompt, tools) may still not fit
+        check_size(body, loaded)
         tokens = build_prompt(loaded, body)
         in_thinking = prompt_in_thinking(loaded.tokenizer, tokens)
         # A grammar (structured output, forced tool calls) compiles here too: a large schema takes seconds.
