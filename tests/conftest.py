@@ -30,11 +30,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def ipc_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Short paths: Unix socket paths are limited to ~104 bytes on macOS.
+def ipc_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    # Short paths: Unix socket paths are limited to ~104 bytes on macOS. Removed at the end: every run
+    # would otherwise leave one more directory in the system's temp folder.
+    import shutil
     import tempfile
 
-    return Path(tempfile.mkdtemp(prefix="mlxe-"))
+    path = Path(tempfile.mkdtemp(prefix="mlxe-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +34,9 @@ def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model: Path, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    ipc = tempfile.mkdtemp(prefix="mlxe-")
+def stack(tiny_model: Path, models: dict[str, Path], ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator:
+    ipc = ipc_dir
     args = ["--model-dir", str(models["root"]), "--embedding-model", str(models["bert"]), "--aux-step-tokens", "128"]
     with running_stack(f"ipc://{ipc}/emb.sock", tmp_path_factory.mktemp("logs"), model=str(tiny_model),
                        engine_args=args, env={"MLX_ENGINE_FAULT_INJECTION": "1"}) as (engine, frontend):
