@@ -8,9 +8,10 @@ prefilling it (measured read speed against measured prefill speed).
 
 A file is `<entry digest>-<content sha256>.safetensors`: the entry digest covers the model
 identity (`engine_daemon.models.identity`), the adapter and the tokens; the content
-hash is checked on every load, so a corrupt or truncated file is skipped (and deleted) with
-a log line, never served. Writes go to a temporary name and are renamed into place, so two
-engines sharing a directory see whole files or none; each keeps the directory under the
+hash is checked on every load, and so is its KV against the loading model's own layout
+(`kv_layout`): a corrupt, truncated or foreign file is skipped (and deleted) with a log line,
+never served. Writes go to a temporary name and are renamed into place, so two engines
+sharing a directory see whole files or none; each keeps the directory under the
 byte cap by deleting the least recently used files (a load refreshes a file's mtime), making room
 before every write and when it opens the directory. Only plain files are read (a FIFO would block
 the reader forever), files that are not ours are judged once, and temporary files older than an
@@ -37,6 +38,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from engine_daemon.prefix_cache.kv_layout import Layout, mismatch
 from engine_daemon.prefix_cache.memory import common_prefix
 
 log = logging.getLogger(__name__)
@@ -190,8 +192,9 @@ class DiskTier:
         self.skipped_slower += 1
         return False
 
-    def load(self, entry: DiskEntry) -> list[Any] | None:
-        """The entry's KV, after checking its content hash; None (and the file deleted) when it is damaged."""
+    def load(self, entry: DiskEntry, layout: Layout | None = None) -> list[Any] | None:
+        """The entry's KV, after checking its content hash, its length and (given the model's `layout`) its
+        layout; None (and the file deleted) when it is damaged or does not fit the model."""
         started = time.perf_counter()
         try:
             if not _is_regular(entry.path):
@@ -200,6 +203,9 @@ class DiskTier:
                 raise ValueError("content hash mismatch")
             cache = load_prompt_cache(str(entry.path))
             _check_lengths(cache, len(entry.tokens))
+            problem = mismatch(cache, layout) if layout is not None else None
+            if problem:
+                raise ValueError(f"its KV does not fit the model: {problem}")
         except FileNotFoundError:
             self._index.pop(entry.path.name, None)  # another engine evicted it meanwhile
             return None

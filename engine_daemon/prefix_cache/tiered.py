@@ -8,12 +8,13 @@ of the same files, and a file stored before the weights changed is never served 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engine_daemon.prefix_cache.disk import DiskTier, key_digest
+from engine_daemon.prefix_cache.kv_layout import Layout, model_layout
 from engine_daemon.prefix_cache.memory import Entry, MemoryTier, as_tokens
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,12 @@ def layout_key(model_identity: str, max_kv_size: int | None) -> str:
 
 
 class PrefixCache:
-    def __init__(self, max_entries: int, max_bytes: int, disk: DiskTier | None = None):
+    def __init__(self, max_entries: int, max_bytes: int, disk: DiskTier | None = None,
+                 model: Callable[[], Any] | None = None, max_kv_size: int | None = None):
+        """`model`: the loaded model, whose KV layout (`kv_layout`) a disk entry must have to be used."""
         self.disk = disk
+        self.model, self.max_kv_size = model, max_kv_size
+        self._layouts: dict[str, Layout] = {}  # by the key's identity and layout: one model call per model
         self.memory = MemoryTier(max_entries, max_bytes, on_evict=self._spill)
         self.hits = {"memory": 0, "disk": 0, "in_flight": 0}
         self.prefill_tokens_per_second: float | None = None  # measured by the scheduler
@@ -62,7 +67,7 @@ class PrefixCache:
             stored = self.disk.best_match(key_digest(*key), tokens, in_memory)
             if stored is not None and self.disk.worth_loading(stored[0], stored[1] - in_memory,
                                                                self.prefill_tokens_per_second):
-                cache = self.disk.load(stored[0])
+                cache = self.disk.load(stored[0], self._layout(key[0]))
                 if cache is not None:
                     entry, shared = stored
                     if shared < len(entry.tokens):
@@ -73,6 +78,13 @@ class PrefixCache:
             return None, 0
         self.hits["in_flight" if match.entry.at_prefill else "memory"] += 1
         return self.memory.take(match), match.length
+
+    def _layout(self, identity: str) -> Layout | None:
+        if self.model is None:
+            return None
+        if identity not in self._layouts:
+            self._layouts[identity] = model_layout(self.model(), self.max_kv_size)
+        return self._layouts[identity]
 
     def insert(self, key: CacheKey, tokens: Sequence[int], cache: list[Any], at_prefill: bool = False) -> None:
         """Keeps `cache` as the KV of `tokens`; `at_prefill`: shared by a request still running."""

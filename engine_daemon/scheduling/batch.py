@@ -51,9 +51,8 @@ class BatchScheduler(BaseScheduler):
         self.generator_ref: ModelRef | None = None
         self.by_uid: dict[int, EngineRequest] = {}
         self.uid_of: dict[str, int] = {}
-        # --prompt-cache-dir: prefixes outlive model switches and restarts (DiskTier).
-        self.disk_cache = (DiskTier(config.prompt_cache_dir, config.prompt_cache_disk_bytes)
-                           if config.prompt_cache_dir else None)
+        directory = config.prompt_cache_dir  # --prompt-cache-dir: prefixes outlive model switches and restarts
+        self.disk_cache = DiskTier(directory, config.prompt_cache_disk_bytes) if directory else None
         self.prompt_cache = self._new_prefix_cache()
         # Accepted for the loaded model, waiting for a free slot (at most decode_concurrency run).
         self.pending: deque[EngineRequest] = deque()
@@ -192,7 +191,8 @@ class BatchScheduler(BaseScheduler):
         return True
 
     def _new_prefix_cache(self) -> PrefixCache:
-        return PrefixCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes or 1 << 62, self.disk_cache)
+        return PrefixCache(self.config.prompt_cache_size, self.config.prompt_cache_bytes or 1 << 62, self.disk_cache,
+                           model=lambda: self.models.current.model, max_kv_size=self.config.max_kv_size)
 
     def _cache_key(self, adapter: str | None = None) -> tuple[str, str | None]:
         """(the loaded weights' identity and KV layout, adapter key: `AdapterManager`): names do not matter."""

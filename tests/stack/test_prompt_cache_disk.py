@@ -2,18 +2,25 @@
 
 A ~4,000-token conversation is answered, the engine stops (SIGTERM) and starts again on the
 same directory: the next turn takes ≥ 95% of its prompt from disk, and its greedy answer is
-exactly a cold engine's. A damaged file is skipped with a log line, never served.
+exactly a cold engine's. A damaged file, or one whose KV does not fit the model, is skipped with a
+log line, never served.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
+from engine_daemon.prefix_cache.disk import DiskTier
 from model_builders.text import build_model
 from tests.helpers import answers_from_two_engines, client_for, running_stack
 
@@ -175,3 +182,46 @@ def test_a_restart_with_another_kv_layout_never_loads_the_old_layouts_prefixes(t
         assert stats(fe)["prompt_cache_disk_loads"] == 0
     chunks = [json.loads(line[6:]) for line in seen if line.startswith("data: {")]
     assert not [chunk for chunk in chunks if "error" in chunk] and chunks[-1]["usage"]["completion_tokens"] == 200
+
+
+def test_a_file_of_another_models_kv_under_a_valid_name_is_skipped_beside_a_running_stream(
+        tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """Red team: the KV of another model (4 layers, 2 KV heads of dim 16, not 2 layers, 1 head of dim 32) written
+    by the real writer under this model's key while the engine was stopped: after the restart it joined the
+    batch and the step failed, the request (500 "[concatenate] All the input array dimensions must match") and
+    the stream decoding beside it too. The layout check (`kv_layout`) now skips, counts and deletes it."""
+    cache_dir, model = tmp_path / "kv", str(tiny_model)
+    first, second = turns(model)
+    args = ["--prompt-cache-dir", str(cache_dir)]
+    for run in ("a", "b", "cold"):
+        (tmp_path / run).mkdir()
+    with running_stack(f"ipc://{ipc_dir}/fit-a.sock", tmp_path / "a", model=model, engine_args=args) as (_, fe):
+        ask(fe, model, first)
+    (own,) = cache_dir.glob("*.safetensors")
+    _, meta = load_prompt_cache(str(own), return_metadata=True)
+    tokens = np.frombuffer(base64.b64decode(meta["tokens"]), dtype="<i4")
+    other = load(str(build_model(tmp_path / "foreign" / "tiny-group", size="tiny-group", seed=0)))[0]
+    foreign = make_prompt_cache(other)
+    other(mx.array(tokens)[None], cache=foreign)
+    own.unlink()
+    assert DiskTier(cache_dir, 1 << 30).store(meta["key"], tokens, foreign, trimmable=True)
+    (planted,) = cache_dir.glob("*.safetensors")
+    with running_stack(f"ipc://{ipc_dir}/fit-b.sock", tmp_path / "b", model=model, engine_args=args) as (engine, fe):
+        victim = {"model": model, "messages": [{"role": "user", "content": "A long story, please."}],
+                  "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{fe.base_url}/v1/chat/completions", json=victim, timeout=300) as stream:
+            lines = stream.iter_lines()
+            seen = [line for line, _ in zip(lines, range(3))]  # the victim is decoding
+            answer = httpx.post(f"{fe.base_url}/v1/chat/completions", timeout=300, json={
+                "model": model, "messages": second, "max_tokens": 12, "temperature": 0})
+            seen += list(lines)
+        assert answer.status_code == 200, answer.text
+        found = stats(fe)
+        assert found["prompt_cache_disk_corrupt"] == 1 and found["prompt_cache_disk_loads"] == 0
+        assert not planted.exists() and "does not fit the model" in engine.log()
+    chunks = [json.loads(line[6:]) for line in seen if line.startswith("data: {")]
+    assert not [chunk for chunk in chunks if "error" in chunk] and chunks[-1]["usage"]["completion_tokens"] == 200
+    with running_stack(f"ipc://{ipc_dir}/fit-c.sock", tmp_path / "cold", model=model) as (_, fe):
+        cold = ask(fe, model, second)
+    assert answer.json()["choices"][0]["message"]["content"] == cold.choices[0].message.content
