@@ -2,6 +2,12 @@
 
 Custom tools become function tools; Anthropic's client tools (bash, text editor) get the input
 schema Anthropic documents (`client_tools`); its hosted tools are left out (`hosted_tools`).
+
+`strict: true` (Anthropic's strict tool use) reaches the engine as the function's `strict` with
+Anthropic's meaning, `STRICT_CLOSED`: a constrained call follows the schema with every object closed
+(Anthropic asks strict schemas to say `additionalProperties: false`; one that does not is closed
+rather than refused) and `required` as written, so a property left out of it stays optional, as
+Anthropic documents (not OpenAI's strict, which would require every property).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from http_frontend.anthropic.client_tools import CLIENT_TOOLS, client_tool
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
 from http_frontend.parsing.generation_fields import parse_tool_choice, parse_tools
+from protocol.messages import STRICT_CLOSED
 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
@@ -34,7 +41,7 @@ def hosted_tools(body: dict[str, Any]) -> list[str]:
 
 
 def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Custom tools `{name, description, input_schema}` as chat function tools.
+    """Custom tools `{name, description, input_schema, strict}` as chat function tools.
 
     Anthropic's client tools (bash, text editor) become function tools with their documented input
     (`client_tools`). Anthropic-hosted tools (a versioned `type` such as `web_search_20250305`) cannot
@@ -43,13 +50,16 @@ def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     tools = get_field(body, "tools", (list,))
     if not tools:
         return None
-    converted = []
+    converted, strict = [], set()
     for index, tool in enumerate(tools):
         param = f"tools.{index}"
         if not isinstance(tool, dict):
             raise bad_request(f"{param}: expected an object", param=param, code="invalid_type")
+        if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
+            raise bad_request(f"{param}.strict: expected a boolean", param=f"{param}.strict", code="invalid_type")
         if tool.get("type") in CLIENT_TOOLS:
             converted.append(client_tool(tool, param))
+            strict |= {converted[-1]["function"]["name"]} if tool.get("strict") else set()
             continue
         if tool.get("type", "custom") != "custom" and isinstance(tool.get("type"), str):
             continue  # hosted: see hosted_tools
@@ -60,11 +70,16 @@ def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
         converted.append({"type": "function", "function": function})
+        strict |= {tool["name"]} if tool.get("strict") else set()
     if not converted:
         return None
-    deferred = deferred_tools(body)
-    return [{**tool, "defer_loading": True} if tool["function"]["name"] in deferred else tool
-            for tool in parse_tools({"tools": converted})]
+    deferred, checked = deferred_tools(body), []
+    for entry in parse_tools({"tools": converted}):
+        name = entry["function"]["name"]
+        if name in strict:
+            entry = {**entry, "function": {**entry["function"], "strict": STRICT_CLOSED}}
+        checked.append({**entry, "defer_loading": True} if name in deferred else entry)
+    return checked
 
 
 def parse_anthropic_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None

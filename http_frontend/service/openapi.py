@@ -203,7 +203,9 @@ ANTHROPIC_BLOCK = obj({"type": STRING, "text": STRING, "thinking": STRING, "sign
 # `system` turns inside `messages`: Claude Code's mid-conversation system messages.
 ANTHROPIC_MESSAGE_PARAM = obj({"role": {"type": "string", "enum": ["user", "assistant", "system"]},
                                "content": {"oneOf": [STRING, arr(ANTHROPIC_BLOCK)]}}, ("role", "content"))
-ANTHROPIC_TOOL = obj({"name": STRING, "description": STRING, "input_schema": ANY_OBJECT}, ("name",))
+# `strict`: a forced call follows `input_schema`, objects closed, `required` as written (Anthropic's strict).
+ANTHROPIC_TOOL = obj({"name": STRING, "description": STRING, "input_schema": ANY_OBJECT, "strict": BOOLEAN},
+                     ("name",))
 ANTHROPIC_COMMON: dict[str, Schema] = {
     "model": STRING,
     "messages": arr(ANTHROPIC_MESSAGE_PARAM, minItems=1),

@@ -219,6 +219,27 @@ def test_tool_use_round_trip(frontend: Frontend, model_id: str) -> None:
     assert answer.usage.output_tokens > 0
 
 
+def test_strict_tools_hold_forced_calls_to_their_schema(frontend: Frontend, model_id: str) -> None:
+    """`strict: true` was dropped: a forced call to a tool whose schema does not close its objects could carry keys
+    the schema never named. Strict now closes them, as Anthropic's strict tool use promises (its schemas say
+    `additionalProperties: false`; one that does not is closed rather than refused)."""
+    client = client_for(frontend)
+    loose = {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3}}}
+    tools = [{"name": "f", "description": "Records a note.", "input_schema": loose, "strict": True}]
+    for seed in range(4):
+        result = client.messages.create(model=model_id, max_tokens=60, messages=[{"role": "user", "content": "x"}],
+                                        tools=tools, tool_choice={"type": "tool", "name": "f",
+                                                                  "disable_parallel_tool_use": True},
+                                        extra_body={"temperature": 1.0, "seed": seed})
+        (call,) = [block for block in result.content if block.type == "tool_use"]
+        assert call.name == "f" and set(call.input) <= {"z"}, call.input
+        assert len(call.input.get("z", "")) <= 3 and result.stop_reason == "tool_use"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=model_id, max_tokens=4, messages=PROMPT, tools=[{**tools[0], "strict": "yes"}])
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert caught.value.body["error"]["message"].startswith("tools.0.strict:")
+
+
 @pytest.fixture(scope="module")
 def thinking_model(tiny_model: Path) -> str:
     # Next to the tiny model: the engine serves paths under its --model's directory.
