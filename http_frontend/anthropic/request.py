@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from http_frontend.anthropic.search_results import search_result_text
 from http_frontend.anthropic.tools import deferred_tools, parse_anthropic_tool_choice, parse_anthropic_tools
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
@@ -28,7 +29,7 @@ from http_frontend.settings import FrontendSettings
 IGNORED_BLOCKS = {"redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
                   "code_execution_tool_result", "bash_code_execution_tool_result",
                   "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
-                  "container_upload", "search_result"}
+                  "container_upload"}
 # Request fields of Anthropic's hosted features: refused rather than silently dropped.
 UNSUPPORTED_FIELDS = {
     "mcp_servers": "MCP connectors are not supported by this server",
@@ -74,7 +75,7 @@ def _tool_result(block: dict[str, Any], param: str, deferred: dict[str, dict[str
                  ) -> tuple[str, list[dict[str, Any]]]:
     """A tool_result's content as the text of a `tool` message, and the images it carried.
 
-    Text and documents become the tool message's text. Images go to a user turn right after
+    Text, documents and search results become the tool message's text. Images go to a user turn right after
     the tool results (`_user_turn`): chat templates render images in user turns, and a model
     that takes no images refuses them there with the same 400 as any user image.
     """
@@ -88,6 +89,8 @@ def _tool_result(block: dict[str, Any], param: str, deferred: dict[str, dict[str
             texts.append(_text(part, where))
         elif part["type"] == "document":
             texts.append(document_text(part, where))
+        elif part["type"] == "search_result":
+            texts.append(search_result_text(part, where))
         elif part["type"] == "image":
             images.append(_image_part(part, where))
             texts.append(f"[image {len(images)}: shown in the next user turn]")
@@ -146,6 +149,8 @@ def _user_turn(blocks: list[dict[str, Any]], param: str, deferred: dict[str, dic
             parts.append(_image_part(block, where))
         elif kind == "document":
             parts.append({"type": "text", "text": document_text(block, where)})
+        elif kind == "search_result":
+            parts.append({"type": "text", "text": search_result_text(block, where)})
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
                 raise bad_request(f"{where}.tool_use_id: expected a string", param=f"{where}.tool_use_id",

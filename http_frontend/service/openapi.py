@@ -194,7 +194,7 @@ RESPONSE_OBJECT = obj({
 RESPONSE_DELETED = obj({"id": STRING, "object": STRING, "deleted": BOOLEAN}, ("id", "deleted"))
 
 ANTHROPIC_BLOCK = obj({"type": STRING, "text": STRING, "thinking": STRING, "signature": STRING,
-                       "source": ANY_OBJECT, "id": STRING, "name": STRING,
+                       "source": {"oneOf": [ANY_OBJECT, STRING]}, "id": STRING, "name": STRING,  # str: search_result
                        "input": ANY_OBJECT, "tool_use_id": STRING,
                        "content": {"oneOf": [STRING, arr(ANY_OBJECT)]},
                        # `document` blocks (text, content or base64 PDF sources become text)

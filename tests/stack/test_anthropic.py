@@ -240,6 +240,38 @@ def test_strict_tools_hold_forced_calls_to_their_schema(frontend: Frontend, mode
     assert caught.value.body["error"]["message"].startswith("tools.0.strict:")
 
 
+def test_search_results_reach_the_model(frontend: Frontend, model_id: str) -> None:
+    """`search_result` blocks (Anthropic's search results, in a user turn or a tool_result) were dropped: the model
+    answered without what the client's search found. They now read as text where they were sent."""
+    client = client_for(frontend)
+    found = {"type": "search_result", "source": "https://example.com/foxes", "title": "Fox habitats",
+             "content": [{"type": "text", "text": "Red foxes live in dens dug into banks and hillsides."}],
+             "citations": {"enabled": True}}
+    question = {"type": "text", "text": "Where do foxes live?"}
+    plain = client.messages.count_tokens(model=model_id, messages=[{"role": "user", "content": [question]}])
+    with_result = client.messages.count_tokens(model=model_id,
+                                               messages=[{"role": "user", "content": [found, question]}])
+    assert with_result.input_tokens > plain.input_tokens + 10  # the title, source and text are in the prompt
+    reply = client.messages.create(model=model_id, max_tokens=4, messages=[{"role": "user", "content": [found]}])
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens > plain.input_tokens
+
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "search",
+                                              "input": {"q": "foxes"}}]}
+    tools = [{"name": "search", "description": "Searches the knowledge base.",
+              "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}]
+
+    def counted(content: list[dict[str, Any]]) -> int:
+        turns = [{"role": "user", "content": "Search for foxes"}, call,
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": content}]}]
+        return client.messages.count_tokens(model=model_id, tools=tools, messages=turns).input_tokens
+
+    assert counted([found]) > counted([{"type": "text", "text": "none"}]) + 10
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=model_id, max_tokens=4, messages=[{"role": "user", "content": [
+            {**found, "content": [{"type": "text"}]}]}])
+    assert caught.value.body["error"]["message"].startswith("messages.0.content.0.content.0:")
+
+
 @pytest.fixture(scope="module")
 def thinking_model(tiny_model: Path) -> str:
     # Next to the tiny model: the engine serves paths under its --model's directory.

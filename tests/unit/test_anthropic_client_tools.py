@@ -82,9 +82,8 @@ def test_a_tool_result_answering_no_tool_use_is_refused_in_anthropics_words() ->
 
 
 def test_a_user_turn_of_blocks_no_model_sees_is_named() -> None:
-    search = {"type": "search_result", "source": "https://example.com", "title": "Example",
-              "content": [{"type": "text", "text": "A result."}]}
-    result = post(FakeEngine(), messages=[{"role": "user", "content": [search]}])
+    upload = {"type": "container_upload", "file_id": "file_1"}
+    result = post(FakeEngine(), messages=[{"role": "user", "content": [upload]}])
     assert result.status_code == 400
     message = result.json["error"]["message"]
-    assert "messages.0 (search_result)" in message and "does not pass to the model" in message
+    assert "messages.0 (container_upload)" in message and "does not pass to the model" in message
