@@ -1,6 +1,6 @@
 """Anthropic tool definitions and `tool_choice` -> the chat route's function tools and tool_choice.
 
-Custom tools become function tools; Anthropic's client tools (bash, text editor) get the input
+Custom tools become function tools; Anthropic's client tools (bash, text editor, memory) get the input
 schema Anthropic documents (`client_tools`); its hosted tools are left out (`hosted_tools`).
 
 `strict: true` (Anthropic's strict tool use) reaches the engine as the function's `strict` with
@@ -43,7 +43,7 @@ def hosted_tools(body: dict[str, Any]) -> list[str]:
 def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Custom tools `{name, description, input_schema, strict}` as chat function tools.
 
-    Anthropic's client tools (bash, text editor) become function tools with their documented input
+    Anthropic's client tools (bash, text editor, memory) become function tools with their documented input
     (`client_tools`). Anthropic-hosted tools (a versioned `type` such as `web_search_20250305`) cannot
     run here: they are left out of the prompt (the route names them in `X-Ignored-Tools`), never a 400.
     """

@@ -212,7 +212,9 @@ ANTHROPIC_COMMON: dict[str, Schema] = {
     "system": {"oneOf": [STRING, arr(obj({"type": STRING, "text": STRING}, ("type", "text")))]},
     "tools": arr({"oneOf": [ANTHROPIC_TOOL, {
         **obj({"type": STRING, "name": STRING}, ("type", "name")),
-        "description": "Anthropic-hosted tools (web_search_20250305, …): left out, named in X-Ignored-Tools"}]}),
+        "description": "Anthropic's tools by type: client tools (bash_*, text_editor_*, memory_20250818) offered "
+                       "with their documented input; hosted ones (web_search_20250305, …) left out, named in "
+                       "X-Ignored-Tools"}]}),
     "context_management": ANY_OBJECT,
     "output_config": obj({"effort": STRING, "format": ANY_OBJECT}),
     "tool_choice": obj({"type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": STRING,
