@@ -107,6 +107,11 @@ ENGINE_TO_FRONTEND = frozenset(MsgType) - FRONTEND_TO_ENGINE
 NUMBER = (int, float)
 NONE = type(None)
 
+# A function tool's `strict` in an ADD: `true` is OpenAI's (every object that lists `properties` is closed and
+# requires each of them), STRICT_CLOSED Anthropic's (objects closed, `required` as the schema writes it: a property
+# left out of it stays optional). Either way the engine holds a constrained call to the schema so read.
+STRICT_CLOSED = "closed"
+
 # field -> (allowed types, required)
 Schema = dict[str, tuple[tuple[type, ...], bool]]
 
@@ -130,7 +135,8 @@ SCHEMAS: dict[MsgType, Schema] = {
         "params": ((dict,), True),
         "chat_template_kwargs": ((dict, NONE), False),
         "deadline": ((NUMBER, NONE), False),
-        # OpenAI chat-format function tools: [{"type": "function", "function": {name, description, parameters}}]
+        # OpenAI chat-format function tools: [{"type": "function", "function": {name, description, parameters,
+        # strict (true | STRICT_CLOSED)}}]
         "tools": ((list, NONE), False),
         # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}
         "tool_choice": ((str, dict, NONE), False),

@@ -7,6 +7,10 @@ strict schema unless every object says `additionalProperties: false` and lists e
 left out. `strict_schema` gives them what strict promises instead: an object schema without
 `additionalProperties` is closed, and one without `required` requires every property it lists.
 What a schema says itself (`additionalProperties: true`, a `required` subset) is kept.
+
+Anthropic's `strict: true` on a tool (`protocol.messages.STRICT_CLOSED`) closes objects the same way
+but leaves `required` as written (`require_all=False`): its schemas name their optional properties by
+leaving them out of `required`, and a strict call may still omit them.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ def _is_object(node: dict[str, Any]) -> bool:
     return isinstance(node.get("properties"), dict) and "allOf" not in node
 
 
-def strict_schema(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> Any:
-    """A copy of `schema` with strict's semantics: objects closed, their properties required.
+def strict_schema(schema: Any, limit: int = MAX_SCHEMA_DEPTH, *, require_all: bool = True) -> Any:
+    """A copy of `schema` with strict's semantics: objects closed, their properties required (with
+    `require_all`; else a `required` the schema does not write stays absent: every property optional).
 
     Only schema positions are walked (never `enum`, `const`, `default` or `examples` values, which
     are data), iteratively and at most `limit` schemas deep: a deeper schema is refused before
@@ -54,7 +59,8 @@ def strict_schema(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> Any:
         node, depth, closable = pending.pop()
         if closable and _is_object(node):
             node.setdefault("additionalProperties", False)
-            node.setdefault("required", list(node["properties"]))
+            if require_all:
+                node.setdefault("required", list(node["properties"]))
         if depth < limit:
             pending += ((child, depth + 1, not in_all_of) for child, in_all_of in _copy_subschemas(node))
     return root

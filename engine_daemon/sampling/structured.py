@@ -36,6 +36,7 @@ from engine_daemon.sampling.tool_call_grammar import (
     tool_calls_rules,
 )
 from engine_daemon.sampling.tool_choice import settled
+from protocol.messages import STRICT_CLOSED
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,8 @@ def response_schema(response_format: Any) -> Any | None:
 def function_specs(tools: Any) -> list[FunctionSpec]:
     """The function tools of a request (other tool types cannot be called through a grammar).
 
-    A tool with `strict: true` gets its parameters with strict's semantics (`strict_schema`).
+    A tool with `strict: true` gets its parameters with strict's semantics (`strict_schema`); one with
+    `strict: "closed"` (Anthropic's strict, `STRICT_CLOSED`) gets its objects closed and `required` as written.
     """
     if tools is None:
         return []
@@ -159,8 +161,9 @@ def function_specs(tools: Any) -> list[FunctionSpec]:
         if parameters is False or not isinstance(parameters, (dict, bool)):
             raise RequestError(400, "invalid_value", f"tools[{index}].function.parameters must be a JSON schema "
                                "object", param=f"tools[{index}].function.parameters")
-        if function.get("strict") is True:
-            parameters = strict_schema(parameters)
+        strict = function.get("strict")
+        if strict is True or strict == STRICT_CLOSED:
+            parameters = strict_schema(parameters, require_all=strict is True)
         specs.append(FunctionSpec(name=name, parameters=parameters, index=index))
     return specs
 

@@ -18,7 +18,7 @@ from typing import Any
 import falcon.asgi
 from falcon.asgi import SSEvent
 
-from http_frontend.anthropic.request import engine_request, hosted_tools
+from http_frontend.anthropic.request import engine_request
 from http_frontend.anthropic.stream import (
     BlockBuilder,
     anthropic_sse,
@@ -28,6 +28,7 @@ from http_frontend.anthropic.stream import (
     stop_reason,
     usage,
 )
+from http_frontend.anthropic.tools import hosted_tools
 from http_frontend.engine.calls import TOKENIZE_TIMEOUT, call_engine
 from http_frontend.engine.client import EngineClient, RequestStream, Update
 from http_frontend.parsing.body import get_field, read_json_object

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from http_frontend.anthropic.client_tools import CLIENT_TOOLS, client_tool
+from http_frontend.anthropic.search_results import search_result_text
+from http_frontend.anthropic.tools import deferred_tools, parse_anthropic_tool_choice, parse_anthropic_tools
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
 from http_frontend.parsing.documents import document_text
-from http_frontend.parsing.generation_fields import parse_response_format, parse_tool_choice, parse_tools
+from http_frontend.parsing.generation_fields import parse_response_format
 from http_frontend.parsing.media import SOURCE_PARAM, MediaCollector
 from http_frontend.parsing.messages import check_message_count, parse_messages
 from http_frontend.parsing.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, check_max_tokens, check_stop_lengths
@@ -28,13 +29,12 @@ from http_frontend.settings import FrontendSettings
 IGNORED_BLOCKS = {"redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
                   "code_execution_tool_result", "bash_code_execution_tool_result",
                   "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
-                  "container_upload", "search_result"}
+                  "container_upload"}
 # Request fields of Anthropic's hosted features: refused rather than silently dropped.
 UNSUPPORTED_FIELDS = {
     "mcp_servers": "MCP connectors are not supported by this server",
     "container": "Code-execution containers are not supported by this server",
 }
-TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
 def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
@@ -75,7 +75,7 @@ def _tool_result(block: dict[str, Any], param: str, deferred: dict[str, dict[str
                  ) -> tuple[str, list[dict[str, Any]]]:
     """A tool_result's content as the text of a `tool` message, and the images it carried.
 
-    Text and documents become the tool message's text. Images go to a user turn right after
+    Text, documents and search results become the tool message's text. Images go to a user turn right after
     the tool results (`_user_turn`): chat templates render images in user turns, and a model
     that takes no images refuses them there with the same 400 as any user image.
     """
@@ -89,6 +89,8 @@ def _tool_result(block: dict[str, Any], param: str, deferred: dict[str, dict[str
             texts.append(_text(part, where))
         elif part["type"] == "document":
             texts.append(document_text(part, where))
+        elif part["type"] == "search_result":
+            texts.append(search_result_text(part, where))
         elif part["type"] == "image":
             images.append(_image_part(part, where))
             texts.append(f"[image {len(images)}: shown in the next user turn]")
@@ -112,14 +114,6 @@ def _loaded_tool(name: str, deferred: dict[str, dict[str, Any]]) -> str:
     description = tool.get("description") if isinstance(tool.get("description"), str) else ""
     schema = json.dumps(tool.get("input_schema") or {}, ensure_ascii=False)
     return f"Tool {name} loaded: it can be called now. {description} Its input follows this JSON schema: {schema}"
-
-
-def deferred_tools(body: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Custom tools sent with `defer_loading: true` (Claude Code's tool search), by name."""
-    tools = body.get("tools")
-    return {tool["name"]: tool for tool in tools if isinstance(tool, dict) and tool.get("defer_loading") is True
-            and isinstance(tool.get("name"), str) and tool.get("type", "custom") == "custom"} \
-        if isinstance(tools, list) else {}
 
 
 def _user_content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
@@ -155,6 +149,8 @@ def _user_turn(blocks: list[dict[str, Any]], param: str, deferred: dict[str, dic
             parts.append(_image_part(block, where))
         elif kind == "document":
             parts.append({"type": "text", "text": document_text(block, where)})
+        elif kind == "search_result":
+            parts.append({"type": "text", "text": search_result_text(block, where)})
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str) or not block["tool_use_id"]:
                 raise bad_request(f"{where}.tool_use_id: expected a string", param=f"{where}.tool_use_id",
@@ -290,73 +286,6 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                           "end with a 'user' message", param=f"messages.{len(messages) - 1}",
                           code="unsupported_parameter")
     return converted
-
-
-def hosted_tools(body: dict[str, Any]) -> list[str]:
-    """The Anthropic-hosted tools of a request (`web_search_20250305`, `code_execution_…`, …): left out."""
-    tools = body.get("tools")
-    if not isinstance(tools, list):
-        return []
-    return [str(t.get("name") or t.get("type")) for t in tools if isinstance(t, dict) and isinstance(t.get("type"), str)
-            and t["type"] != "custom" and t["type"] not in CLIENT_TOOLS]
-
-
-def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Custom tools `{name, description, input_schema}` as chat function tools.
-
-    Anthropic's client tools (bash, text editor) become function tools with their documented input
-    (`client_tools`). Anthropic-hosted tools (a versioned `type` such as `web_search_20250305`) cannot
-    run here: they are left out of the prompt (the route names them in `X-Ignored-Tools`), never a 400.
-    """
-    tools = get_field(body, "tools", (list,))
-    if not tools:
-        return None
-    converted = []
-    for index, tool in enumerate(tools):
-        param = f"tools.{index}"
-        if not isinstance(tool, dict):
-            raise bad_request(f"{param}: expected an object", param=param, code="invalid_type")
-        if tool.get("type") in CLIENT_TOOLS:
-            converted.append(client_tool(tool, param))
-            continue
-        if tool.get("type", "custom") != "custom" and isinstance(tool.get("type"), str):
-            continue  # hosted: see hosted_tools
-        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
-            raise bad_request(f"{param}: a tool needs a string 'name' and an 'input_schema' object", param=param,
-                              code="invalid_type")
-        function = {"name": tool["name"], "parameters": tool["input_schema"]}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        converted.append({"type": "function", "function": function})
-    if not converted:
-        return None
-    deferred = deferred_tools(body)
-    return [{**tool, "defer_loading": True} if tool["function"]["name"] in deferred else tool
-            for tool in parse_tools({"tools": converted})]
-
-
-def parse_anthropic_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None
-                                ) -> tuple[str | dict[str, Any] | None, bool | None]:
-    """`tool_choice` {type: auto|any|tool|none} -> (chat tool_choice, parallel_tool_calls)."""
-    choice = get_field(body, "tool_choice", (dict,))
-    if choice is None:
-        return None, None
-    kind = choice.get("type")
-    if kind == "tool":
-        if not isinstance(choice.get("name"), str):
-            raise bad_request("tool_choice.name: a string is required when type is 'tool'", param="tool_choice.name",
-                              code="invalid_type")
-        mapped: str | dict[str, Any] = {"type": "function", "function": {"name": choice["name"]}}
-    elif kind in TOOL_CHOICES:
-        mapped = TOOL_CHOICES[kind]
-    else:
-        raise bad_request(f"tool_choice.type: expected 'auto', 'any', 'tool' or 'none', got {kind!r}",
-                          param="tool_choice.type")
-    disable = choice.get("disable_parallel_tool_use")
-    if disable is not None and not isinstance(disable, bool):
-        raise bad_request("tool_choice.disable_parallel_tool_use: expected a boolean",
-                          param="tool_choice.disable_parallel_tool_use", code="invalid_type")
-    return parse_tool_choice({"tool_choice": mapped}, tools), (None if disable is None else not disable)
 
 
 def parse_thinking(body: dict[str, Any], max_tokens: int | None) -> tuple[dict[str, Any] | None, int | None]:

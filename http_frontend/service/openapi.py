@@ -194,7 +194,7 @@ RESPONSE_OBJECT = obj({
 RESPONSE_DELETED = obj({"id": STRING, "object": STRING, "deleted": BOOLEAN}, ("id", "deleted"))
 
 ANTHROPIC_BLOCK = obj({"type": STRING, "text": STRING, "thinking": STRING, "signature": STRING,
-                       "source": ANY_OBJECT, "id": STRING, "name": STRING,
+                       "source": {"oneOf": [ANY_OBJECT, STRING]}, "id": STRING, "name": STRING,  # str: search_result
                        "input": ANY_OBJECT, "tool_use_id": STRING,
                        "content": {"oneOf": [STRING, arr(ANY_OBJECT)]},
                        # `document` blocks (text, content or base64 PDF sources become text)
@@ -203,14 +203,18 @@ ANTHROPIC_BLOCK = obj({"type": STRING, "text": STRING, "thinking": STRING, "sign
 # `system` turns inside `messages`: Claude Code's mid-conversation system messages.
 ANTHROPIC_MESSAGE_PARAM = obj({"role": {"type": "string", "enum": ["user", "assistant", "system"]},
                                "content": {"oneOf": [STRING, arr(ANTHROPIC_BLOCK)]}}, ("role", "content"))
-ANTHROPIC_TOOL = obj({"name": STRING, "description": STRING, "input_schema": ANY_OBJECT}, ("name",))
+# `strict`: a forced call follows `input_schema`, objects closed, `required` as written (Anthropic's strict).
+ANTHROPIC_TOOL = obj({"name": STRING, "description": STRING, "input_schema": ANY_OBJECT, "strict": BOOLEAN},
+                     ("name",))
 ANTHROPIC_COMMON: dict[str, Schema] = {
     "model": STRING,
     "messages": arr(ANTHROPIC_MESSAGE_PARAM, minItems=1),
     "system": {"oneOf": [STRING, arr(obj({"type": STRING, "text": STRING}, ("type", "text")))]},
     "tools": arr({"oneOf": [ANTHROPIC_TOOL, {
         **obj({"type": STRING, "name": STRING}, ("type", "name")),
-        "description": "Anthropic-hosted tools (web_search_20250305, …): left out, named in X-Ignored-Tools"}]}),
+        "description": "Anthropic's tools by type: client tools (bash_*, text_editor_*, memory_20250818) offered "
+                       "with their documented input; hosted ones (web_search_20250305, …) left out, named in "
+                       "X-Ignored-Tools"}]}),
     "context_management": ANY_OBJECT,
     "output_config": obj({"effort": STRING, "format": ANY_OBJECT}),
     "tool_choice": obj({"type": {"type": "string", "enum": ["auto", "any", "tool", "none"]}, "name": STRING,

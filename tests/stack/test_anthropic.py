@@ -219,6 +219,81 @@ def test_tool_use_round_trip(frontend: Frontend, model_id: str) -> None:
     assert answer.usage.output_tokens > 0
 
 
+def test_strict_tools_hold_forced_calls_to_their_schema(frontend: Frontend, model_id: str) -> None:
+    """`strict: true` was dropped: a forced call to a tool whose schema does not close its objects could carry keys
+    the schema never named. Strict now closes them, as Anthropic's strict tool use promises (its schemas say
+    `additionalProperties: false`; one that does not is closed rather than refused)."""
+    client = client_for(frontend)
+    loose = {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3}}}
+    tools = [{"name": "f", "description": "Records a note.", "input_schema": loose, "strict": True}]
+    for _ in range(4):  # sampled: each call another draw
+        result = client.messages.create(model=model_id, max_tokens=60, messages=[{"role": "user", "content": "x"}],
+                                        tools=tools, tool_choice={"type": "tool", "name": "f",
+                                                                  "disable_parallel_tool_use": True},
+                                        extra_body={"temperature": 1.0})
+        (call,) = [block for block in result.content if block.type == "tool_use"]
+        assert call.name == "f" and set(call.input) <= {"z"}, call.input
+        assert len(call.input.get("z", "")) <= 3 and result.stop_reason == "tool_use"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=model_id, max_tokens=4, messages=PROMPT, tools=[{**tools[0], "strict": "yes"}])
+    assert caught.value.body["error"]["type"] == "invalid_request_error"
+    assert caught.value.body["error"]["message"].startswith("tools.0.strict:")
+
+
+def test_search_results_reach_the_model(frontend: Frontend, model_id: str) -> None:
+    """`search_result` blocks (Anthropic's search results, in a user turn or a tool_result) were dropped: the model
+    answered without what the client's search found. They now read as text where they were sent."""
+    client = client_for(frontend)
+    found = {"type": "search_result", "source": "https://example.com/foxes", "title": "Fox habitats",
+             "content": [{"type": "text", "text": "Red foxes live in dens dug into banks and hillsides."}],
+             "citations": {"enabled": True}}
+    question = {"type": "text", "text": "Where do foxes live?"}
+    plain = client.messages.count_tokens(model=model_id, messages=[{"role": "user", "content": [question]}])
+    with_result = client.messages.count_tokens(model=model_id,
+                                               messages=[{"role": "user", "content": [found, question]}])
+    assert with_result.input_tokens > plain.input_tokens + 10  # the title, source and text are in the prompt
+    reply = client.messages.create(model=model_id, max_tokens=4, messages=[{"role": "user", "content": [found]}])
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens > plain.input_tokens
+
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "search",
+                                              "input": {"q": "foxes"}}]}
+    tools = [{"name": "search", "description": "Searches the knowledge base.",
+              "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}]
+
+    def counted(content: list[dict[str, Any]]) -> int:
+        turns = [{"role": "user", "content": "Search for foxes"}, call,
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": content}]}]
+        return client.messages.count_tokens(model=model_id, tools=tools, messages=turns).input_tokens
+
+    assert counted([found]) > counted([{"type": "text", "text": "none"}]) + 10
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(model=model_id, max_tokens=4, messages=[{"role": "user", "content": [
+            {**found, "content": [{"type": "text"}]}]}])
+    assert caught.value.body["error"]["message"].startswith("messages.0.content.0.content.0:")
+
+
+def test_the_memory_tool_is_offered_and_called_by_its_name(frontend: Frontend, model_id: str) -> None:
+    """Anthropic's memory tool (`memory_20250818`, a client tool) was left out as a hosted one: a request forcing it
+    was a 400 and the model never saw it. It is offered with the documented command inputs; calls come back as
+    `tool_use` blocks named `memory`, holding only those inputs."""
+    client = client_for(frontend)
+    documented = {"command", "path", "view_range", "file_text", "old_str", "new_str", "insert_line", "insert_text",
+                  "old_path", "new_path"}
+    tools = [{"type": "memory_20250818", "name": "memory"}]
+    messages = [{"role": "user", "content": "Remember that I like foxes."}]
+    plain = client.beta.messages.count_tokens(model=model_id, messages=messages).input_tokens
+    assert client.beta.messages.count_tokens(model=model_id, messages=messages, tools=tools).input_tokens > plain + 50
+    # The random model, greedy, writes one string value on and on: the call is cut by max_tokens (and closed).
+    result = client.beta.messages.create(model=model_id, max_tokens=40, messages=messages, tools=tools,
+                                         tool_choice={"type": "tool", "name": "memory",
+                                                      "disable_parallel_tool_use": True},
+                                         betas=["context-management-2025-06-27"], extra_body=GREEDY)
+    (call,) = [block for block in result.content if block.type == "tool_use"]
+    assert call.name == "memory" and result.stop_reason in ("tool_use", "max_tokens"), result
+    assert call.input["command"] in ("view", "create", "str_replace", "insert", "delete", "rename")
+    assert set(call.input) <= documented, call.input
+
+
 @pytest.fixture(scope="module")
 def thinking_model(tiny_model: Path) -> str:
     # Next to the tiny model: the engine serves paths under its --model's directory.

@@ -1,11 +1,19 @@
-"""Anthropic's bash and text editor tools become callable function tools; turns that reach no model and
-tool results that answer no tool_use are refused with the reason (front-end, fake engine)."""
+"""Anthropic's bash, text editor and memory tools become callable function tools; turns that reach no model
+and tool results that answer no tool_use are refused with the reason (front-end, fake engine)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from anthropic.types.beta import (
+    BetaMemoryTool20250818CreateCommand,
+    BetaMemoryTool20250818DeleteCommand,
+    BetaMemoryTool20250818InsertCommand,
+    BetaMemoryTool20250818RenameCommand,
+    BetaMemoryTool20250818StrReplaceCommand,
+    BetaMemoryTool20250818ViewCommand,
+)
 
 from tests.unit.fake_engine import FakeEngine, client_for, usage
 
@@ -55,6 +63,47 @@ def test_a_forced_bash_call_comes_back_as_a_tool_use_named_bash(kind: str) -> No
     assert result.headers["X-Ignored-Tools"] == "web"  # hosted tools: left out and named, as before
 
 
+MEMORY_COMMANDS = (BetaMemoryTool20250818ViewCommand, BetaMemoryTool20250818CreateCommand,
+                   BetaMemoryTool20250818StrReplaceCommand, BetaMemoryTool20250818InsertCommand,
+                   BetaMemoryTool20250818DeleteCommand, BetaMemoryTool20250818RenameCommand)
+
+
+def test_the_memory_tool_is_offered_with_the_sdks_command_inputs() -> None:
+    """`memory_20250818` was left out as a hosted tool: the model could not keep memories. It is a client tool: it is
+    offered with every command and input the SDK's command types name, and is no longer named in X-Ignored-Tools."""
+    engine = FakeEngine()
+    result = post(engine, tools=[{"type": "memory_20250818", "name": "memory"}])
+    assert result.status_code == 200, result.text
+    schema = offered(engine)["memory"]["parameters"]
+    commands = {command.model_fields["command"].annotation.__args__[0]: command for command in MEMORY_COMMANDS}
+    assert schema["properties"]["command"]["enum"] == list(commands)
+    fields = {field for command in MEMORY_COMMANDS for field in command.model_fields}
+    assert set(schema["properties"]) == fields and schema["required"] == ["command"]
+    assert schema["additionalProperties"] is False
+    types = {"str": "string", "int": "integer"}
+    for command in MEMORY_COMMANDS:
+        for field, info in command.model_fields.items():
+            if field != "command" and info.annotation in (str, int):
+                assert schema["properties"][field]["type"] == types[info.annotation.__name__], field
+    assert schema["properties"]["view_range"]["items"] == {"type": "integer"}
+    assert "X-Ignored-Tools" not in result.headers
+    assert post(FakeEngine(), tools=[{"type": "memory_20250818", "name": "notes"}]).status_code == 400
+
+
+def test_a_forced_memory_call_comes_back_as_a_tool_use_named_memory() -> None:
+    arguments = '{"command": "create", "path": "/memories/notes.md", "file_text": "fox"}'
+    engine = FakeEngine(script=lambda request: [
+        {"tool_calls": [{"id": "toolu_1", "name": "memory", "arguments": arguments}]},
+        {"finish_reason": "tool_calls", "usage": usage(3)}])
+    result = post(engine, tools=[{"type": "memory_20250818", "name": "memory"}],
+                  tool_choice={"type": "tool", "name": "memory"})
+    assert result.status_code == 200, result.text
+    assert engine.added[-1]["tool_choice"] == {"type": "function", "function": {"name": "memory"}}
+    (block,) = result.json["content"]
+    assert (block["type"], block["name"]) == ("tool_use", "memory")
+    assert BetaMemoryTool20250818CreateCommand.model_validate(block["input"]).file_text == "fox"
+
+
 def test_a_client_tool_named_otherwise_is_a_400() -> None:
     result = post(FakeEngine(), tools=[{"type": "bash_20250124", "name": "shell"}])
     assert result.status_code == 400 and result.json["error"]["type"] == "invalid_request_error"
@@ -82,9 +131,8 @@ def test_a_tool_result_answering_no_tool_use_is_refused_in_anthropics_words() ->
 
 
 def test_a_user_turn_of_blocks_no_model_sees_is_named() -> None:
-    search = {"type": "search_result", "source": "https://example.com", "title": "Example",
-              "content": [{"type": "text", "text": "A result."}]}
-    result = post(FakeEngine(), messages=[{"role": "user", "content": [search]}])
+    upload = {"type": "container_upload", "file_id": "file_1"}
+    result = post(FakeEngine(), messages=[{"role": "user", "content": [upload]}])
     assert result.status_code == 400
     message = result.json["error"]["message"]
-    assert "messages.0 (search_result)" in message and "does not pass to the model" in message
+    assert "messages.0 (container_upload)" in message and "does not pass to the model" in message

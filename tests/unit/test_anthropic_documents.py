@@ -1,8 +1,8 @@
 """Claude Code's Messages shapes through the app with a fake engine (falcon.testing).
 
-Documents (text, content, base64 PDF) become text; images inside a tool_result reach the
-model in a user turn right after the tool results; replayed hosted-tool blocks, betas and
-the fields Claude Code 2.1 sends are accepted, never a 400.
+Documents (text, content, base64 PDF) and search results become text; images inside a
+tool_result reach the model in a user turn right after the tool results; replayed hosted-tool
+blocks, betas and the fields Claude Code 2.1 sends are accepted, never a 400.
 """
 
 from __future__ import annotations
@@ -98,6 +98,60 @@ def test_a_broken_pdf_or_a_url_document_is_a_clear_400() -> None:
     url = post(engine, [{"role": "user", "content": [
         {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}}]}])
     assert url.status_code == 400 and "not fetched" in url.json["error"]["message"]
+
+
+def search_result(title: str, source: str, *texts: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "search_result", "source": source, "title": title,
+            "content": [{"type": "text", "text": text} for text in texts], **extra}
+
+
+def test_search_results_reach_the_model_as_text_in_place() -> None:
+    """`search_result` blocks were dropped silently: the model never saw what the client's search found."""
+    engine = FakeEngine()
+    result = post(engine, [{"role": "user", "content": [
+        {"type": "text", "text": "Using these results:"},
+        search_result("Fox habitats", "https://example.com/foxes", "Foxes live in dens.", "They hunt at night.",
+                      citations={"enabled": True}, cache_control={"type": "ephemeral"}),
+        {"type": "text", "text": "Where do foxes live?"}]}])
+    assert result.status_code == 200, result.text
+    assert engine.added[-1]["messages"][-1]["content"] == (
+        "Using these results:\n[Search result: Fox habitats]\nSource: https://example.com/foxes\n"
+        "Foxes live in dens.\nThey hunt at night.\nWhere do foxes live?")
+
+    search = [{"role": "user", "content": "Search for otters"},
+              {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "search",
+                                                 "input": {"q": "otters"}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                  search_result("Otters", "kb://otters", "Otters hold hands while sleeping."),
+                  search_result("Sea otters", "kb://sea-otters", "Sea otters use tools.")]}]}]
+    result = post(engine, search)
+    assert result.status_code == 200, result.text
+    tool = engine.added[-1]["messages"][-1]
+    assert tool["role"] == "tool" and tool["tool_call_id"] == "toolu_1"
+    assert tool["content"] == ("[Search result: Otters]\nSource: kb://otters\nOtters hold hands while sleeping.\n"
+                               "[Search result: Sea otters]\nSource: kb://sea-otters\nSea otters use tools.")
+
+
+def test_a_malformed_search_result_is_a_400_naming_the_param() -> None:
+    engine = FakeEngine()
+    good = search_result("T", "S", "text")
+    for broken, param in (({**good, "source": None}, "messages.0.content.0.source"),
+                          ({**good, "title": 3}, "messages.0.content.0.title"),
+                          ({key: value for key, value in good.items() if key != "content"},
+                           "messages.0.content.0.content"),
+                          ({**good, "content": "text"}, "messages.0.content.0.content"),
+                          ({**good, "content": [{"type": "image", "source": {}}]}, "messages.0.content.0.content.0"),
+                          ({**good, "citations": {"enabled": "yes"}}, "messages.0.content.0.citations")):
+        result = post(engine, [{"role": "user", "content": [broken]}])
+        assert result.status_code == 400 and result.json["type"] == "error", (broken, result.json)
+        assert result.json["error"]["type"] == "invalid_request_error"
+        assert result.json["error"]["message"].startswith(f"{param}:"), (param, result.json)
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "search", "input": {}}]}
+    inside = post(engine, [{"role": "user", "content": "q"}, call, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{**good, "title": None}]}]}])
+    assert inside.status_code == 400
+    assert inside.json["error"]["message"].startswith("messages.2.content.0.content.0.title:")
+    assert not engine.added
 
 
 def test_anthropic_hosted_tools_are_left_out_and_named() -> None:

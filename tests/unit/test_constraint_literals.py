@@ -249,3 +249,37 @@ def test_strict_leaves_free_form_objects_and_all_of_compositions_open(tokenizer:
                 "allOf": [{"properties": {"b": {"type": "integer"}}}]}
     constraint = constraint_for(tokenizer, json_schema_format(composed, True), None, None, None, False)
     assert accepts(constraint.matcher, tokenizer, '{"a": 1, "b": 2}')
+
+
+def test_anthropic_strict_tools_close_objects_and_keep_properties_left_out_of_required_optional(
+        tokenizer: Any) -> None:
+    """Anthropic's `strict: true` on a tool was dropped by the front-end: a forced call could add keys the schema
+    never named. Now its objects are closed, and, as Anthropic documents (not OpenAI's strict), a property the
+    schema leaves out of `required` may still be left out; a `required` the schema writes holds."""
+    from http_frontend.anthropic.tools import parse_anthropic_tool_choice, parse_anthropic_tools
+
+    def forced(schema: dict[str, Any], strict: bool | None = True) -> GrammarConstraint:
+        tool: dict[str, Any] = {"name": "f", "input_schema": schema, **({} if strict is None else {"strict": strict})}
+        body = {"tools": [tool], "tool_choice": {"type": "tool", "name": "f", "disable_parallel_tool_use": True}}
+        tools = parse_anthropic_tools(body)
+        choice, parallel = parse_anthropic_tool_choice(body, tools)
+        return constraint_for(tokenizer, None, tools, choice, parallel, False)
+
+    def called(constraint: GrammarConstraint, arguments: str) -> bool:
+        matcher = constraint.matcher.deep_copy()
+        assert matcher.consume_token(tokenizer.tool_call_start_tokens[0])
+        return accepts(matcher, tokenizer, f'\n{{"name": "f", "arguments": {arguments}}}\n',
+                       then=tuple(tokenizer.tool_call_end_tokens))
+
+    strict = forced(LOOSE)
+    assert called(strict, '{"z": "ab"}') and called(strict, "{}")  # `z` is optional: no `required` lists it
+    assert not called(strict, '{"z": "ab", "q": 1}')  # closed: a key the schema never named
+    assert not called(strict, '{"z": "abcd"}')  # the schema's own constraints hold
+    assert called(forced(LOOSE, strict=False), '{"z": "ab", "q": 1}')  # not strict: what JSON Schema allows
+    nested = {"type": "object", "properties": {"o": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                     "required": ["a"]}, "n": {"type": "integer"}},
+              "required": ["o"], "additionalProperties": False}
+    constraint = forced(nested)
+    assert called(constraint, '{"o": {"a": 1}}') and called(constraint, '{"o": {"a": 1}, "n": 2}')
+    assert not called(constraint, '{"n": 2}') and not called(constraint, '{"o": {}}')
+    assert not called(constraint, '{"o": {"a": 1, "b": 2}}')  # a nested object is closed too
