@@ -131,7 +131,10 @@ def response_schema(response_format: Any) -> Any | None:
         if schema is False or not isinstance(schema, (dict, bool)):
             raise RequestError(400, "invalid_value", "'response_format.json_schema.schema' must be a JSON schema "
                                "object that some value satisfies", param="response_format.json_schema.schema")
-        return strict_schema(schema) if spec.get("strict") is True else schema
+        strict = spec.get("strict")
+        if strict is True or strict == STRICT_CLOSED:  # OpenAI's strict, or Anthropic's (`require_all=False`)
+            return strict_schema(schema, require_all=strict is True)
+        return schema
     raise RequestError(400, "unsupported_value", f"response_format type {kind!r} is not supported; use 'text', "
                        "'json_object' or 'json_schema'", param="response_format.type")
 

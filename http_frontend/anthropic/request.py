@@ -22,6 +22,7 @@ from http_frontend.parsing.media import SOURCE_PARAM, MediaCollector
 from http_frontend.parsing.messages import check_message_count, parse_messages
 from http_frontend.parsing.sampling import MAX_STOP_LENGTH, MAX_STOP_STRINGS, check_max_tokens, check_stop_lengths
 from http_frontend.settings import FrontendSettings
+from protocol.messages import STRICT_CLOSED
 
 # Block types a client may send back unchanged but that carry nothing a local model can use: encrypted
 # thinking, and Anthropic-hosted tools' calls and results (web search, code execution, …) replayed by
@@ -323,9 +324,11 @@ def parse_output_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(spec, dict) or spec.get("type") != "json_schema" or not isinstance(spec.get("schema"), dict):
         raise bad_request("output_config.format: expected {\"type\": \"json_schema\", \"schema\": {...}}",
                           param="output_config.format")
-    # Not OpenAI's `strict`: Anthropic keeps properties left out of `required` optional (its schemas close objects).
-    return parse_response_format({"response_format": {"type": "json_schema", "json_schema": {
+    # Anthropic's strictness, not OpenAI's (`STRICT_CLOSED`): objects are closed, as its SDK's `transform_schema`
+    # closes them, and properties left out of `required` stay optional.
+    parsed = parse_response_format({"response_format": {"type": "json_schema", "json_schema": {
         "name": "output", "schema": spec["schema"]}}})
+    return {**parsed, "json_schema": {**parsed["json_schema"], "strict": STRICT_CLOSED}}
 
 
 def parse_stop_sequences(body: dict[str, Any], max_count: int = MAX_STOP_STRINGS,

@@ -238,6 +238,23 @@ def test_anthropic_structured_outputs_keep_properties_left_out_of_required_optio
     assert not accepts(constraint.matcher, tokenizer, '{"z": "ab", "q": 1}')
 
 
+def test_anthropic_structured_outputs_close_objects_the_schema_leaves_open(tokenizer: Any) -> None:
+    """Anthropic's SDK closes every object of an `output_config.format` schema (`transform_schema`) and its API
+    refuses open ones: a schema sent raw without `additionalProperties` let the model add keys. Now closed, nested
+    objects too, and a property left out of `required` still optional."""
+    from http_frontend.anthropic.request import parse_output_format
+
+    schema = {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3},
+                                               "o": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    response_format = parse_output_format({"output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    constraint = constraint_for(tokenizer, response_format, None, None, None, False)
+    assert accepts(constraint.matcher, tokenizer, '{"z": "ab"}') and accepts(constraint.matcher, tokenizer, "{}")
+    assert accepts(constraint.matcher, tokenizer, '{"o": {"a": 1}}')
+    assert not accepts(constraint.matcher, tokenizer, '{"z": "ab", "q": 1}')
+    assert not accepts(constraint.matcher, tokenizer, '{"o": {"a": 1, "b": 2}}')
+    assert "additionalProperties" not in schema and "additionalProperties" not in schema["properties"]["o"]
+
+
 def test_strict_leaves_free_form_objects_and_all_of_compositions_open(tokenizer: Any) -> None:
     """A field typed only `object` (tools' free-form `meta`, MCP schemas) stays free-form, and an object whose keys
     `allOf` spreads over branches compiles (closing each part refused the others' keys: unsatisfiable, a 400)."""
