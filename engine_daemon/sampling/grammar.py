@@ -57,6 +57,11 @@ class GrammarConstraint:
     Once the grammar is complete only EOS remains allowed, so generation stops.
     If the matcher ever fails (a bug, or a token forced by another processor), the
     request is steered to EOS instead of failing the shared batch step.
+
+    `call_marker`: the grammar is free text until this token starts a tool call (strict tools
+    under tool_choice "auto", `auto_calls`). Before it an EOS ends the output only as it ends an
+    unconstrained one (not with `ignore_eos`), and is not fed to the matcher: with `ignore_eos`
+    the text goes on, as it would without the grammar.
     """
 
     # Start the step's forward pass before waiting for the previous token (see _process).
@@ -65,7 +70,8 @@ class GrammarConstraint:
     overlap_forward: bool | None = None
 
     def __init__(self, matcher: LLMatcher, vocab_size: int, eos_token_ids: Sequence[int],
-                 gate_tokens: Sequence[int] | None = None, description: str = "grammar"):
+                 gate_tokens: Sequence[int] | None = None, description: str = "grammar",
+                 call_marker: int | None = None):
         self.matcher = matcher
         self.description = description
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -75,6 +81,8 @@ class GrammarConstraint:
         self.seen: int | None = None  # len(tokens) at the last call
         self.failed = False
         self.consumed = 0  # tokens the matcher accepted (for tests and logs)
+        self.call_marker = call_marker
+        self.in_text = call_marker is not None  # free text before a call: an EOS there is no grammar's end
         overlap = type(self).overlap_forward
         self.overlap = mx.default_device().type == mx.gpu if overlap is None else overlap
 
@@ -93,7 +101,7 @@ class GrammarConstraint:
         Once the grammar is complete it allows only EOS; with `ignore_eos` the request used to go on
         sampling EOS, and every one came back as "<|im_end|>" text until `max_tokens`.
         """
-        return self.active and token in self.eos_token_ids
+        return self.active and not self.in_text and token in self.eos_token_ids
 
     @property
     def failure(self) -> str | None:
@@ -109,6 +117,10 @@ class GrammarConstraint:
             return
         if self.failed:
             return
+        if self.in_text:
+            if token in self.eos_token_ids:
+                return
+            self.in_text = token != self.call_marker
         if self.matcher.is_stopped():
             if token not in self.eos_token_ids:
                 self._fail(f"token {token} sampled after the grammar completed")

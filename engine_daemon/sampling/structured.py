@@ -25,6 +25,7 @@ from llguidance import LLMatcher, LLTokenizer
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from engine_daemon.errors import RequestError, describe
+from engine_daemon.sampling.auto_calls import auto_call_rules
 from engine_daemon.sampling.custom_grammar import custom_lark, input_rule
 from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.schema_depth import MAX_SCHEMA_DEPTH, schema_depth_within
@@ -167,7 +168,8 @@ def function_specs(tools: Any) -> list[FunctionSpec]:
         strict = function.get("strict")
         if strict is True or strict == STRICT_CLOSED:
             parameters = strict_schema(parameters, require_all=strict is True)
-        specs.append(FunctionSpec(name=name, parameters=parameters, index=index))
+        specs.append(FunctionSpec(name=name, parameters=parameters, index=index,
+                                  strict=strict is True or strict == STRICT_CLOSED))
     return specs
 
 
@@ -287,6 +289,19 @@ def check_constraint_size(schema: Any, specs: list[FunctionSpec], forced: bool) 
                                f"{MAX_SCHEMA_DEPTH} levels (counting the schemas its $refs lead to)", param=param)
 
 
+def _auto_rules(tokenizer: Any, specs: list[FunctionSpec], parallel: bool,
+                starts_in_thinking: bool) -> tuple[list[str], int] | None:
+    """`auto_call_rules` when a tool is strict and the tokenizer has an llguidance vocabulary (else not held)."""
+    if not any(spec.strict for spec in specs):
+        return None
+    try:
+        vocabulary = llg_tokenizer(tokenizer)
+    except RequestError as exc:
+        log.debug("strict tools under tool_choice auto are not constrained: %s", exc)
+        return None
+    return auto_call_rules(tokenizer, vocabulary, specs, parallel, starts_in_thinking)
+
+
 def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice: Any,
                    parallel_tool_calls: bool | None, starts_in_thinking: bool) -> GrammarConstraint | None:
     """The logits processor enforcing a request's output format, None when nothing is enforced.
@@ -295,6 +310,8 @@ def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice
       the default) in the model's tool-call markup, arguments following each tool's schema;
     - response_format json_object / json_schema: the answer is that JSON; when tools are
       offered with tool_choice "auto", a tool call (in marked families) is allowed instead;
+    - tool_choice "auto" with a strict tool (marked families): free text, or calls held to the
+      strict tools' schemas (`auto_calls`);
     - starts_in_thinking: the constraint applies after the model closes its thinking block.
     Raises RequestError (400) for what cannot be enforced.
     """
@@ -305,6 +322,8 @@ def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice
     if forced or schema is not None:
         specs, forced = with_custom_grammars(specs), with_custom_grammars(forced or []) or None
     parallel = parallel_tool_calls is not False
+    auto = _auto_rules(tokenizer, specs, parallel, starts_in_thinking) if not forced and schema is None else None
+    marker = None
     if forced:
         rules, used = ["start: tool_calls", *tool_calls_rules(tokenizer, forced, parallel)], forced
         description = f"tool_choice={tool_choice if isinstance(tool_choice, str) else forced[0].name}"
@@ -314,6 +333,9 @@ def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice
             rules = ["start: answer | tool_calls", rules[1], *tool_calls_rules(tokenizer, specs, parallel)]
             used = specs
         description = f"response_format={response_format.get('type')}"
+    elif auto is not None:
+        (rules, marker), used = auto, [spec for spec in specs if spec.strict]
+        description = "strict tool calls (tool_choice=auto)"
     else:
         return None
     check_constraint_size(schema, used, forced is not None)
@@ -328,4 +350,5 @@ def constraint_for(tokenizer: Any, response_format: Any, tools: Any, tool_choice
     log.debug("compiled %s grammar in %.1f ms", description, (time.perf_counter() - started) * 1000)
     gate = getattr(tokenizer, "think_end_tokens", None) if starts_in_thinking else None
     eos = list(getattr(tokenizer, "eos_token_ids", None) or []) or [vocabulary.eos_token]
-    return GrammarConstraint(matcher, vocabulary.vocab_size, eos, gate_tokens=gate, description=description)
+    return GrammarConstraint(matcher, vocabulary.vocab_size, eos, gate_tokens=gate, description=description,
+                             call_marker=marker)

@@ -36,6 +36,7 @@ class FunctionSpec:
     parameters: Any
     index: int  # position in the request's `tools`, for error messages
     arguments: str | None = None  # a Lark rule for the arguments instead of `parameters` (custom tools)
+    strict: bool = False  # `strict` (OpenAI's or Anthropic's): its calls are held to `parameters` under "auto" too
 
 
 def lark_literal(text: str) -> str:
@@ -53,16 +54,16 @@ def json_rule(schema: Any) -> str:
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
-def _tokens_rule(ids: Sequence[int]) -> str:
+def tokens_rule(ids: Sequence[int]) -> str:
     return " ".join(f"<[{int(i)}]>" for i in ids)
 
 
 def _marker(tokenizer: Any, text: str, ids: Sequence[int] | None) -> str:
     ids = ids if ids is not None else tokenizer.encode(text, add_special_tokens=False)
-    return _tokens_rule(ids) if ids else lark_literal(text)
+    return tokens_rule(ids) if ids else lark_literal(text)
 
 
-def _family(tokenizer: Any) -> str | None:
+def family(tokenizer: Any) -> str | None:
     """The mlx-lm tool parser module's name (`json_tools`, `mistral`, ...), or None without one."""
     parser = getattr(tokenizer, "tool_parser", None)
     if parser is None:
@@ -132,20 +133,20 @@ MARKED_FAMILIES = {"json_tools", "mistral"}
 
 
 def supports_forced_calls(tokenizer: Any) -> bool:
-    return _family(tokenizer) in FAMILIES
+    return family(tokenizer) in FAMILIES
 
 
 def can_offer_calls_beside_answer(tokenizer: Any) -> bool:
     """Whether `answer | tool call` is unambiguous for this family (calls begin with a marker)."""
-    return _family(tokenizer) in MARKED_FAMILIES
+    return family(tokenizer) in MARKED_FAMILIES
 
 
 def tool_calls_rules(tokenizer: Any, specs: Sequence[FunctionSpec], parallel: bool) -> list[str]:
     """Lark rules defining `tool_calls` for the model's family, or RequestError 400 when it has no JSON form."""
-    family = _family(tokenizer)
-    build = FAMILIES.get(family)
+    name = family(tokenizer)
+    build = FAMILIES.get(name)
     if build is None:
         raise RequestError(400, "unsupported_value",
-                           f"This model's tool-call format ('{family}') cannot be enforced by constrained "
+                           f"This model's tool-call format ('{name}') cannot be enforced by constrained "
                            "decoding; use tool_choice \"auto\"", param="tool_choice")
     return build(tokenizer, specs, parallel)
