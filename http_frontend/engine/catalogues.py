@@ -25,7 +25,9 @@ from protocol import CallMethod
 
 log = logging.getLogger(__name__)
 
-REFRESH_SECONDS = 60.0  # directories under --model-dir come and go
+# Directories under --model-dir come and go, but a catalogue matters only once its engine is down, and listing
+# walks the model roots and the HF cache on the engine's io thread (every worker asks every engine): rarely.
+REFRESH_SECONDS = 600.0
 RETRY_SECONDS = 5.0  # an engine that did not answer is asked again after this
 POLL_SECONDS = 0.5  # how often the engines' epochs and loaded models are compared with the catalogues'
 LIST_TIMEOUT = 30.0  # listing walks the model roots and the HF cache on the engine's io thread
