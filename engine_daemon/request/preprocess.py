@@ -238,7 +238,9 @@ class Preprocessor:
                 self._queues.setdefault(job.owner, deque()).append(job)
         if refusal is not None:
             log.info("rid=%s refused before the admission pool: %s", body["rid"], refusal.code)
-            self._deliver(peer, body, PreparedPrompt(model_key(loaded), error=refusal, refusal=True))
+            # Its id only: a flood's refused bodies are freed here, not held in the mlx thread's command queue.
+            self._deliver(peer, {"rid": body["rid"], "params": {}},
+                          PreparedPrompt(model_key(loaded), error=refusal, refusal=True))
             return
         self._pool.submit(self._next)
 
