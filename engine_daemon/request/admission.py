@@ -111,8 +111,9 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     prepared = prepared_for(request, loaded)
     check_params(request.params)
     check_stops(request.params.get("stop"), *stop_limits)
-    if isinstance(request.body.get("prompt"), list) and (prepared is None or prepared.tokens is prepared.error is None):
-        check_token_prompt(request.body["prompt"], loaded)  # its length first; checked on the pool when prepared there
+    unchecked = prepared is None or (prepared.tokens is None and prepared.error is None)  # else the pool checked it
+    if isinstance(request.body.get("prompt"), list) and unchecked:
+        check_token_prompt(request.body["prompt"], loaded)  # its length first, then its ids
     request.prompt_tokens = prepared_tokens(request, loaded, prepared)
     # models-config max_tokens default; --context-overflow truncate/summarize (fit_context)
     default_max_tokens = loaded.profile.max_tokens or default_max_tokens

@@ -46,6 +46,7 @@ PREPROCESS_THREADS = 2
 # Models whose text prompts render here: a vision model's text-only chat renders as a text model's does.
 PROMPT_KINDS = ("text", "vision", "audio")
 _LONGEST_TOKEN_ATTR = "_longest_token_bytes"
+CALLS = (b"", "\0calls")  # the pool's queue of CALLs (`run_call`): taken in turn with the clients' ADDs
 
 # (peer, ADD body, what was prepared or None) -> handed to the mlx thread
 Deliver = Callable[[bytes, dict[str, Any], "PreparedPrompt | None"], None]
@@ -264,7 +265,7 @@ class Preprocessor:
                     self._queues.move_to_end(owner)
                 else:
                     del self._queues[owner]
-                if self._pending.get(candidate.body["rid"]) is candidate:
+                if candidate.owner == CALLS or self._pending.get(candidate.body["rid"]) is candidate:
                     job, candidate.started = candidate, True
         if job is not None:
             job.run(job.peer, job.body, job.loaded)
@@ -321,7 +322,9 @@ class Preprocessor:
                 result, error = None, RequestError(500, "engine_error", describe(exc), error_type="server_error")
             answer(result, error)
 
-        self._pool.submit(run)
+        with self._lock:  # a turn of its own: a client's backlog of ADDs does not hold it up
+            self._queues.setdefault(CALLS, deque()).append(_Job(lambda *_: run(), b"", {}, None, CALLS))
+        self._pool.submit(self._next)
 
     def cancel(self, peer: bytes, rids: list[str]) -> None:
         """An ABORT: drops those of `rids` that `peer` sent (another front-end's requests are not its to end)."""

@@ -92,6 +92,18 @@ def test_clients_are_served_round_robin(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(pool.rendered) == 14
 
 
+def test_a_call_takes_its_turn_with_the_clients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /tokenize CALL (or an auxiliary job's tokenizing) waits one render, not a client's whole backlog."""
+    pool = Pool(monkeypatch)
+    pool.hold()
+    for i in range(5):
+        pool.add(A, f"a{i}")
+    answers: list[tuple[Any, Any]] = []
+    pool.pre.run_call(lambda: pool.rendered.append("call") or 7, lambda result, error: answers.append((result, error)))
+    pool.release()
+    assert pool.rendered[:4] == ["first", "a0", "call", "a1"] and answers == [(7, None)]
+
+
 def test_one_client_holds_at_most_max_queued(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = Pool(monkeypatch, max_queued=3)
     pool.hold(A)  # client "" of front-end A: one of its three
