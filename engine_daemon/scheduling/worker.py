@@ -352,7 +352,13 @@ class MlxWorker(threading.Thread):
                 return [(command.peer, MsgType.ERROR, self.group.refusal(command.body["rid"]))]
             return self.scheduler.submit(command.peer, command.body, command.prepared)
         if isinstance(command, AbortCommand):
-            found = self.scheduler.abort(set(command.rids))
+            rids = set(command.rids)
+            if command.peer is not None:  # another front-end's requests are not its to end
+                rids, foreign = self.scheduler.owned_by(command.peer, rids)
+                if foreign:
+                    log.info("ignored an ABORT (%s) of %d request(s) another front-end sent: rid=%s", command.reason,
+                             len(foreign), ",".join(sorted(foreign)[:8]))
+            found = self.scheduler.abort(rids) if rids else 0
             if command.peer is not None:  # a long auxiliary CALL (audio) whose client left
                 found += self.aux_jobs.cancel(command.peer, set(command.rids))
             if found:
