@@ -214,6 +214,7 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "logprobs": (bool, NONE),
     "top_logprobs": (int, NONE),
     "thinking_budget": (int, NONE),
+    "min_tokens": (int, NONE),  # no EOS before this many tokens (vLLM's)
 }
 
 # One item of a DELTAS message (documented here; the front-end reads these keys).

@@ -219,7 +219,7 @@ class EngineServer:
             if exc.rid or exc.cid:
                 self._reply(router, peer, MsgType.ERROR, {
                     "rid": exc.rid, "cid": exc.cid, "status": 400, "code": "bad_frame",
-                    "message": str(exc), "type": "invalid_request_error"})
+                    "message": str(exc), "type": "invalid_request_error", "param": exc.param})
             return
         if peer in self.refused and msg_type != MsgType.HELLO:
             return  # its HELLO was refused: nothing but a correct HELLO is heard from it
