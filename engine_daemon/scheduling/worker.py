@@ -41,6 +41,7 @@ from engine_daemon.scheduling.commands import (
 )
 from engine_daemon.scheduling.frames import encode_events
 from engine_daemon.scheduling.group_leader import GroupLeader
+from engine_daemon.scheduling.inbox import MAX_COMMANDS_PER_STEP, PendingAborts
 from engine_daemon.scheduling.serial import SerialScheduler
 from protocol import MsgType
 
@@ -290,19 +291,29 @@ class MlxWorker(threading.Thread):
         self.status.state = "ready" if current else "idle"
 
     def _drain_commands(self, block: bool) -> list[Event]:
-        """Handles every waiting command; waits up to 0.5 s for one only when idle."""
+        """Handles the waiting commands, at most `MAX_COMMANDS_PER_STEP`, consecutive ABORTs merged into one
+        (`inbox`); waits up to 0.5 s for one only when idle."""
         events: list[Event] = []
         try:
             command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
         except queue.Empty:
             return events
         self.status.busy_since = self.status.busy_since or time.monotonic()
-        while True:
-            events += self._handle_safely(command)
+        aborts = PendingAborts()
+        for taken in range(1, MAX_COMMANDS_PER_STEP + 1):
+            if isinstance(command, AbortCommand):
+                aborts.add(command)
+            else:
+                aborts = aborts.apply(self.scheduler, self.aux_jobs)  # first: what follows sees them done
+                events += self._handle_safely(command)
+            if taken == MAX_COMMANDS_PER_STEP:
+                break  # the rest wait for the next step: running streams keep their pace
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
-                return events
+                break
+        aborts.apply(self.scheduler, self.aux_jobs)
+        return events
 
     def _coalesce(self) -> list[Event]:
         """Takes the requests arriving right behind the one that woke the idle engine (`--coalesce-ms`).
@@ -352,11 +363,7 @@ class MlxWorker(threading.Thread):
                 return [(command.peer, MsgType.ERROR, self.group.refusal(command.body["rid"]))]
             return self.scheduler.submit(command.peer, command.body, command.prepared)
         if isinstance(command, AbortCommand):
-            found = self.scheduler.abort(set(command.rids))
-            if command.peer is not None:  # a long auxiliary CALL (audio) whose client left
-                found += self.aux_jobs.cancel(command.peer, set(command.rids))
-            if found:
-                log.info("aborted %d request(s) (%s): rid=%s", found, command.reason, ",".join(command.rids))
+            PendingAborts(command).apply(self.scheduler, self.aux_jobs)
             return []
         if isinstance(command, PeerGoneCommand):
             found = self.scheduler.abort_peer(command.peer) + self.aux_jobs.cancel(command.peer, None)
