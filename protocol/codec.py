@@ -7,7 +7,10 @@ from typing import Any
 import msgpack
 
 from protocol.messages import (
+    FRONTEND_TO_ENGINE,
+    ID_FIELDS,
     MAX_FRAME_BYTES,
+    MAX_ID_CHARS,
     PARAM_TYPES,
     SCHEMAS,
     MsgType,
@@ -116,6 +119,10 @@ def decode(frame: bytes) -> tuple[MsgType, dict[str, Any]]:
     rid = body.get("rid") if isinstance(body.get("rid"), str) else None
     cid = body.get("cid") if isinstance(body.get("cid"), str) else None
     problem, param = check_fields(body, SCHEMAS[msg_type]), None
+    if problem is None and msg_type in FRONTEND_TO_ENGINE:
+        for name in ID_FIELDS & body.keys():
+            if isinstance(body[name], str) and len(body[name]) > MAX_ID_CHARS:
+                problem, param = f"'{name}' is longer than {MAX_ID_CHARS} characters", name
     if problem is None and msg_type == MsgType.ADD:
         problem, param = _check_add(body) or (None, None)
     if problem is None and msg_type == MsgType.ABORT:

@@ -17,6 +17,11 @@ PROTOCOL_VERSION = 1
 # Frames larger than this are refused before msgpack decodes them.
 MAX_FRAME_BYTES = 32 * 1024 * 1024
 
+# Request and call ids, front-end ids and host names longer than this are refused: the engine writes them
+# into its log lines (a 1 MB request id made every line of that request 1 MB).
+MAX_ID_CHARS = 256
+ID_FIELDS = {"rid", "cid", "frontend_id", "host"}
+
 
 class MsgType(enum.IntEnum):
     """The first byte of every frame: dispatch happens on it before decoding."""

@@ -23,7 +23,7 @@ import zmq
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.calls.table import Thread, lookup
 from engine_daemon.config import SchedulerConfig
-from engine_daemon.errors import RequestError
+from engine_daemon.errors import RequestError, clipped
 from engine_daemon.group.settings import GroupSettings
 from engine_daemon.models import store as model_store
 from engine_daemon.multimodal.inputs import prepare_media_inputs
@@ -37,7 +37,7 @@ from engine_daemon.scheduling.commands import (
     ReplyCommand,
 )
 from engine_daemon.scheduling.worker import MlxWorker
-from engine_daemon.transport.handshake_log import HandshakeLog
+from engine_daemon.transport.handshake_log import HandshakeLog, QuietLog, folded
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 
@@ -47,6 +47,7 @@ OUTBOX_ADDRESS = "inproc://mlx-outbox"
 GROUP_STOP_GRACE = 0.5  # seconds between SIGTERM and a group's clean stop (`EngineServer.stop`)
 SEND_HWM = 100_000
 MAX_REFUSED_PEERS = 4096
+BAD_FRAME_QUIET = 10.0  # seconds between two log lines about one peer's bad frames (the others are counted)
 
 
 class EndpointInUse(RuntimeError):
@@ -113,6 +114,7 @@ class EngineServer:
         self._load_reported = 0  # seconds of the current model load already logged (_report_loading)
         self.failed = False  # set when the mlx thread died: `engined` then exits non-zero
         self.draining = False  # `calls.drain`: PONGs say "draining" so front-ends route no new work here
+        self._bad_frames = QuietLog(BAD_FRAME_QUIET, MAX_REFUSED_PEERS)  # 87 MB of log in 20 s of garbage frames
 
     def stop(self) -> None:
         if self.worker.group is not None:
@@ -207,15 +209,22 @@ class EngineServer:
         self._send(router, peer, encode(msg_type, body))
 
     # -- receiving ---------------------------------------------------------------
+    def _warn_peer(self, peer: bytes, kind: str, message: str, *args: Any) -> None:
+        """A warning about what a peer sent, at most one per peer and kind every `BAD_FRAME_QUIET` seconds."""
+        more = self._bad_frames.allow((peer, kind))
+        if more is not None:
+            log.warning(message + "%s", *args, folded(more))
+
     def _receive(self, router: zmq.Socket, parts: list[bytes]) -> None:
         if len(parts) != 2:
-            log.warning("dropping a message of %d frames (expected identity + 1)", len(parts))
+            self._warn_peer(parts[0] if parts else b"", "frames", "dropping a message of %d frames from %r "
+                            "(expected identity + 1)", len(parts), parts[0] if parts else b"")
             return
         peer, frame = parts
         try:
             msg_type, body = decode(frame)
         except ProtocolError as exc:
-            log.warning("bad frame from %r: %s", peer, exc)
+            self._warn_peer(peer, "bad", "bad frame from %r: %s", peer, clipped(str(exc), 300))
             if exc.rid or exc.cid:
                 self._reply(router, peer, MsgType.ERROR, {
                     "rid": exc.rid, "cid": exc.cid, "status": 400, "code": "bad_frame",
@@ -234,7 +243,7 @@ class EngineServer:
                            "without a word from it"})
         handler = getattr(self, f"_on_{msg_type.name.lower()}", None)
         if handler is None:
-            log.warning("dropping %s from %r: not a front-end message", msg_type.name, peer)
+            self._warn_peer(peer, "type", "dropping %s from %r: not a front-end message", msg_type.name, peer)
             return
         handler(router, peer, body)
 
@@ -244,15 +253,16 @@ class EngineServer:
                 self.refused.pop()  # bounded memory against a client cycling identities
             self.refused.add(peer)
             self.peers.pop(peer, None)
-            log.warning("front-end %s speaks protocol %s: refused until it says HELLO with %d",
-                        body.get("frontend_id"), body["version"], PROTOCOL_VERSION)
+            self._warn_peer(peer, "version", "front-end %s speaks protocol %s: refused until it says HELLO with %d",
+                            clipped(body.get("frontend_id")), body["version"], PROTOCOL_VERSION)
             self._reply(router, peer, MsgType.ERROR, {
                 "status": 400, "code": "protocol_version_mismatch", "type": "invalid_request_error",
                 "message": f"engine speaks protocol {PROTOCOL_VERSION}, front-end {body['version']}"})
             return
         self.refused.discard(peer)
         self.peers[peer] = Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host"))
-        log.info("front-end %s connected (pid %s on %s)", body["frontend_id"], body.get("pid"), body.get("host"))
+        log.info("front-end %s connected (pid %s on %s)", clipped(body["frontend_id"]), body.get("pid"),
+                 clipped(body.get("host")))
         status = self.worker.status
         self._reply(router, peer, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": status.state,
@@ -343,7 +353,7 @@ class EngineServer:
         deadline = time.monotonic() - self.peer_timeout
         for peer in [p for p, info in self.peers.items() if info.last_seen < deadline]:
             log.info("front-end %s silent for %.0f s: aborting its requests",
-                     self.peers[peer].frontend_id or repr(peer), self.peer_timeout)
+                     clipped(self.peers[peer].frontend_id) or repr(peer), self.peer_timeout)
             self._peer_gone(peer)
             self.dropped[peer] = time.monotonic()  # told so if it speaks again (`_receive`)
             if len(self.dropped) > MAX_REFUSED_PEERS:

@@ -50,3 +50,33 @@ def test_malformed_adds_get_400_naming_the_field(engine: Engine) -> None:
             assert answer.get("param") == param and param in answer["message"], (rid, answer)
     finally:
         sock.close(0)
+
+
+def test_garbage_and_huge_ids_do_not_flood_the_log(engine: Engine) -> None:
+    """Red team E9/E1: one warning per garbage frame (87 MB of log in 20 s), and a 1 MB request id in every
+    line of its request. Now: a peer's bad frames are logged once per BAD_FRAME_QUIET, long ids refused."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(engine.endpoint)
+    before = len(engine.log())
+    try:
+        sock.send(encode(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": "f" * 100_000}))
+        sock.send(encode(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": "flood"}))
+        for _ in range(5000):
+            sock.send(b"\x03\xc1" * 10)
+        huge = "r" * 1_000_000
+        sock.send(encode(MsgType.ADD, {"rid": huge, "messages": MESSAGES, "params": {"max_tokens": 3}}))
+        answer = None
+        deadline = time.monotonic() + 30
+        while answer is None and time.monotonic() < deadline:
+            if sock.poll(500):
+                msg_type, body = decode(sock.recv())
+                if msg_type == MsgType.ERROR and body.get("rid") == huge:
+                    answer = body
+        assert answer is not None and answer["status"] == 400 and answer["param"] == "rid", answer
+        time.sleep(0.5)
+        grown = engine.log()[before:]
+        assert len(grown) < 20_000, f"{len(grown)} bytes of log: {grown[:500]}"
+        assert grown.count("bad frame from") <= 2, grown[:2000]
+    finally:
+        sock.close(0)

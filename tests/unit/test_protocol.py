@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from protocol import MsgType, ProtocolError, decode, encode, new_request_id, request_id_owner
-from protocol.messages import MAX_FRAME_BYTES
+from protocol.messages import MAX_FRAME_BYTES, MAX_ID_CHARS
 
 
 def add_body(**overrides):
@@ -86,3 +86,14 @@ def test_request_ids_carry_their_owner() -> None:
     assert request_id_owner(rid) == "host-12-ab"
     assert rid != new_request_id("host-12-ab")
     assert request_id_owner("nocolon") == ""
+
+
+def test_overlong_ids_are_refused_with_the_field() -> None:
+    assert decode(encode(MsgType.ADD, add_body(rid="r" * MAX_ID_CHARS)))[1]["rid"] == "r" * MAX_ID_CHARS
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(MsgType.ADD, add_body(rid="r" * (MAX_ID_CHARS + 1))))
+    assert info.value.param == "rid" and info.value.rid == "r" * (MAX_ID_CHARS + 1)
+    with pytest.raises(ProtocolError, match="frontend_id"):
+        decode(encode(MsgType.HELLO, {"version": 1, "frontend_id": "f" * 10_000}))
+    with pytest.raises(ProtocolError, match="cid"):
+        decode(encode(MsgType.CALL, {"cid": "c" * 10_000, "method": "stats"}))
