@@ -127,7 +127,10 @@ SCHEMAS: dict[MsgType, Schema] = {
         "pid": ((int,), False),
         "host": ((str,), False),
     },
-    MsgType.PING: {"t": (NUMBER, False)},
+    # rx: bytes of frames this front-end has read from the engine since it connected. A peer that leaves more
+    # than the engine's --peer-max-queued unread has its requests aborted; one whose PINGs carry no rx is
+    # counted as having read nothing.
+    MsgType.PING: {"t": (NUMBER, False), "rx": ((int,), False)},
     MsgType.ADD: {
         "rid": ((str,), True),
         "epoch": ((int, NONE), False),

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 OUTBOX_ADDRESS = "inproc://mlx-outbox"
 GROUP_STOP_GRACE = 0.5  # seconds between SIGTERM and a group's clean stop (`EngineServer.stop`)
 SEND_HWM = 100_000
+PEER_MAX_QUEUED_BYTES = 64 * 2**20  # --peer-max-queued: output one front-end may leave unread
 MAX_REFUSED_PEERS = 4096
 BAD_FRAME_QUIET = 10.0  # seconds between two log lines about one peer's bad frames (the others are counted)
 
@@ -60,6 +61,13 @@ class Peer:
     last_seen: float
     pid: int | None = None
     host: str | None = None
+    sent_bytes: int = 0  # frames sent to it since this record was made
+    rx_base: int | None = None  # its first PING's `rx` (bytes it had read by then); None: it never said
+    rx: int = 0  # its latest PING's `rx`
+
+    def unread(self) -> int:
+        """Bytes sent that it has not said it read; all of them for a peer whose PINGs carry no `rx`."""
+        return self.sent_bytes - (self.rx - self.rx_base if self.rx_base is not None else 0)
 
 
 def lock_ipc_endpoint(endpoint: str) -> BinaryIO | None:
@@ -88,8 +96,10 @@ class EngineServer:
     def __init__(self, endpoint: str, config: SchedulerConfig, preload: str | None = None,
                  peer_timeout: float = 10.0, stall_timeout: float = 60.0,
                  security: SocketSecurity | None = None, responses: ResponseStore | None = None,
-                 group: tuple[GroupSettings, object] | None = None):
+                 group: tuple[GroupSettings, object] | None = None,
+                 peer_max_queued: int = PEER_MAX_QUEUED_BYTES):
         self.endpoint = endpoint
+        self.peer_max_queued = peer_max_queued
         self.peer_timeout = peer_timeout
         self.stall_timeout = stall_timeout
         self.epoch = time.time_ns() // 1000
@@ -204,6 +214,27 @@ class EngineServer:
             # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.
             log.warning("dropping front-end %r: %s", peer, exc)
             self._peer_gone(peer)
+            return
+        known = self.peers.get(peer)
+        if known is not None:
+            known.sent_bytes += len(frame)
+            if known.unread() > self.peer_max_queued:
+                self._drop_unread(peer, known)
+
+    def _drop_unread(self, peer: bytes, known: Peer) -> None:
+        """A front-end that leaves more than --peer-max-queued of output unread: ZeroMQ would queue up to
+        SEND_HWM frames for it (GBs of DELTAS); its requests are aborted, as the front-end's slow-client cap does
+        for an HTTP client, and its next frame hears `frontend_dropped`."""
+        log.warning("front-end %s left %.0f MiB of output unread (over --peer-max-queued %.0f MiB): aborting its "
+                    "requests", clipped(known.frontend_id) or repr(peer), known.unread() / 2**20,
+                    self.peer_max_queued / 2**20)
+        self._peer_gone(peer)
+        self._remember_dropped(peer)
+
+    def _remember_dropped(self, peer: bytes) -> None:
+        self.dropped[peer] = time.monotonic()  # told so if it speaks again (`_receive`)
+        if len(self.dropped) > MAX_REFUSED_PEERS:
+            self.dropped.popitem(last=False)
 
     def _reply(self, router: zmq.Socket, peer: bytes, msg_type: MsgType, body: dict[str, Any]) -> None:
         self._send(router, peer, encode(msg_type, body))
@@ -292,8 +323,12 @@ class EngineServer:
         return status.state
 
     def _on_ping(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
-        if peer not in self.peers:
-            self.peers[peer] = Peer("", time.monotonic())
+        known = self.peers.get(peer)
+        if known is None:
+            known = self.peers[peer] = Peer("", time.monotonic())
+        if "rx" in body:  # bytes it has read from this engine: what it left unread is bounded (`_send`)
+            known.rx = body["rx"]
+            known.rx_base = known.rx if known.rx_base is None else known.rx_base
         status = self.worker.status
         self._reply(router, peer, MsgType.PONG, {
             "epoch": self.epoch, "state": self.state(), "queued": status.queued,
@@ -355,9 +390,7 @@ class EngineServer:
             log.info("front-end %s silent for %.0f s: aborting its requests",
                      clipped(self.peers[peer].frontend_id) or repr(peer), self.peer_timeout)
             self._peer_gone(peer)
-            self.dropped[peer] = time.monotonic()  # told so if it speaks again (`_receive`)
-            if len(self.dropped) > MAX_REFUSED_PEERS:
-                self.dropped.popitem(last=False)
+            self._remember_dropped(peer)
 
     # -- what the io thread knows of the mlx thread -------------------------------------
     def loading(self) -> dict[str, Any]:
