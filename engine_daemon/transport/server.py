@@ -39,6 +39,7 @@ from engine_daemon.scheduling.commands import (
 from engine_daemon.scheduling.worker import MlxWorker
 from engine_daemon.transport.handshake_log import HandshakeLog, QuietLog, folded
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
+from engine_daemon.transport.wind_down import wind_down
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class EngineServer:
         self._load_reported = 0  # seconds of the current model load already logged (_report_loading)
         self.failed = False  # set when the mlx thread died: `engined` then exits non-zero
         self.draining = False  # `calls.drain`: PONGs say "draining" so front-ends route no new work here
+        self._cut_off: collections.OrderedDict[bytes, Peer] = collections.OrderedDict()  # over --peer-max-queued
         self._bad_frames = QuietLog(BAD_FRAME_QUIET, MAX_REFUSED_PEERS)  # 87 MB of log in 20 s of garbage frames
 
     def stop(self) -> None:
@@ -194,7 +196,10 @@ class EngineServer:
         finally:
             self.preprocessor.close()
             self.worker.stop()
-            self.worker.join(timeout=60)  # a clean stop writes the hot prefixes to --prompt-cache-dir
+            # Its last frames (every open request's engine_shutting_down) go out while it stops; a clean stop
+            # writes the hot prefixes to --prompt-cache-dir.
+            wind_down(self, router, outbox)
+            self.worker.join(timeout=1)
             if handshakes is not None:
                 handshakes.close()
             router.close()
@@ -225,11 +230,23 @@ class EngineServer:
         """A front-end that leaves more than --peer-max-queued of output unread: ZeroMQ would queue up to
         SEND_HWM frames for it (GBs of DELTAS); its requests are aborted, as the front-end's slow-client cap does
         for an HTTP client, and its next frame hears `frontend_dropped`."""
-        log.warning("front-end %s left %.0f MiB of output unread (over --peer-max-queued %.0f MiB): aborting its "
-                    "requests", clipped(known.frontend_id) or repr(peer), known.unread() / 2**20,
-                    self.peer_max_queued / 2**20)
+        self._warn_peer(peer, "unread", "front-end %s left %.0f MiB of output unread (over --peer-max-queued %.0f "
+                        "MiB): aborting its requests", clipped(known.frontend_id) or repr(peer),
+                        known.unread() / 2**20, self.peer_max_queued / 2**20)
         self._peer_gone(peer)
         self._remember_dropped(peer)
+        self._cut_off[peer] = known
+        if len(self._cut_off) > MAX_REFUSED_PEERS:
+            self._cut_off.popitem(last=False)
+
+    def _new_peer(self, peer: bytes, record: Peer) -> Peer:
+        """`record` as what we know of `peer`; the output it left unread when it was cut off still counts, so a
+        peer that goes on not reading has its next requests cut at once (its ZeroMQ queue is not emptied)."""
+        cut = self._cut_off.pop(peer, None)
+        if cut is not None:
+            record.sent_bytes, record.rx_base, record.rx = cut.sent_bytes, cut.rx_base, cut.rx
+        self.peers[peer] = record
+        return record
 
     def _remember_dropped(self, peer: bytes) -> None:
         self.dropped[peer] = time.monotonic()  # told so if it speaks again (`_receive`)
@@ -291,7 +308,7 @@ class EngineServer:
                 "message": f"engine speaks protocol {PROTOCOL_VERSION}, front-end {body['version']}"})
             return
         self.refused.discard(peer)
-        self.peers[peer] = Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host"))
+        self._new_peer(peer, Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host")))
         log.info("front-end %s connected (pid %s on %s)", clipped(body["frontend_id"]), body.get("pid"),
                  clipped(body.get("host")))
         status = self.worker.status
@@ -325,7 +342,7 @@ class EngineServer:
     def _on_ping(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
         known = self.peers.get(peer)
         if known is None:
-            known = self.peers[peer] = Peer("", time.monotonic())
+            known = self._new_peer(peer, Peer("", time.monotonic()))
         if "rx" in body:  # bytes it has read from this engine: what it left unread is bounded (`_send`)
             known.rx = body["rx"]
             known.rx_base = known.rx if known.rx_base is None else known.rx_base
@@ -341,7 +358,8 @@ class EngineServer:
                 "rid": body["rid"], "status": 503, "code": "engine_restarted", "type": "server_error",
                 "message": "The engine restarted; retry the request"})
             return
-        self.peers.setdefault(peer, Peer("", time.monotonic()))
+        if peer not in self.peers:
+            self._new_peer(peer, Peer("", time.monotonic()))
         self.preprocessor.submit(peer, body)  # rendered and tokenized off the mlx thread, then AddCommand
 
     def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:

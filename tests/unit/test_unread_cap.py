@@ -60,9 +60,13 @@ def test_a_peer_that_reads_nothing_is_cut_off(server: EngineServer, caplog: pyte
 
 def test_a_peer_that_never_says_rx_counts_as_reading_nothing(server: EngineServer) -> None:
     router = Router()
-    for _ in range(11):
+    sends = 0
+    while not gone(server):
         server._on_ping(router, b"old", {"t": 0})  # type: ignore[arg-type]
         server._reply(router, b"old", MsgType.DELTAS, {"items": [{"rid": "x", "text": "d" * 99_990}]})  # type: ignore[arg-type]
+        sends += 1
+    assert sends == 10
+    server._on_ping(router, b"old", {"t": 0})  # type: ignore[arg-type]  # still nothing read: cut again at once
     assert gone(server) == [b"old"]
 
 
@@ -77,3 +81,16 @@ def test_a_peer_that_reads_keeps_streaming(server: EngineServer) -> None:
         read += 5 * len(FRAME)
         server._on_ping(router, b"reader", {"t": 0, "rx": read})  # type: ignore[arg-type]
     assert gone(server) == [] and b"reader" in server.peers
+
+
+def test_a_cut_off_peer_that_still_reads_nothing_is_cut_again_at_once(server: EngineServer) -> None:
+    router = Router()
+    server._on_hello(router, b"sink", {"version": 1, "frontend_id": "sink"})  # type: ignore[arg-type]
+    while not gone(server):
+        server._send(router, b"sink", FRAME)  # type: ignore[arg-type]
+    server._on_ping(router, b"sink", {"t": 0, "rx": 0})  # type: ignore[arg-type]  # back, still reading nothing
+    server._send(router, b"sink", FRAME)  # type: ignore[arg-type]  # its next request's first output
+    assert gone(server) == [b"sink"]
+    server._on_ping(router, b"sink", {"t": 0, "rx": 5_000_000})  # type: ignore[arg-type]  # it read its backlog
+    server._send(router, b"sink", FRAME)  # type: ignore[arg-type]
+    assert gone(server) == []
