@@ -41,7 +41,7 @@ from engine_daemon.scheduling.commands import (
 )
 from engine_daemon.scheduling.frames import encode_events
 from engine_daemon.scheduling.group_leader import GroupLeader
-from engine_daemon.scheduling.inbox import MAX_COMMANDS_PER_STEP, PendingAborts
+from engine_daemon.scheduling.inbox import MAX_COMMANDS_PER_STEP, PendingAborts, shutdown_events
 from engine_daemon.scheduling.serial import SerialScheduler
 from protocol import MsgType
 
@@ -151,6 +151,8 @@ class MlxWorker(threading.Thread):
                 self.status.busy_since = 0.0
             if self.group is not None:
                 self.group.stop()
+            self._publish(outbox, shutdown_events(self.scheduler, self.aux_jobs, self.commands))
+            outbox.setsockopt(zmq.LINGER, 2000)  # those last frames reach the io thread (`wind_down`)
             try:
                 self.scheduler.on_shutdown()
                 # The model is freed with the process: what holds on to it lets go, and a vision
