@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 OUTBOX_ADDRESS = "inproc://mlx-outbox"
 GROUP_STOP_GRACE = 0.5  # seconds between SIGTERM and a group's clean stop (`EngineServer.stop`)
 SEND_HWM = 100_000
+INBOUND_BATCH = 1000  # frames read per turn of the io loop
+# A turn that read a whole batch (a flood, e.g. 28k ABORT frames/s) is followed by a pause this many times as long:
+# decoding them held the GIL and the steps of every stream slowed 3-4 times; a front-end never sends this many.
+FLOOD_YIELD = 2.0
 PEER_MAX_QUEUED_BYTES = 64 * 2**20  # --peer-max-queued: output one front-end may leave unread
 MAX_REFUSED_PEERS = 4096
 BAD_FRAME_QUIET = 10.0  # seconds between two log lines about one peer's bad frames (the others are counted)
@@ -175,12 +179,15 @@ class EngineServer:
                             break
                         self._send(router, peer, frame)
                 if router in ready:
-                    for _ in range(1000):
+                    started = time.perf_counter()
+                    for _ in range(INBOUND_BATCH):
                         try:
                             parts = router.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self._receive(router, parts)
+                    else:  # a flood: the mlx thread gets the GIL twice as long (the senders wait at RCVHWM)
+                        time.sleep(FLOOD_YIELD * (time.perf_counter() - started))
                 if handshakes is not None and handshakes.monitor in ready:
                     handshakes.drain()
                 if not self.worker.is_alive():
