@@ -176,8 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "than MLX's x86 kernel, a prefill ~10%% faster and a step carrying a prompt chunk beside "
                      "running streams ~13%% cheaper. Plain decode steps always use MLX's.")
     parser.add_argument("--max-queued", type=int, default=int(os.environ.get("MLX_ENGINE_MAX_QUEUED", "256")),
-                        help="requests waiting to start before new ones get 429. [MLX_ENGINE_MAX_QUEUED] "
-                             "(default: %(default)s)")
+                        help="requests waiting to start before new ones get 429; also each client's requests waiting "
+                             "to be rendered. [MLX_ENGINE_MAX_QUEUED] (default: %(default)s)")
     parser.add_argument("--max-queued-audio-seconds", type=float,
                         default=float(os.environ.get("MLX_ENGINE_MAX_QUEUED_AUDIO_SECONDS", "3600")),
                         help="seconds of uploaded audio that waiting and running transcriptions may hold together "

@@ -19,7 +19,7 @@ from engine_daemon.output.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS,
 from engine_daemon.output.token_text import request_detokenizer
 from engine_daemon.request.context_overflow import fit_context
 from engine_daemon.request.param_checks import check_params, check_stops, parse_logit_bias
-from engine_daemon.request.preprocess import model_key
+from engine_daemon.request.preprocess import check_token_prompt, model_key
 from engine_daemon.request.prompt import build_prompt, template_tools
 from engine_daemon.request.state import EngineRequest, PreparedPrompt
 from engine_daemon.sampling.request_processors import build_processors, processor_spec
@@ -87,11 +87,6 @@ def resolve_sampling(loaded: LoadedModel, params: dict[str, Any], server_default
 GREEDY_BELOW = 1e-5
 
 
-def check_token_ids(tokens: list[int], vocab_size: int) -> None:
-    if any(not 0 <= t < vocab_size for t in tokens):
-        raise RequestError(400, "invalid_value", f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-
-
 def prepared_for(request: EngineRequest, loaded: LoadedModel) -> PreparedPrompt | None:
     """What was prepared off the mlx thread for this very load (taken off the request), else None."""
     prepared, request.prepared = request.prepared, None
@@ -116,9 +111,10 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     prepared = prepared_for(request, loaded)
     check_params(request.params)
     check_stops(request.params.get("stop"), *stop_limits)
+    unchecked = prepared is None or (prepared.tokens is None and prepared.error is None)  # else the pool checked it
+    if isinstance(request.body.get("prompt"), list) and unchecked:
+        check_token_prompt(request.body["prompt"], loaded)  # its length first, then its ids
     request.prompt_tokens = prepared_tokens(request, loaded, prepared)
-    if isinstance(request.body.get("prompt"), list):
-        check_token_ids(request.prompt_tokens, loaded.vocab_size)
     # models-config max_tokens default; --context-overflow truncate/summarize (fit_context)
     default_max_tokens = loaded.profile.max_tokens or default_max_tokens
     if clamp_max_tokens:

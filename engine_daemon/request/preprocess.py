@@ -10,15 +10,25 @@ prompt itself as before. A vision request's inputs (template, media, processor) 
 too (`prepare_media_inputs`, injected).
 
 Before any rendering, a prompt that could not fit the context window even if every token
-covered the longest token of the vocabulary is refused by its byte size alone.
+covered the longest token of the vocabulary is refused by its byte size alone, and a prompt of
+token ids longer than the window by its length alone (one `len()`; its ids are checked here, not
+on the io or mlx thread: 7 M ids took 1.4 s there, and every stream stood still).
+
+The pool is shared fairly: requests wait in one queue per client (its peer and the ADD's `client`,
+the scheduler's fair-share identity) and are taken round-robin, so one client's backlog delays
+another's first request by about one render; a client holds at most --max-queued requests here
+(429 `queue_full` beyond, as the scheduler's queue answers). A request aborted while it waits (or
+whose front-end vanished) is dropped without being rendered.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from engine_daemon.errors import RequestError, describe
@@ -36,6 +46,7 @@ PREPROCESS_THREADS = 2
 # Models whose text prompts render here: a vision model's text-only chat renders as a text model's does.
 PROMPT_KINDS = ("text", "vision", "audio")
 _LONGEST_TOKEN_ATTR = "_longest_token_bytes"
+CALLS = (b"", "\0calls")  # the pool's queue of CALLs (`run_call`): taken in turn with the clients' ADDs
 
 # (peer, ADD body, what was prepared or None) -> handed to the mlx thread
 Deliver = Callable[[bytes, dict[str, Any], "PreparedPrompt | None"], None]
@@ -127,9 +138,22 @@ def drop_oversized_turns(body: dict[str, Any], loaded: LoadedModel) -> None:
     body[DROPPED_BY_SIZE] = len(dropped)
 
 
+def check_token_prompt(prompt: list[Any], loaded: LoadedModel) -> None:
+    """A prompt of token ids: refused by its length first (one `len()`), then each id checked (in the vocabulary)."""
+    window = loaded.context_window
+    if window and len(prompt) >= window:
+        raise RequestError(400, "context_length_exceeded", f"This model's maximum context length is {window} tokens, "
+                           f"but the prompt has {len(prompt)} tokens", param="prompt")
+    vocab = loaded.vocab_size
+    if not all(type(token) is int and 0 <= token < vocab for token in prompt):  # a bool is not a token id
+        raise RequestError(400, "invalid_value", f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+
+
 def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
     """The prompt's tokens and the request's logits processors, or the refusal of either."""
     try:
+        if isinstance(body.get("prompt"), list):
+            check_token_prompt(body["prompt"], loaded)  # before anything else: its length costs nothing
         params = body.get("params") or {}
         check_params(params)  # before any compile: a refusal for a bad value costs nothing
         parse_logit_bias(params.get("logit_bias"), loaded.vocab_size)
@@ -150,41 +174,117 @@ def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
         return PreparedPrompt(model_key(loaded))
 
 
+@dataclass(eq=False)
+class _Job:
+    """One ADD waiting in the pool: `run` renders it (`Preprocessor._run` or `_run_media`)."""
+
+    run: Callable[[bytes, dict[str, Any], LoadedModel], None]
+    peer: bytes
+    body: dict[str, Any]
+    loaded: LoadedModel
+    owner: tuple[bytes, str]
+    started: bool = False  # taken off its queue by a pool thread
+
+
 class Preprocessor:
     """Renders and tokenizes ADDs on a thread pool, then hands them on in a `Deliver` call.
 
-    Aborts and vanished front-ends are honoured for requests still in the pool: their
-    result is dropped instead of delivered.
+    ADDs wait in one queue per client (`owner`) and are taken round-robin. Aborts and vanished
+    front-ends are honoured for requests still in the pool: one still waiting is never rendered,
+    one being rendered is not delivered. Refusals made here (a client's full share of the pool,
+    a request id already in the pool) are delivered as a `PreparedPrompt` with `refusal` set.
     """
 
     def __init__(self, current_model: Callable[[], LoadedModel | None], deliver: Deliver,
-                 threads: int = PREPROCESS_THREADS, decode_media: DecodeMedia | None = None):
+                 threads: int = PREPROCESS_THREADS, decode_media: DecodeMedia | None = None,
+                 max_queued: int = 256):
         self._current_model = current_model
         self._deliver = deliver
         self._decode_media = decode_media  # a vision request's images and audio (`engine_daemon.multimodal`)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="admission")
         self._lock = threading.Lock()
-        self._pending: dict[str, bytes] = {}  # rid -> peer, while in the pool
+        self._pending: dict[str, _Job] = {}  # rid -> its job, from submit until delivered or cancelled
+        self._queues: OrderedDict[tuple[bytes, str], deque[_Job]] = OrderedDict()  # per owner, next owner first
+        self._held: Counter[tuple[bytes, str]] = Counter()  # owner -> its requests in `_pending`
+        self.max_queued = max_queued  # per owner (--max-queued)
         self.counts = {"prompts_prepared": 0, "prompts_refused_by_size": 0, "prompts_refused_off_thread": 0,
                        "processors_prepared": 0,  # requests whose grammar / thinking budget was built here
-                       "media_decoded": 0}  # vision requests whose images / audio were decoded here
+                       "media_decoded": 0,  # vision requests whose images / audio were decoded here
+                       "prompts_dropped_unrendered": 0}  # aborted (or their front-end gone) while waiting here
+
+    @staticmethod
+    def owner_of(peer: bytes, body: dict[str, Any]) -> tuple[bytes, str]:
+        """Whose share of the pool an ADD takes: its front-end and its `client` (API key digest, else `user`)."""
+        return (peer, body.get("client") or "")
 
     def submit(self, peer: bytes, body: dict[str, Any]) -> None:
         """Called by the io thread for every ADD; delivers at once what the pool cannot help with."""
         loaded = self._current_model()
         if (body.get("media") and loaded is not None and loaded.vision is not None and self._decode_media
                 and names_loaded_model(body, loaded)):
-            job = self._run_media
+            run = self._run_media
         elif (loaded is None or loaded.kind not in PROMPT_KINDS or body.get("media")
                 or not names_loaded_model(body, loaded)
-                or (body.get("messages") is None and not isinstance(body.get("prompt"), str))):
+                or (body.get("messages") is None and not isinstance(body.get("prompt"), (str, list)))):
             self._deliver(peer, body, None)
             return
         else:
-            job = self._run
+            run = self._run
+        job = _Job(run, peer, body, loaded, self.owner_of(peer, body))
         with self._lock:
-            self._pending[body["rid"]] = peer
-        self._pool.submit(job, peer, body, loaded)
+            refusal = self._refusal(job)
+            if refusal is None:
+                self._pending[body["rid"]] = job
+                self._held[job.owner] += 1
+                self._queues.setdefault(job.owner, deque()).append(job)
+        if refusal is not None:
+            log.info("rid=%s refused before the admission pool: %s", body["rid"], refusal.code)
+            # Its id only: a flood's refused bodies are freed here, not held in the mlx thread's command queue.
+            self._deliver(peer, {"rid": body["rid"], "params": {}},
+                          PreparedPrompt(model_key(loaded), error=refusal, refusal=True))
+            return
+        self._pool.submit(self._next)
+
+    def _refusal(self, job: _Job) -> RequestError | None:
+        """Why an ADD may not wait in the pool (a duplicate id, its client's share full), else None. Under the lock."""
+        if job.body["rid"] in self._pending:
+            return RequestError(400, "duplicate_request_id", f"Request id {job.body['rid']!r} is already in flight")
+        if self._held[job.owner] >= self.max_queued:
+            return RequestError(429, "queue_full", f"The engine queue is full ({self.max_queued} of this client's "
+                                "requests waiting to be rendered); retry later", error_type="rate_limit_error")
+        return None
+
+    def _next(self) -> None:
+        """One pool task: renders the next live job, round-robin over owners (one task is submitted per job)."""
+        with self._lock:
+            job = None
+            while self._queues and job is None:
+                owner, jobs = next(iter(self._queues.items()))
+                candidate = jobs.popleft()
+                if jobs:
+                    self._queues.move_to_end(owner)
+                else:
+                    del self._queues[owner]
+                if candidate.owner == CALLS or self._pending.get(candidate.body["rid"]) is candidate:
+                    job, candidate.started = candidate, True
+        if job is not None:
+            job.run(job.peer, job.body, job.loaded)
+
+    def _hand_on(self, peer: bytes, body: dict[str, Any], prepared: PreparedPrompt) -> None:
+        """Delivers a rendered job unless it was aborted meanwhile. Under the lock."""
+        job = self._pending.get(body["rid"])
+        if job is None or job.body is not body:
+            return  # aborted while it was being prepared
+        self._forget(body["rid"])
+        # Handed on under the lock: an ABORT the io thread sends now queues after this ADD.
+        self._deliver(peer, body, prepared)
+
+    def _forget(self, rid: str) -> _Job:
+        job = self._pending.pop(rid)
+        self._held[job.owner] -= 1
+        if not self._held[job.owner]:
+            del self._held[job.owner]
+        return job
 
     def _run_media(self, peer: bytes, body: dict[str, Any], loaded: LoadedModel) -> None:
         """Builds a vision request's model inputs here (template, media, processor); the mlx thread takes them."""
@@ -197,9 +297,7 @@ class Preprocessor:
             prepared = PreparedPrompt(model_key(loaded))
         with self._lock:
             self.counts["media_decoded"] += 1
-            if self._pending.pop(body["rid"], None) is None:
-                return  # aborted meanwhile
-            self._deliver(peer, body, prepared)
+            self._hand_on(peer, body, prepared)
 
     def _run(self, peer: bytes, body: dict[str, Any], loaded: LoadedModel) -> None:
         prepared = prepare_prompt(body, loaded)
@@ -210,10 +308,7 @@ class Preprocessor:
                 self.counts["prompts_refused_off_thread"] += 1
                 if isinstance(prepared.error, PromptTooLarge):
                     self.counts["prompts_refused_by_size"] += 1
-            if self._pending.pop(body["rid"], None) is None:
-                return  # aborted while it was being prepared
-            # Handed on under the lock: an ABORT the io thread sends now queues after this ADD.
-            self._deliver(peer, body, prepared)
+            self._hand_on(peer, body, prepared)
 
     def run_call(self, call: Callable[[], Any], answer: Callable[[Any, RequestError | None], None]) -> None:
         """Runs a CALL that tokenizes (`/tokenize`) on the pool; `answer(result, error)` when done."""
@@ -227,17 +322,39 @@ class Preprocessor:
                 result, error = None, RequestError(500, "engine_error", describe(exc), error_type="server_error")
             answer(result, error)
 
-        self._pool.submit(run)
+        with self._lock:  # a turn of its own: a client's backlog of ADDs does not hold it up
+            self._queues.setdefault(CALLS, deque()).append(_Job(lambda *_: run(), b"", {}, None, CALLS))
+        self._pool.submit(self._next)
 
-    def cancel(self, rids: list[str]) -> None:
+    def cancel(self, peer: bytes, rids: list[str]) -> None:
+        """An ABORT: drops those of `rids` that `peer` sent (another front-end's requests are not its to end)."""
         with self._lock:
             for rid in rids:
-                self._pending.pop(rid, None)
+                job = self._pending.get(rid)
+                if job is None:
+                    continue
+                if job.peer != peer:
+                    log.info("rid=%s: ABORT from another front-end ignored", rid)
+                    continue
+                self._drop(rid)
 
     def cancel_peer(self, peer: bytes) -> None:
         with self._lock:
-            for rid in [rid for rid, owner in self._pending.items() if owner == peer]:
-                del self._pending[rid]
+            for owner in [owner for owner in self._queues if owner[0] == peer]:
+                del self._queues[owner]  # whole queues at once: a vanished flood costs one pass
+            for rid in [rid for rid, job in self._pending.items() if job.peer == peer]:
+                self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        """Forgets a pending job (under the lock): one still waiting leaves its queue, never rendered."""
+        job = self._forget(rid)
+        if not job.started:
+            self.counts["prompts_dropped_unrendered"] += 1
+            jobs = self._queues.get(job.owner)
+            if jobs is not None:
+                jobs.remove(job)  # by identity (`_Job` has no __eq__)
+                if not jobs:
+                    del self._queues[job.owner]
 
     def stats(self) -> dict[str, int]:
         """For /stats: prompts rendered off the mlx thread, and how many of those were refused there."""

@@ -28,6 +28,9 @@ class PreparedPrompt:
     # A vision request's model inputs (`VisionInputs`, built by `prepare_media_inputs`), or its images (RGB PIL)
     # and audio (float32 samples) decoded in `media` order (`decode_media`).
     media: Any = None
+    # `error` is answered whatever model is loaded by then: refused before any rendering (a client's full share
+    # of the pool, a request id already in the pool), not a refusal of this prompt by this model.
+    refusal: bool = False
 
 
 @dataclass

@@ -206,6 +206,8 @@ class BaseScheduler:
         request = EngineRequest(rid=body["rid"], peer=peer, body=body, prepared=prepared)
         self.stats.requests_added += 1
         try:
+            if prepared is not None and prepared.refusal:
+                raise prepared.error
             if any(other.rid == request.rid for other in self.all_requests()):
                 raise RequestError(400, "duplicate_request_id", f"Request id {request.rid!r} is already in flight")
             ref = self.resolve_model(body.get("model"))
@@ -355,6 +357,12 @@ class BaseScheduler:
         """Forgets every request and whatever holds on to the model."""
         self.waiting.clear()
         self.on_unload()
+
+    def owned_by(self, peer: bytes, rids: set[str]) -> tuple[set[str], set[str]]:
+        """Of `rids`, those `peer` sent and those another front-end sent: an ABORT ends its sender's own only."""
+        owners = {request.rid: request.peer for request in self.all_requests() if request.rid in rids}
+        mine = {rid for rid, owner in owners.items() if owner == peer}
+        return mine, set(owners) - mine
 
     def abort_peer(self, peer: bytes) -> int:
         rids = {request.rid for request in self.all_requests() if request.peer == peer}

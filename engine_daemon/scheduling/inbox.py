@@ -43,32 +43,40 @@ class PendingAborts:
         return bool(self.commands)
 
     @staticmethod
-    def described(rids: set[str], reasons: set[str]) -> str:
-        """`(reasons): rid=...` for the log line, the ids clipped and at most `LOGGED_RIDS` of them."""
+    def named(rids: set[str]) -> str:
+        """The ids for a log line: clipped, and at most `LOGGED_RIDS` of them."""
         listed = sorted(rids)
-        named = ",".join(clipped(rid) for rid in listed[:LOGGED_RIDS])
         more = f" and {len(listed) - LOGGED_RIDS} more" if len(listed) > LOGGED_RIDS else ""
-        return f"({','.join(sorted(clipped(reason) for reason in reasons))}): rid={named}{more}"
+        return ",".join(clipped(rid) for rid in listed[:LOGGED_RIDS]) + more
+
+    def reasons(self, peer: bytes | None = None) -> str:
+        return ",".join(sorted({clipped(c.reason) for c in self.commands if peer is None or c.peer == peer}))
 
     def apply(self, scheduler: Any, aux_jobs: Any) -> PendingAborts:
         """Aborts the requests and long auxiliary CALLs (audio) named; returns an empty `PendingAborts`."""
         if not self.commands:
             return self
-        rids = {rid for command in self.commands for rid in command.rids}
+        rids = {rid for command in self.commands if command.peer is None for rid in command.rids}
+        by_peer: dict[bytes, set[str]] = {}
+        for command in self.commands:
+            if command.peer is not None:
+                by_peer.setdefault(command.peer, set()).update(command.rids)
         try:
-            found = scheduler.abort(rids)
-            if aux_jobs.has_work():
-                by_peer: dict[bytes, set[str]] = {}  # an ABORT also names its sender's auxiliary CALLs (cids)
-                for command in self.commands:
-                    if command.peer is not None:
-                        by_peer.setdefault(command.peer, set()).update(command.rids)
+            for peer, named in by_peer.items():  # another front-end's requests are not its to end
+                mine, foreign = scheduler.owned_by(peer, named)
+                rids |= mine
+                if foreign:
+                    log.info("ignored an ABORT (%s) of %d request(s) another front-end sent: rid=%s",
+                             self.reasons(peer), len(foreign), self.named(foreign))
+            found = scheduler.abort(rids) if rids else 0
+            if aux_jobs.has_work():  # an ABORT also names its sender's auxiliary CALLs (cids)
                 for peer, named in by_peer.items():
                     found += aux_jobs.cancel(peer, named)
         except Exception:  # a bug here must not stop the mlx thread, nor fail what follows in the queue
             log.exception("aborting %d request(s) failed", len(rids))
             return PendingAborts()
         if found:
-            log.info("aborted %d request(s) %s", found, self.described(rids, {c.reason for c in self.commands}))
+            log.info("aborted %d request(s) (%s): rid=%s", found, self.reasons(), self.named(rids))
         return PendingAborts()
 
 

@@ -118,7 +118,7 @@ class EngineServer:
         self.preprocessor = Preprocessor(
             lambda: self.worker.models.current,
             lambda peer, body, prepared: self.worker.commands.put(AddCommand(peer, body, prepared)),
-            decode_media=prepare_media_inputs)
+            decode_media=prepare_media_inputs, max_queued=config.max_queued)
         self.worker.offload = self.preprocessor.run_call  # auxiliary jobs' tokenizing / decoding, off the mlx thread
         self._stop = threading.Event()
         self._lock: BinaryIO | None = None
@@ -370,7 +370,7 @@ class EngineServer:
         self.preprocessor.submit(peer, body)  # rendered and tokenized off the mlx thread, then AddCommand
 
     def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
-        self.preprocessor.cancel(body["rids"])
+        self.preprocessor.cancel(peer, body["rids"])  # the sender's own only, as the mlx thread's abort
         self.worker.commands.put(AbortCommand(body["rids"], body.get("reason", "client"), peer))
 
     def _on_bye(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from http_frontend.engine.curve import apply_client_curve
 from http_frontend.engine.frames import packed_frame
-from http_frontend.engine.handshake_watch import handshake_monitor, watch_handshakes
+from http_frontend.engine.handshake_watch import VERSION_MISMATCH, handshake_monitor, version_refusal, watch_handshakes
 from http_frontend.engine.loop_time import wait_free_time
 from http_frontend.engine.request_stream import EngineError, EngineUnavailable, RequestStream, Update
 from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decode, encode, new_request_id
@@ -82,6 +82,7 @@ class EngineClient:
         self.epoch: int | None = None
         self.engine_state = "unknown"
         self.model: str | None = None  # the engine's loaded model, as its WELCOME / PONG last said
+        self.refusal: str | None = None  # why the engine refused this front-end's HELLO (another protocol version)
         self.queued = 0  # the engine's queue and running requests at its last PONG (every front-end's)
         self.running = 0
         self._others_load = 0  # of those, the ones not this worker's: the rest of the load is counted here
@@ -176,9 +177,14 @@ class EngineClient:
             return False
         return True
 
+    def _unreachable(self) -> EngineUnavailable:
+        return EngineUnavailable(self.refusal or "The engine is not reachable")
+
     async def wait_ready(self, timeout: float) -> bool:
         if self.alive:
             return True
+        if self.refusal is not None:  # refused until one side is upgraded: waiting changes nothing
+            return False
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
         except asyncio.TimeoutError:
@@ -191,14 +197,14 @@ class EngineClient:
         UnsendableRequest when the ADD cannot be packed into one frame (nothing is registered then).
         """
         if not await self.wait_ready(2.0):
-            raise EngineUnavailable("The engine is not reachable")
+            raise self._unreachable()
         rid = new_request_id(self.frontend_id)
         frame = packed_frame(MsgType.ADD, {**request, "rid": rid, "epoch": self.epoch})
         stream = RequestStream(rid, self.max_pending_bytes)
         self.streams[rid] = stream
         if not self._send_frame(frame):
             del self.streams[rid]
-            raise EngineUnavailable("The engine is not reachable")
+            raise self._unreachable()
         return stream
 
     def release(self, stream: RequestStream, reason: str) -> None:
@@ -237,9 +243,9 @@ class EngineClient:
                     on_partial: Callable[[Any], None] | None, streaming: bool) -> Any:
         method = method.value if isinstance(method, CallMethod) else method  # the plain name, in errors too
         if self.engine_state == "unreachable":  # known down: /health and /v1/models answer now, not in 2 s
-            raise EngineUnavailable("The engine is not reachable")
+            raise self._unreachable()
         if not await self.wait_ready(min(timeout, 2.0)):
-            raise EngineUnavailable("The engine is not reachable")
+            raise self._unreachable()
         cid = uuid.uuid4().hex
         frame = packed_frame(MsgType.CALL, {"cid": cid, "method": method, "args": args or {}})
         future = asyncio.get_running_loop().create_future()
@@ -248,7 +254,7 @@ class EngineClient:
             self._partials[cid] = on_partial
         try:
             if not self._send_frame(frame):
-                raise EngineUnavailable("The engine is not reachable")
+                raise self._unreachable()
             return await wait_free_time(future, timeout)
         except asyncio.TimeoutError:
             raise EngineUnavailable(f"The engine did not answer '{method}' within {timeout:.0f} s") from None
@@ -324,6 +330,9 @@ class EngineClient:
 
     def _on_error(self, body: dict[str, Any]) -> None:
         rid, cid = body.get("rid"), body.get("cid")
+        if body.get("code") == VERSION_MISMATCH and not rid and not cid:
+            self._refused(body.get("message") or "")
+            return
         if body.get("code") == "frontend_dropped":  # the engine aborted all of ours after our silence
             log.warning("the engine dropped this worker after its silence: failing %d open request(s)",
                         len(self.streams))
@@ -338,8 +347,20 @@ class EngineClient:
         else:
             log.warning("engine error: %s (%s)", body.get("message"), body.get("code"))
 
+    def _refused(self, message: str) -> None:
+        """The engine refused our HELLO: it ignores this worker from now on, so it is down here, and says why."""
+        refusal = version_refusal(self.engine_id, message)
+        if refusal != self.refusal:
+            log.error("%s (at %s)", refusal, self.endpoint)
+        self.refusal = refusal
+        self._ready.clear()
+        self.engine_state = "unreachable"
+        self._fail_all(503, "engine_unavailable", refusal)
+
     def _on_engine_state(self, body: dict[str, Any]) -> None:
         epoch = body["epoch"]
+        if epoch != self.epoch:
+            self.refusal = None  # another engine process: it may speak our version (the HELLO below tells)
         if self.epoch is not None and epoch != self.epoch:
             log.warning("engine restarted (epoch %s -> %s): failing %d open request(s)",
                         self.epoch, epoch, len(self.streams))

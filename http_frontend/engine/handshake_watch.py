@@ -1,4 +1,8 @@
-"""Failed CURVE handshakes with the engine, logged: otherwise a wrong key looks exactly like a dead engine.
+"""Failed handshakes with the engine, said: otherwise a wrong key or version looks exactly like a dead engine.
+
+An engine that speaks another protocol version refuses the HELLO with an ERROR
+(`protocol_version_mismatch`) and then ignores the front-end: `version_refusal` is what the
+front-end says instead of "not reachable" (in /health, the 503s and its log).
 
 A front-end whose key is not on the engine's allow-list, or that has the wrong server key, or
 that speaks plain ZeroMQ to a CURVE engine, gets no answer and its clients get 503
@@ -10,11 +14,14 @@ second), with how many were folded into the line.
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
+
+from protocol import PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +33,20 @@ FAILURES = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "was refused: this front-end's key is not in the engine's "
                                      "--curve-authorized-keys",
 }
+
+VERSION_MISMATCH = "protocol_version_mismatch"  # the ERROR code of an engine refusing a HELLO
+
+
+def version_refusal(engine_id: str, message: str) -> str:
+    """What to say of engine `engine_id` that refused this front-end's protocol version (its ERROR's `message`).
+
+    No endpoint: clients read it in their 503s (the log line names the endpoint).
+    """
+    found = re.search(r"engine speaks protocol (\d+)", message or "")
+    engine = found.group(1) if found else "another"
+    who = "The engine" if engine_id == "engine" else f"Engine '{engine_id}'"
+    return (f"{who} speaks protocol version {engine}, this front-end {PROTOCOL_VERSION}: upgrade one of them "
+            "(engine and front-end must come from the same mlx-engined release)")
 
 
 def handshake_monitor(sock: zmq.asyncio.Socket) -> zmq.asyncio.Socket:

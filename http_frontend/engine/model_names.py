@@ -43,7 +43,17 @@ class ModelSpellings:
         if loaded == name:
             return True
         known = self._known.get((engine_id, loaded, name))
-        return known is not None and known[0]
+        return known is not None and known[0] and known[1] > self.clock()  # an answer past its time is not one
+
+    def answered(self, engine_id: str, loaded: str | None, name: str | None) -> bool:
+        """Whether engine `engine_id`, asked while it had `loaded`, said `name` runs on it, however long ago.
+
+        For an engine that is down: it cannot be asked again, and its last answer is what is known of it.
+        """
+        if not loaded or not isinstance(name, str):
+            return False
+        known = self._known.get((engine_id, loaded, name))
+        return loaded == name or (known is not None and known[0])
 
     def _stale(self, key: tuple[str, str, str], now: float) -> bool:
         known = self._known.get(key)

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from http_frontend.engine.catalogues import Catalogues
 from http_frontend.engine.client import EngineClient, EngineLink, EngineUnavailable, RequestStream
 from http_frontend.engine.model_names import ModelSpellings
 from http_frontend.engine.routing import DEFAULT_EPSILON, DEFAULT_MIN_BOUND, Candidate, pick
@@ -73,6 +74,8 @@ class EnginePool:
         self.frontend_id = first.frontend_id
         self.streams = StreamsView(list(self.links.values()))
         self.spellings = ModelSpellings()  # which engine's loaded model a request's `model` names (`model_names`)
+        self.catalogues = Catalogues(self.links, self.routable)  # what each engine lists, kept while it is down
+        self._catalogue_task: asyncio.Task | None = None
 
     @property
     def single(self) -> bool:
@@ -97,8 +100,17 @@ class EnginePool:
             if not all(ready):
                 log.warning("%d of %d engines did not answer within %.0f s of start: serving with the others",
                             ready.count(False), len(ready), STARTUP_WAIT)
+            # Every worker knows each engine's models before its first request (`serves_while_down`).
+            self._catalogue_task = asyncio.create_task(self.catalogues.run())
+            try:
+                await asyncio.wait_for(self.catalogues.first_round.wait(), STARTUP_WAIT)
+            except asyncio.TimeoutError:
+                log.warning("the engines did not list their models within %.0f s of start", STARTUP_WAIT)
 
     async def close(self) -> None:
+        if self._catalogue_task is not None:
+            self._catalogue_task.cancel()
+            await asyncio.gather(self._catalogue_task, return_exceptions=True)
         await asyncio.gather(*(link.close() for link in self.links.values()), return_exceptions=True)
 
     # -- state ---------------------------------------------------------------------------
@@ -137,14 +149,24 @@ class EnginePool:
         candidates = [c for c in self.candidates(hint.model) if c.engine_id not in exclude]
         chosen = pick(hint.key, candidates, self.epsilon, hint.preferred, self.min_bound)
         if chosen is None:
-            raise EngineUnavailable("No engine is available (all are down, stalled or draining)")
+            raise EngineUnavailable(self.none_available("No engine is available (all are down, stalled or draining)"))
         return chosen
 
-    def serves_while_down(self, model: str | None) -> bool:
-        """Whether an engine that is down (or stalled, draining) last served `model`."""
-        return bool(model) and not self.single and any(
-            self.spellings.serves(engine_id, getattr(link, "model", None), model) and not self.routable(engine_id)
-            for engine_id, link in self.links.items())
+    def none_available(self, message: str) -> str:
+        """`message`, then why engines refused this front-end (another protocol version), if any did."""
+        refusals = [refusal for link in self.links.values() if (refusal := getattr(link, "refusal", None))]
+        return "; ".join([message, *refusals])
+
+    def serves_while_down(self, model: str | None, down: frozenset[str] | set[str] = frozenset()) -> bool:
+        """Whether an engine that cannot take requests now (down, stalled, draining, or one of `down`: passed
+        over or lost by this request) serves `model`, as this worker last knew it: its loaded model's name, a
+        spelling it answered to (`ModelSpellings.answered`, however old) or a name its catalogue lists
+        (`Catalogues`, fetched by every worker whatever requests it served)."""
+        if not isinstance(model, str) or not model or self.single:
+            return False
+        return any(self.spellings.answered(engine_id, getattr(link, "model", None), model)
+                   or self.catalogues.lists(engine_id, model)
+                   for engine_id, link in self.links.items() if engine_id in down or not self.routable(engine_id))
 
     def primary(self) -> str:
         """The engine for CALLs that any engine answers alike (tokenize, adapters list): the first routable."""
@@ -171,6 +193,7 @@ class EnginePool:
                 refused.add(engine_id)
                 continue
             stream.engine_id = engine_id
+            stream.passed_over = frozenset(refused)
             return stream
 
     def release(self, stream: RequestStream, reason: str) -> None:

@@ -18,7 +18,7 @@ from falcon.asgi import SSEvent
 from http_frontend.engine.client import RequestStream, Update
 from http_frontend.errors import bad_request
 from http_frontend.openai.tokenize import is_token_ids
-from http_frontend.parsing.body import get_field, read_json_object
+from http_frontend.parsing.body import get_field, off_loop, read_json_object
 from http_frontend.parsing.generation_fields import parse_response_format
 from http_frontend.parsing.sampling import check_max_tokens, check_unsupported, parse_sampling
 from http_frontend.relay.generation import GenerationRoute, relay, serve_generation, usage_object
@@ -26,6 +26,17 @@ from http_frontend.service.metrics import TokenTimer
 
 # OpenAI's legacy completions default: a request without max_tokens gets 16 tokens, not the chat default.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# A token prompt longer than this is checked in the body parser's thread: 7 M ids walked on the event loop held
+# every stream of the worker for a second (the engine refuses it by its length, without a walk, anyway).
+OFF_LOOP_TOKEN_IDS = 100_000
+
+
+def token_count(body: dict[str, Any]) -> int:
+    """How many token ids `prompt` holds, without reading them (a batch of one prompt: its first)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, list) else 0
 
 
 def parse_prompt(body: dict[str, Any]) -> str | list[int]:
@@ -69,7 +80,7 @@ class Completions(GenerationRoute):
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
-        prompt = parse_prompt(body)
+        prompt = await off_loop(parse_prompt, body) if token_count(body) > OFF_LOOP_TOKEN_IDS else parse_prompt(body)
         check_completion_unsupported(body)
         params = parse_sampling(body, self.settings.max_stop_strings, self.settings.max_stop_length)
         params.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)

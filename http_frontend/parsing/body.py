@@ -16,10 +16,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import falcon.asgi
 import msgpack
@@ -32,6 +32,7 @@ _PARSER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="json-body")
 # The engine's limit on model and adapter names (`engine_daemon.config.MAX_NAME_BYTES`): the front-end
 # never imports the daemon, so the number is repeated here.
 MAX_MODEL_NAME_BYTES = 255
+T = TypeVar("T")
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
                list: "an array", dict: "an object"}
@@ -56,6 +57,11 @@ async def read_json_object(req: falcon.asgi.Request, max_bytes: int = MAX_BODY_B
     cache_key = body.get("prompt_cache_key")  # OpenAI's cache hint: the router keeps its requests on one engine
     req.context.prompt_cache_key = cache_key[:256] if isinstance(cache_key, str) and cache_key else None
     return body
+
+
+async def off_loop(call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)` in the parser thread: a walk over a large parsed body (millions of token ids) off the loop."""
+    return await asyncio.get_running_loop().run_in_executor(_PARSER, call, *args)
 
 
 def end_user_of(body: dict[str, Any]) -> str | None:

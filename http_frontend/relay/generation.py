@@ -169,7 +169,8 @@ async def accepted_somewhere(req: falcon.asgi.Request, client: EngineLink, strea
         try:
             return await until_disconnect(req, wait_accepted(stream, timeout))
         except APIError as exc:
-            if exc.code in MODEL_REFUSALS and isinstance(client, EnginePool) and client.serves_while_down(hint.model):
+            if (exc.code in MODEL_REFUSALS and isinstance(client, EnginePool)
+                    and client.serves_while_down(hint.model, lost | stream.passed_over)):
                 # Another engine refused a model whose own engine is down: that is the engine's outage, and
                 # a client retries a 503 (a 400 told it the request itself was wrong).
                 raise APIError(503, f"The engine serving '{hint.model}' is unavailable; retry shortly",

@@ -91,7 +91,8 @@ class Health:
         else:
             resp.status = falcon.HTTP_503
             resp.set_header("Retry-After", "1")
-            media = {**unhealthy(EngineUnavailable("No engine can serve (all are down, stalled or draining)"))}
+            media = unhealthy(EngineUnavailable(
+                self.client.none_available("No engine can serve (all are down, stalled or draining)")))
         media["engines"] = engines
         resp.media = media
 

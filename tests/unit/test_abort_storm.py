@@ -46,6 +46,9 @@ class CountingScheduler:
             self.done.set()
         return []
 
+    def owned_by(self, peer: bytes, rids: set[str]) -> tuple[set[str], set[str]]:
+        return rids, set()
+
     def abort(self, rids: set[str]) -> int:
         self.abort_calls += 1
         self.aborted |= rids
@@ -95,3 +98,29 @@ def test_a_storm_of_aborts_does_not_stop_the_steps_and_none_is_lost(tmp_path: Pa
     finally:
         outbox.close(linger=0)
         context.term()
+
+
+def test_merged_aborts_still_end_only_their_senders_requests() -> None:
+    from engine_daemon.scheduling.inbox import PendingAborts
+
+    class Owners:
+        owner = {"a:1": b"a", "b:1": b"b"}
+        aborted: set[str] = set()
+
+        def owned_by(self, peer: bytes, rids: set[str]) -> tuple[set[str], set[str]]:
+            known = {rid for rid in rids if rid in self.owner}
+            mine = {rid for rid in known if self.owner[rid] == peer}
+            return mine, known - mine
+
+        def abort(self, rids: set[str]) -> int:
+            self.aborted |= rids
+            return len(rids)
+
+    class NoJobs:
+        def has_work(self) -> bool:
+            return False
+
+    scheduler = Owners()
+    PendingAborts(AbortCommand(["a:1", "b:1"], "client", b"a"), AbortCommand(["x"], "client", b"b")).apply(
+        scheduler, NoJobs())
+    assert scheduler.aborted == {"a:1"}

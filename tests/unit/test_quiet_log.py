@@ -48,6 +48,9 @@ def test_client_strings_in_log_lines_are_clipped(caplog: pytest.LogCaptureFixtur
     assert len(long) < 100 and "1000000" in long
 
     class Finds:
+        def owned_by(self, peer: bytes, rids: set[str]) -> tuple[set[str], set[str]]:
+            return rids, set()
+
         def abort(self, rids: set[str]) -> int:
             return len(rids)
 

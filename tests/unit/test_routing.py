@@ -236,3 +236,79 @@ def test_a_spelling_is_an_engines_model_only_when_that_engine_says_it_runs_on_it
     assert links["a"].asked.count("slow") == 2 and links["a"].asked.count("qwen") == 1  # the silent one is asked again
     asyncio.run(spellings.learn("/models/qwen", links, lambda engine_id: True))
     assert "/models/qwen" not in links["a"].asked  # its own name: never asked
+
+
+def test_a_learned_spelling_expires_for_routing_but_is_kept_for_an_engine_that_is_down() -> None:
+    """Red team: `ModelSpellings.serves` ignored its 60 s expiry (an answer held forever: directories under
+    --model-dir come and go); the last answer still names a down engine's model (`answered`)."""
+    import asyncio
+
+    from http_frontend.engine.model_names import LEARNED_SECONDS, ModelSpellings
+
+    class Resolving(Link):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = "/models/qwen"
+
+        async def call(self, method, args=None, timeout=5.0):  # noqa: ANN001
+            return {"id": "/models/qwen"}
+
+    now = [0.0]
+    spellings = ModelSpellings(clock=lambda: now[0])
+    asyncio.run(spellings.learn("qwen", {"a": Resolving()}, lambda engine_id: True))
+    assert spellings.serves("a", "/models/qwen", "qwen")
+    now[0] = LEARNED_SECONDS + 1
+    assert not spellings.serves("a", "/models/qwen", "qwen")  # stale: asked again before it routes
+    assert spellings.answered("a", "/models/qwen", "qwen") and not spellings.answered("a", "/models/qwen", "nope")
+
+
+def test_a_down_engines_catalogue_names_its_model_in_every_worker() -> None:
+    """Red team: with engine b down, a request for `tiny-b` (b's model under its --model-dir) got b's 503 from a
+    worker that had once resolved that spelling and engine a's 404 from the others. Every worker lists every
+    engine's catalogue at start; the last one stays while the engine is down."""
+    import asyncio
+
+    class Listing(Link):
+        def __init__(self, model: str, ids: list[str]):
+            super().__init__()
+            self.model, self.ids, self.epoch, self.listed = model, ids, 1, 0
+
+        async def call(self, method, args=None, timeout=5.0):  # noqa: ANN001
+            assert method == "list_models"
+            self.listed += 1
+            return [{"id": model_id} for model_id in self.ids]
+
+    links = {"a": Listing("/m/a/tiny-a", ["/m/a/tiny-a", "tiny-a"]), "b": Listing("bee", ["bee", "tiny-b"])}
+    pool = EnginePool(links)
+    assert not pool.serves_while_down("tiny-b")  # nothing listed yet
+
+    async def one_round() -> None:
+        started = pool.catalogues.refresh()
+        await asyncio.wait(started)
+        assert not pool.catalogues.refresh()  # listed for this epoch and model: not again before 60 s
+
+    asyncio.run(one_round())
+    assert links["a"].listed == links["b"].listed == 1
+    assert not pool.serves_while_down("tiny-b")  # b is up: its own refusals are its own
+    links["b"].alive = False
+    for name in ("bee", "tiny-b", "/srv/models/tiny-b", "/srv/models/tiny-b/", "./tiny-b"):
+        assert pool.serves_while_down(name), name
+    for name in ("tiny-a", "never-served", "org/tiny-b", "/srv/tiny-b-other", ""):
+        assert not pool.serves_while_down(name), name
+    assert pool.serves_while_down("tiny-a", down={"a"})  # a passed over by this request counts as down
+    links["b"].epoch = 2  # even a restart is not listed before b answers again
+
+    async def nothing_due() -> list:
+        return pool.catalogues.refresh()
+
+    assert asyncio.run(nothing_due()) == [] and links["b"].listed == 1  # its last catalogue stays
+
+
+def test_no_engine_available_says_which_engines_refused_this_front_ends_protocol() -> None:
+    links = {"a": Link(alive=False), "b": Link(alive=False)}
+    links["b"].refusal = "Engine 'b' speaks protocol version 9, this front-end 1: upgrade one of them"
+    pool = EnginePool(links)
+    from http_frontend.engine.client import EngineUnavailable
+
+    with pytest.raises(EngineUnavailable, match="Engine 'b' speaks protocol version 9"):
+        pool.choose(None)

@@ -1,0 +1,122 @@
+"""Several engines, one of them down: a request for its model is its outage (503), on every worker and API.
+
+Red team: engine b (its model loaded as `bee`, listed as `tiny-b` under its --model-dir) was killed;
+requests naming `tiny-b` got 503 `engine_unavailable` from a gunicorn worker that had once resolved
+that spelling and engine a's 404 `model_not_found` from the others; its path got a's 400
+`invalid_model_name`; `/v1/messages` a 404 `not_found_error`. None retryable. Every worker now lists
+every engine's catalogue at start and keeps the last one while the engine is down. Real processes:
+two engines with a model each, a two-worker front-end. No name of b's but `bee` is sent before b dies,
+so no worker learned one from a request.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from protocol import request_id_owner
+from tests.helpers import Engine, Frontend, ping_engine
+
+HI = [{"role": "user", "content": "hi"}]
+REQUESTS = {  # API -> (path, body without the model)
+    "chat": ("/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
+    "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
+    "messages": ("/v1/messages", {"messages": HI, "max_tokens": 2}),
+}
+ROUNDS = 3  # each (name, API, stream) this often, on fresh connections: both workers answer some
+
+
+class Outage:
+    def __init__(self, root: Path, engines: dict[str, Engine], front: Frontend):
+        self.root, self.engines, self.front = root, engines, front
+
+    def ask(self, api: str, model: str, stream: bool = False) -> httpx.Response:
+        path, body = REQUESTS[api]
+        return httpx.post(self.front.base_url + path, json={**body, "model": model, "stream": stream}, timeout=60,
+                          headers={"Connection": "close"})
+
+    def engine_states(self) -> set[str]:
+        """Engine b's state in the view of whichever workers answered (`/admin/engines`)."""
+        states = set()
+        for _ in range(8):
+            view = httpx.get(f"{self.front.base_url}/admin/engines", timeout=10, headers={"Connection": "close"})
+            states |= {e["state"] for e in view.json()["data"] if e["id"] == "b"}
+        return states
+
+
+@pytest.fixture(scope="module")
+def outage(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outage]:
+    from model_builders.text import build_model
+
+    base = tmp_path_factory.mktemp("routing-outage")
+    shutil.copytree(tiny_model, base / "ma" / "tiny-a")
+    build_model(base / "mb" / "tiny-b", size="tiny", seed=5)
+    endpoints = {engine_id: f"ipc://{ipc_dir}/outage-{engine_id}.sock" for engine_id in ("a", "b")}
+    engines = {"a": Engine(endpoints["a"], base / "a.log", model=str(base / "ma" / "tiny-a"),
+                           args=["--model-dir", str(base / "ma")]),
+               "b": Engine(endpoints["b"], base / "b.log", model=str(base / "mb" / "tiny-b"),
+                           args=["--model-dir", str(base / "mb"), "--served-model-name", "bee"])}
+    front = None
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        front = Frontend(f"a={endpoints['a']}", base / "frontend.log", workers=2,
+                         args=["--endpoint", f"b={endpoints['b']}"])
+        front.wait_healthy()
+        yield Outage(base, engines, front)
+    finally:
+        if front is not None:
+            front.stop()
+        for engine in engines.values():
+            engine.stop()
+
+
+def test_every_request_for_a_down_engines_model_is_a_503_on_every_worker_and_api(outage: Outage) -> None:
+    b_path = str(outage.root / "mb" / "tiny-b")
+    assert ping_engine(outage.engines["b"].endpoint)["model"] == "bee"
+    served = outage.ask("chat", "bee")
+    assert served.status_code == 200 and served.headers["x-engine-id"] == "b", served.text
+    workers = set()
+    for _ in range(16):  # both workers serve (their rids name them): each holds its own view of b
+        answer = outage.ask("chat", "tiny-a")
+        assert answer.status_code == 200 and answer.headers["x-engine-id"] == "a", answer.text
+        workers.add(request_id_owner(answer.headers["x-request-id"]))
+    assert len(workers) == 2, workers
+
+    os.killpg(outage.engines["b"].pid, signal.SIGKILL)
+    outage.engines["b"].popen.wait(10)
+    for _ in range(100):  # until the workers say b is down (its pings unanswered)
+        if outage.engine_states() == {"unreachable"}:
+            break
+    assert outage.engine_states() == {"unreachable"}
+
+    answers = []
+    for _ in range(ROUNDS):
+        for name in ("bee", "tiny-b", b_path, f"{b_path}/"):
+            for api in REQUESTS:
+                for stream in (False, True):
+                    answers.append((name, api, stream, outage.ask(api, name, stream)))
+    wrong = [(name, api, stream, r.status_code, r.text[:200]) for name, api, stream, r in answers
+             if r.status_code != 503 or r.headers.get("retry-after") != "1"]
+    assert not wrong, wrong
+    for name, api, _, answer in answers:
+        error = answer.json()
+        if api == "messages":  # Anthropic's envelope, as for every 503
+            assert error["type"] == "error" and error["error"]["type"] == "overloaded_error", error
+        else:
+            assert error["error"]["code"] == "engine_unavailable", error
+        assert name in error["error"]["message"], error
+
+    # A model no engine serves or lists is still the other engine's 404; engine a still serves its own.
+    for api in REQUESTS:
+        unknown = outage.ask(api, "never-served-anywhere")
+        assert unknown.status_code == 404, unknown.text
+    assert outage.ask("messages", "never-served-anywhere").json()["error"]["type"] == "not_found_error"
+    assert outage.ask("chat", "tiny-a").status_code == 200
