@@ -19,6 +19,7 @@ from engine_daemon.models.names import ModelNames, ModelsConfigError
 from engine_daemon.models.store import ModelNotFound, model_roots, resolve, set_operator_names
 from engine_daemon.request import template_kwargs
 from engine_daemon.scheduling.flags import add_scheduling_flags, scheduling_config
+from engine_daemon.transport.flags import add_transport_flags, parse_size
 from engine_daemon.transport.security import InsecureEndpoint, SocketSecurity, check_endpoint, keygen_main
 from protocol.endpoints import ENDPOINT_ENV, default_endpoint
 
@@ -50,18 +51,6 @@ ADAPTER_ENV = ("MLX_ENGINE_ADAPTER_PATH", "PRELOAD_ADAPTER", "MLX_VLM_PRELOAD_AD
 
 def _int_or_none(value: str | None) -> int | None:
     return int(value) if value else None
-
-
-def _size(value: str | None) -> int | None:
-    """'2GB', '512MB', '1048576' -> bytes."""
-    if not value:
-        return None
-    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}
-    text = value.strip().upper().replace("IB", "B")
-    for suffix, factor in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    return int(text)
 
 
 def _numpy_path_flag(parser: argparse.ArgumentParser, flag: str, env: str, what: str) -> None:
@@ -197,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-size", type=int,
                         default=int(os.environ.get("MLX_ENGINE_PROMPT_CACHE_SIZE", "10")),
                         help="most prefix-cache entries (LRU). [MLX_ENGINE_PROMPT_CACHE_SIZE] (default: %(default)s)")
-    parser.add_argument("--prompt-cache-bytes", type=_size,
-                        default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_BYTES")),
+    parser.add_argument("--prompt-cache-bytes", type=parse_size,
+                        default=parse_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_BYTES")),
                         help="byte cap of the prefix cache, e.g. 2GB or 512MB (default: a quarter of "
                              "--memory-budget, else unbounded). [MLX_ENGINE_PROMPT_CACHE_BYTES]")
     parser.add_argument("--prompt-cache-dir", default=os.environ.get("MLX_ENGINE_PROMPT_CACHE_DIR") or None,
@@ -207,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "evicted from memory, and all on a model switch or a clean stop, are written here "
                              "(safetensors, checked by hash) and loaded after a switch back or a restart when reading "
                              "beats prefilling. Engines may share it. Default: off. [MLX_ENGINE_PROMPT_CACHE_DIR]")
-    parser.add_argument("--prompt-cache-disk-bytes", type=_size,
-                        default=_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_DISK_BYTES")) or 10 << 30,
+    parser.add_argument("--prompt-cache-disk-bytes", type=parse_size,
+                        default=parse_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_DISK_BYTES")) or 10 << 30,
                         help="byte cap of --prompt-cache-dir (text and vision entries together), e.g. 20GB; least "
                              "recently used files go first (default: 10 GiB). [MLX_ENGINE_PROMPT_CACHE_DISK_BYTES]")
     parser.add_argument("--max-kv-size", type=int, default=_int_or_none(os.environ.get("MAX_KV_SIZE")),
@@ -230,21 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "generation_config.json sets one (then 1.0). [MLX_ENGINE_TEMPERATURE]")
     parser.add_argument("--top-p", type=float, default=_env_float("MLX_ENGINE_TOP_P"),
                         help="default top_p, as --temperature. [MLX_ENGINE_TOP_P]")
-    parser.add_argument("--peer-timeout", type=float, default=float(os.environ.get("MLX_ENGINE_PEER_TIMEOUT", "10")),
-                        help="seconds of silence after which a front-end's requests are aborted. "
-                             "[MLX_ENGINE_PEER_TIMEOUT] (default: %(default)s)")
-    parser.add_argument("--stall-timeout", type=float,
-                        default=float(os.environ.get("MLX_ENGINE_STALL_TIMEOUT", "60")),
-                        help="seconds one step (or command) of the mlx thread may run before the engine reports "
-                             "itself 'stalled' in pings and /health (model loads excepted). "
-                             "[MLX_ENGINE_STALL_TIMEOUT] (default: %(default)s)")
+    add_transport_flags(parser)  # --peer-timeout, --peer-max-queued, --stall-timeout
     parser.add_argument("--responses-ttl", type=float,
                         default=float(os.environ.get("MLX_ENGINE_RESPONSES_TTL", "3600")),
                         help="seconds a stored Responses API response stays resumable (previous_response_id) "
                              "and retrievable; the store is in memory and an engine restart loses it. "
                              "[MLX_ENGINE_RESPONSES_TTL] (default: %(default)s)")
-    parser.add_argument("--responses-max-bytes", type=_size,
-                        default=_size(os.environ.get("MLX_ENGINE_RESPONSES_MAX_BYTES") or "64MB"),
+    parser.add_argument("--responses-max-bytes", type=parse_size,
+                        default=parse_size(os.environ.get("MLX_ENGINE_RESPONSES_MAX_BYTES") or "64MB"),
                         help="byte cap of the Responses API store, e.g. 64MB; the oldest responses are evicted "
                              "first. [MLX_ENGINE_RESPONSES_MAX_BYTES] (default: 64MB)")
     parser.add_argument("--curve-secret-key", type=Path, default=_path_or_none("MLX_ENGINE_CURVE_SECRET_KEY"),
@@ -405,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             return follower.run()
     server = EngineServer(args.endpoint, config, preload=args.model, peer_timeout=args.peer_timeout,
                           stall_timeout=args.stall_timeout, security=security,
-                          responses=ResponseStore(args.responses_ttl, args.responses_max_bytes), group=group)
+                          responses=ResponseStore(args.responses_ttl, args.responses_max_bytes), group=group,
+                          peer_max_queued=args.peer_max_queued)
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
     signal.signal(signal.SIGINT, lambda *_: server.stop())
     install_drain_signals(server)  # SIGUSR1 / SIGUSR2: drain / undrain (rolling restarts)

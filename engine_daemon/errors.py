@@ -43,3 +43,10 @@ def redact_paths(text: str) -> str:
 def engine_failure(exc: Exception) -> RequestError:
     """An unexpected exception while serving one request, as the 500 that request ends with."""
     return RequestError(500, "engine_error", f"{type(exc).__name__}: {describe(exc)}", error_type="server_error")
+
+
+def clipped(text: Any, limit: int = 64) -> str:
+    """A client-controlled string as a log line may quote it: its first `limit` characters, and its length
+    when cut (a 1 MB request id written into every log line filled the disk)."""
+    text = text if isinstance(text, str) else repr(text)
+    return text if len(text) <= limit else f"{text[:limit]}…({len(text)} chars)"

@@ -7,7 +7,10 @@ from typing import Any
 import msgpack
 
 from protocol.messages import (
+    FRONTEND_TO_ENGINE,
+    ID_FIELDS,
     MAX_FRAME_BYTES,
+    MAX_ID_CHARS,
     PARAM_TYPES,
     SCHEMAS,
     MsgType,
@@ -18,10 +21,11 @@ from protocol.messages import (
 class ProtocolError(ValueError):
     """A frame that cannot be accepted. `rid`/`cid` are set when the sender can be answered."""
 
-    def __init__(self, message: str, rid: str | None = None, cid: str | None = None):
+    def __init__(self, message: str, rid: str | None = None, cid: str | None = None, param: str | None = None):
         super().__init__(message)
         self.rid = rid
         self.cid = cid
+        self.param = param  # the field at fault, when one is (an ADD's param or nested field)
 
 
 def encode(msg_type: MsgType, body: dict[str, Any]) -> bytes:
@@ -29,13 +33,54 @@ def encode(msg_type: MsgType, body: dict[str, Any]) -> bytes:
     return bytes((int(msg_type),)) + msgpack.packb(body, use_bin_type=True)
 
 
-def _check_add(body: dict[str, Any]) -> str | None:
-    """ADD carries nested fields the engine relies on: check them here, not on the model thread."""
-    if body.get("messages") is None and body.get("prompt") is None:
-        return "ADD needs 'messages' or 'prompt'"
-    messages = body.get("messages")
-    if messages is not None and not all(isinstance(m, dict) for m in messages):
+def _named_function(item: Any, where: str) -> str | None:
+    """A tool or a tool call: a map whose `function`, when present, is a map with a string `name`."""
+    if not isinstance(item, dict):
+        return f"{where} must be a map"
+    function = item.get("function")
+    if function is None:
+        return None if "function" not in item else f"{where}.function must be a map"
+    if not isinstance(function, dict):
+        return f"{where}.function must be a map"
+    if not isinstance(function.get("name", ""), str):
+        return f"{where}.function.name must be a string"
+    return None
+
+
+def _check_message(message: Any, where: str) -> str | None:
+    """The fields of a chat message the engine reads itself (the chat template judges the rest)."""
+    if not isinstance(message, dict):
         return "every message must be a map"
+    if not isinstance(message.get("role", ""), str):
+        return f"{where}.role must be a string"
+    content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        return f"{where}.content must be a string or a list of parts"
+    if isinstance(content, list) and not all(isinstance(part, (str, dict)) for part in content):
+        return f"{where}.content parts must be maps"
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            return f"{where}.tool_calls must be a list"
+        for index, call in enumerate(calls):
+            if problem := _named_function(call, f"{where}.tool_calls[{index}]"):
+                return problem
+    return None
+
+
+def _check_add(body: dict[str, Any]) -> tuple[str, str] | None:
+    """ADD carries nested fields the engine relies on: check them here, not on the model thread.
+
+    Returns (what is wrong, the field it is in) for the first problem found.
+    """
+    if body.get("messages") is None and body.get("prompt") is None:
+        return "ADD needs 'messages' or 'prompt'", "messages"
+    for index, message in enumerate(body.get("messages") or ()):
+        if problem := _check_message(message, f"messages[{index}]"):
+            return problem, "messages"
+    for index, tool in enumerate(body.get("tools") or ()):
+        if problem := _named_function(tool, f"tools[{index}]"):
+            return problem, "tools"
     # A token prompt's ids are checked by the engine's admission pool, after its length: a walk over millions
     # of ids here held the io thread (and every stream's frames) for a second.
     params = body["params"]
@@ -43,10 +88,10 @@ def _check_add(body: dict[str, Any]) -> str | None:
         if name in params:
             value = params[name]
             if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-                return f"param '{name}' has wrong type {type(value).__name__}"
+                return f"param '{name}' has wrong type {type(value).__name__}", name
     stop = params.get("stop")
     if stop is not None and not all(isinstance(s, str) for s in stop):
-        return "param 'stop' must be a list of strings"
+        return "param 'stop' must be a list of strings", "stop"
     return None
 
 
@@ -70,9 +115,13 @@ def decode(frame: bytes) -> tuple[MsgType, dict[str, Any]]:
         raise ProtocolError(f"{msg_type.name} body must be a map")
     rid = body.get("rid") if isinstance(body.get("rid"), str) else None
     cid = body.get("cid") if isinstance(body.get("cid"), str) else None
-    problem = check_fields(body, SCHEMAS[msg_type])
+    problem, param = check_fields(body, SCHEMAS[msg_type]), None
+    if problem is None and msg_type in FRONTEND_TO_ENGINE:
+        for name in ID_FIELDS & body.keys():
+            if isinstance(body[name], str) and len(body[name]) > MAX_ID_CHARS:
+                problem, param = f"'{name}' is longer than {MAX_ID_CHARS} characters", name
     if problem is None and msg_type == MsgType.ADD:
-        problem = _check_add(body)
+        problem, param = _check_add(body) or (None, None)
     if problem is None and msg_type == MsgType.ABORT:
         if not all(isinstance(r, str) for r in body["rids"]):
             problem = "ABORT 'rids' must be strings"
@@ -80,5 +129,5 @@ def decode(frame: bytes) -> tuple[MsgType, dict[str, Any]]:
         if not all(isinstance(i, dict) and isinstance(i.get("rid"), str) for i in body["items"]):
             problem = "every DELTAS item must be a map with a 'rid'"
     if problem is not None:
-        raise ProtocolError(f"invalid {msg_type.name}: {problem}", rid=rid, cid=cid)
+        raise ProtocolError(f"invalid {msg_type.name}: {problem}", rid=rid, cid=cid, param=param)
     return msg_type, body

@@ -17,6 +17,11 @@ PROTOCOL_VERSION = 1
 # Frames larger than this are refused before msgpack decodes them.
 MAX_FRAME_BYTES = 32 * 1024 * 1024
 
+# Request and call ids, front-end ids and host names longer than this are refused: the engine writes them
+# into its log lines (a 1 MB request id made every line of that request 1 MB).
+MAX_ID_CHARS = 256
+ID_FIELDS = {"rid", "cid", "frontend_id", "host"}
+
 
 class MsgType(enum.IntEnum):
     """The first byte of every frame: dispatch happens on it before decoding."""
@@ -122,7 +127,10 @@ SCHEMAS: dict[MsgType, Schema] = {
         "pid": ((int,), False),
         "host": ((str,), False),
     },
-    MsgType.PING: {"t": (NUMBER, False)},
+    # rx: bytes of frames this front-end has read from the engine since it connected. A peer that leaves more
+    # than the engine's --peer-max-queued unread has its requests aborted; one whose PINGs carry no rx is
+    # counted as having read nothing.
+    MsgType.PING: {"t": (NUMBER, False), "rx": ((int,), False)},
     MsgType.ADD: {
         "rid": ((str,), True),
         "epoch": ((int, NONE), False),
@@ -214,6 +222,7 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "logprobs": (bool, NONE),
     "top_logprobs": (int, NONE),
     "thinking_budget": (int, NONE),
+    "min_tokens": (int, NONE),  # no EOS before this many tokens (vLLM's)
 }
 
 # One item of a DELTAS message (documented here; the front-end reads these keys).

@@ -14,6 +14,7 @@ from engine_daemon.errors import RequestError
 from engine_daemon.output.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 
 # param -> (lowest, highest) allowed; the engine checks what the front-end should already have.
+# Each has its type in `protocol.messages.PARAM_TYPES`, checked as the frame is decoded (a string here would raise).
 PARAM_RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0),
     "top_p": (0.0, 1.0),
@@ -26,6 +27,7 @@ PARAM_RANGES: dict[str, tuple[float, float]] = {
     "top_logprobs": (0, 20),
     "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0),
+    "thinking_budget": (0, 2**31 - 1),
 }
 
 

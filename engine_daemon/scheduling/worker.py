@@ -41,6 +41,7 @@ from engine_daemon.scheduling.commands import (
 )
 from engine_daemon.scheduling.frames import encode_events
 from engine_daemon.scheduling.group_leader import GroupLeader
+from engine_daemon.scheduling.inbox import MAX_COMMANDS_PER_STEP, PendingAborts, shutdown_events
 from engine_daemon.scheduling.serial import SerialScheduler
 from protocol import MsgType
 
@@ -150,6 +151,8 @@ class MlxWorker(threading.Thread):
                 self.status.busy_since = 0.0
             if self.group is not None:
                 self.group.stop()
+            self._publish(outbox, shutdown_events(self.scheduler, self.aux_jobs, self.commands))
+            outbox.setsockopt(zmq.LINGER, 2000)  # those last frames reach the io thread (`wind_down`)
             try:
                 self.scheduler.on_shutdown()
                 # The model is freed with the process: what holds on to it lets go, and a vision
@@ -290,19 +293,29 @@ class MlxWorker(threading.Thread):
         self.status.state = "ready" if current else "idle"
 
     def _drain_commands(self, block: bool) -> list[Event]:
-        """Handles every waiting command; waits up to 0.5 s for one only when idle."""
+        """Handles the waiting commands, at most `MAX_COMMANDS_PER_STEP`, consecutive ABORTs merged into one
+        (`inbox`); waits up to 0.5 s for one only when idle."""
         events: list[Event] = []
         try:
             command = self.commands.get(timeout=0.5) if block else self.commands.get_nowait()
         except queue.Empty:
             return events
         self.status.busy_since = self.status.busy_since or time.monotonic()
-        while True:
-            events += self._handle_safely(command)
+        aborts = PendingAborts()
+        for taken in range(1, MAX_COMMANDS_PER_STEP + 1):
+            if isinstance(command, AbortCommand):
+                aborts.add(command)
+            else:
+                aborts = aborts.apply(self.scheduler, self.aux_jobs)  # first: what follows sees them done
+                events += self._handle_safely(command)
+            if taken == MAX_COMMANDS_PER_STEP:
+                break  # the rest wait for the next step: running streams keep their pace
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
-                return events
+                break
+        aborts.apply(self.scheduler, self.aux_jobs)
+        return events
 
     def _coalesce(self) -> list[Event]:
         """Takes the requests arriving right behind the one that woke the idle engine (`--coalesce-ms`).
@@ -352,17 +365,7 @@ class MlxWorker(threading.Thread):
                 return [(command.peer, MsgType.ERROR, self.group.refusal(command.body["rid"]))]
             return self.scheduler.submit(command.peer, command.body, command.prepared)
         if isinstance(command, AbortCommand):
-            rids = set(command.rids)
-            if command.peer is not None:  # another front-end's requests are not its to end
-                rids, foreign = self.scheduler.owned_by(command.peer, rids)
-                if foreign:
-                    log.info("ignored an ABORT (%s) of %d request(s) another front-end sent: rid=%s", command.reason,
-                             len(foreign), ",".join(sorted(foreign)[:8]))
-            found = self.scheduler.abort(rids) if rids else 0
-            if command.peer is not None:  # a long auxiliary CALL (audio) whose client left
-                found += self.aux_jobs.cancel(command.peer, set(command.rids))
-            if found:
-                log.info("aborted %d request(s) (%s): rid=%s", found, command.reason, ",".join(command.rids))
+            PendingAborts(command).apply(self.scheduler, self.aux_jobs)
             return []
         if isinstance(command, PeerGoneCommand):
             found = self.scheduler.abort_peer(command.peer) + self.aux_jobs.cancel(command.peer, None)

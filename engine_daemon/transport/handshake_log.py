@@ -4,12 +4,15 @@ ZeroMQ drops such a connection without a word to the application (the ZAP handle
 denials at DEBUG only), so an operator saw front-ends that never connected and nothing in either
 log. The io thread polls this monitor beside the ROUTER (`EngineServer.serve`) and logs each kind of
 failure at most once per `QUIET_SECONDS` (front-ends retry every second), with the count folded in.
+`QuietLog`, that rate limit, also keeps one peer's bad frames from flooding the log (`EngineServer._receive`).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
+from collections.abc import Hashable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -25,6 +28,37 @@ FAILURES = {
 }
 
 
+class QuietLog:
+    """At most one log line per key per `quiet` seconds, the lines held back counted into the next one.
+
+    Keys are bounded (`max_keys`, the oldest forgotten): a peer cycling identities cannot grow it.
+    """
+
+    def __init__(self, quiet: float = QUIET_SECONDS, max_keys: int = 4096):
+        self.quiet = quiet
+        self.max_keys = max_keys
+        self._last: collections.OrderedDict[Hashable, float] = collections.OrderedDict()
+        self._folded: dict[Hashable, int] = {}
+
+    def allow(self, key: Hashable) -> int | None:
+        """None: stay quiet about `key`; else log now, with this many lines held back since the last one."""
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.quiet:
+            self._folded[key] = self._folded.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            forgotten, _ = self._last.popitem(last=False)
+            self._folded.pop(forgotten, None)
+        return self._folded.pop(key, 0)
+
+
+def folded(more: int) -> str:
+    return f" ({more} more since the last line)" if more else ""
+
+
 class HandshakeLog:
     """The ROUTER's monitor socket (poll `monitor`, then call `drain`)."""
 
@@ -34,8 +68,7 @@ class HandshakeLog:
             events |= event
         self.router = router
         self.monitor = router.get_monitor_socket(events)
-        self._last: dict[int, float] = {}
-        self._folded: dict[int, int] = {}
+        self._quiet = QuietLog()
 
     def drain(self) -> None:
         while True:
@@ -45,13 +78,9 @@ class HandshakeLog:
                 return
             if event not in FAILURES:
                 continue
-            now = time.monotonic()
-            if now - self._last.get(event, -QUIET_SECONDS) < QUIET_SECONDS:
-                self._folded[event] = self._folded.get(event, 0) + 1
-                continue
-            more = self._folded.pop(event, 0)
-            self._last[event] = now
-            log.warning("CURVE handshake %s%s", FAILURES[event], f" ({more} more since the last line)" if more else "")
+            more = self._quiet.allow(event)
+            if more is not None:
+                log.warning("CURVE handshake %s%s", FAILURES[event], folded(more))
 
     def close(self) -> None:
         self.router.disable_monitor()

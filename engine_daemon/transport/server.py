@@ -23,7 +23,7 @@ import zmq
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.calls.table import Thread, lookup
 from engine_daemon.config import SchedulerConfig
-from engine_daemon.errors import RequestError
+from engine_daemon.errors import RequestError, clipped
 from engine_daemon.group.settings import GroupSettings
 from engine_daemon.models import store as model_store
 from engine_daemon.multimodal.inputs import prepare_media_inputs
@@ -37,8 +37,9 @@ from engine_daemon.scheduling.commands import (
     ReplyCommand,
 )
 from engine_daemon.scheduling.worker import MlxWorker
-from engine_daemon.transport.handshake_log import HandshakeLog
+from engine_daemon.transport.handshake_log import HandshakeLog, QuietLog, folded
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
+from engine_daemon.transport.wind_down import wind_down
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,13 @@ log = logging.getLogger(__name__)
 OUTBOX_ADDRESS = "inproc://mlx-outbox"
 GROUP_STOP_GRACE = 0.5  # seconds between SIGTERM and a group's clean stop (`EngineServer.stop`)
 SEND_HWM = 100_000
+INBOUND_BATCH = 1000  # frames read per turn of the io loop
+# A turn that read a whole batch (a flood, e.g. 28k ABORT frames/s) is followed by a pause this many times as long:
+# decoding them held the GIL and the steps of every stream slowed 3-4 times; a front-end never sends this many.
+FLOOD_YIELD = 2.0
+PEER_MAX_QUEUED_BYTES = 64 * 2**20  # --peer-max-queued: output one front-end may leave unread
 MAX_REFUSED_PEERS = 4096
+BAD_FRAME_QUIET = 10.0  # seconds between two log lines about one peer's bad frames (the others are counted)
 
 
 class EndpointInUse(RuntimeError):
@@ -59,6 +66,13 @@ class Peer:
     last_seen: float
     pid: int | None = None
     host: str | None = None
+    sent_bytes: int = 0  # frames sent to it since this record was made
+    rx_base: int | None = None  # its first PING's `rx` (bytes it had read by then); None: it never said
+    rx: int = 0  # its latest PING's `rx`
+
+    def unread(self) -> int:
+        """Bytes sent that it has not said it read; all of them for a peer whose PINGs carry no `rx`."""
+        return self.sent_bytes - (self.rx - self.rx_base if self.rx_base is not None else 0)
 
 
 def lock_ipc_endpoint(endpoint: str) -> BinaryIO | None:
@@ -87,8 +101,10 @@ class EngineServer:
     def __init__(self, endpoint: str, config: SchedulerConfig, preload: str | None = None,
                  peer_timeout: float = 10.0, stall_timeout: float = 60.0,
                  security: SocketSecurity | None = None, responses: ResponseStore | None = None,
-                 group: tuple[GroupSettings, object] | None = None):
+                 group: tuple[GroupSettings, object] | None = None,
+                 peer_max_queued: int = PEER_MAX_QUEUED_BYTES):
         self.endpoint = endpoint
+        self.peer_max_queued = peer_max_queued
         self.peer_timeout = peer_timeout
         self.stall_timeout = stall_timeout
         self.epoch = time.time_ns() // 1000
@@ -113,6 +129,8 @@ class EngineServer:
         self._load_reported = 0  # seconds of the current model load already logged (_report_loading)
         self.failed = False  # set when the mlx thread died: `engined` then exits non-zero
         self.draining = False  # `calls.drain`: PONGs say "draining" so front-ends route no new work here
+        self._cut_off: collections.OrderedDict[bytes, Peer] = collections.OrderedDict()  # over --peer-max-queued
+        self._bad_frames = QuietLog(BAD_FRAME_QUIET, MAX_REFUSED_PEERS)  # 87 MB of log in 20 s of garbage frames
 
     def stop(self) -> None:
         if self.worker.group is not None:
@@ -161,12 +179,15 @@ class EngineServer:
                             break
                         self._send(router, peer, frame)
                 if router in ready:
-                    for _ in range(1000):
+                    started = time.perf_counter()
+                    for _ in range(INBOUND_BATCH):
                         try:
                             parts = router.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self._receive(router, parts)
+                    else:  # a flood: the mlx thread gets the GIL twice as long (the senders wait at RCVHWM)
+                        time.sleep(FLOOD_YIELD * (time.perf_counter() - started))
                 if handshakes is not None and handshakes.monitor in ready:
                     handshakes.drain()
                 if not self.worker.is_alive():
@@ -182,7 +203,10 @@ class EngineServer:
         finally:
             self.preprocessor.close()
             self.worker.stop()
-            self.worker.join(timeout=60)  # a clean stop writes the hot prefixes to --prompt-cache-dir
+            # Its last frames (every open request's engine_shutting_down) go out while it stops; a clean stop
+            # writes the hot prefixes to --prompt-cache-dir.
+            wind_down(self, router, outbox)
+            self.worker.join(timeout=1)
             if handshakes is not None:
                 handshakes.close()
             router.close()
@@ -202,24 +226,64 @@ class EngineServer:
             # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY); EAGAIN: it stopped reading.
             log.warning("dropping front-end %r: %s", peer, exc)
             self._peer_gone(peer)
+            return
+        known = self.peers.get(peer)
+        if known is not None:
+            known.sent_bytes += len(frame)
+            if known.unread() > self.peer_max_queued:
+                self._drop_unread(peer, known)
+
+    def _drop_unread(self, peer: bytes, known: Peer) -> None:
+        """A front-end that leaves more than --peer-max-queued of output unread: ZeroMQ would queue up to
+        SEND_HWM frames for it (GBs of DELTAS); its requests are aborted, as the front-end's slow-client cap does
+        for an HTTP client, and its next frame hears `frontend_dropped`."""
+        self._warn_peer(peer, "unread", "front-end %s left %.0f MiB of output unread (over --peer-max-queued %.0f "
+                        "MiB): aborting its requests", clipped(known.frontend_id) or repr(peer),
+                        known.unread() / 2**20, self.peer_max_queued / 2**20)
+        self._peer_gone(peer)
+        self._remember_dropped(peer)
+        self._cut_off[peer] = known
+        if len(self._cut_off) > MAX_REFUSED_PEERS:
+            self._cut_off.popitem(last=False)
+
+    def _new_peer(self, peer: bytes, record: Peer) -> Peer:
+        """`record` as what we know of `peer`; the output it left unread when it was cut off still counts, so a
+        peer that goes on not reading has its next requests cut at once (its ZeroMQ queue is not emptied)."""
+        cut = self._cut_off.pop(peer, None)
+        if cut is not None:
+            record.sent_bytes, record.rx_base, record.rx = cut.sent_bytes, cut.rx_base, cut.rx
+        self.peers[peer] = record
+        return record
+
+    def _remember_dropped(self, peer: bytes) -> None:
+        self.dropped[peer] = time.monotonic()  # told so if it speaks again (`_receive`)
+        if len(self.dropped) > MAX_REFUSED_PEERS:
+            self.dropped.popitem(last=False)
 
     def _reply(self, router: zmq.Socket, peer: bytes, msg_type: MsgType, body: dict[str, Any]) -> None:
         self._send(router, peer, encode(msg_type, body))
 
     # -- receiving ---------------------------------------------------------------
+    def _warn_peer(self, peer: bytes, kind: str, message: str, *args: Any) -> None:
+        """A warning about what a peer sent, at most one per peer and kind every `BAD_FRAME_QUIET` seconds."""
+        more = self._bad_frames.allow((peer, kind))
+        if more is not None:
+            log.warning(message + "%s", *args, folded(more))
+
     def _receive(self, router: zmq.Socket, parts: list[bytes]) -> None:
         if len(parts) != 2:
-            log.warning("dropping a message of %d frames (expected identity + 1)", len(parts))
+            self._warn_peer(parts[0] if parts else b"", "frames", "dropping a message of %d frames from %r "
+                            "(expected identity + 1)", len(parts), parts[0] if parts else b"")
             return
         peer, frame = parts
         try:
             msg_type, body = decode(frame)
         except ProtocolError as exc:
-            log.warning("bad frame from %r: %s", peer, exc)
+            self._warn_peer(peer, "bad", "bad frame from %r: %s", peer, clipped(str(exc), 300))
             if exc.rid or exc.cid:
                 self._reply(router, peer, MsgType.ERROR, {
                     "rid": exc.rid, "cid": exc.cid, "status": 400, "code": "bad_frame",
-                    "message": str(exc), "type": "invalid_request_error"})
+                    "message": str(exc), "type": "invalid_request_error", "param": exc.param})
             return
         if peer in self.refused and msg_type != MsgType.HELLO:
             return  # its HELLO was refused: nothing but a correct HELLO is heard from it
@@ -234,7 +298,7 @@ class EngineServer:
                            "without a word from it"})
         handler = getattr(self, f"_on_{msg_type.name.lower()}", None)
         if handler is None:
-            log.warning("dropping %s from %r: not a front-end message", msg_type.name, peer)
+            self._warn_peer(peer, "type", "dropping %s from %r: not a front-end message", msg_type.name, peer)
             return
         handler(router, peer, body)
 
@@ -244,15 +308,16 @@ class EngineServer:
                 self.refused.pop()  # bounded memory against a client cycling identities
             self.refused.add(peer)
             self.peers.pop(peer, None)
-            log.warning("front-end %s speaks protocol %s: refused until it says HELLO with %d",
-                        body.get("frontend_id"), body["version"], PROTOCOL_VERSION)
+            self._warn_peer(peer, "version", "front-end %s speaks protocol %s: refused until it says HELLO with %d",
+                            clipped(body.get("frontend_id")), body["version"], PROTOCOL_VERSION)
             self._reply(router, peer, MsgType.ERROR, {
                 "status": 400, "code": "protocol_version_mismatch", "type": "invalid_request_error",
                 "message": f"engine speaks protocol {PROTOCOL_VERSION}, front-end {body['version']}"})
             return
         self.refused.discard(peer)
-        self.peers[peer] = Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host"))
-        log.info("front-end %s connected (pid %s on %s)", body["frontend_id"], body.get("pid"), body.get("host"))
+        self._new_peer(peer, Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host")))
+        log.info("front-end %s connected (pid %s on %s)", clipped(body["frontend_id"]), body.get("pid"),
+                 clipped(body.get("host")))
         status = self.worker.status
         self._reply(router, peer, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": status.state,
@@ -282,8 +347,12 @@ class EngineServer:
         return status.state
 
     def _on_ping(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
-        if peer not in self.peers:
-            self.peers[peer] = Peer("", time.monotonic())
+        known = self.peers.get(peer)
+        if known is None:
+            known = self._new_peer(peer, Peer("", time.monotonic()))
+        if "rx" in body:  # bytes it has read from this engine: what it left unread is bounded (`_send`)
+            known.rx = body["rx"]
+            known.rx_base = known.rx if known.rx_base is None else known.rx_base
         status = self.worker.status
         self._reply(router, peer, MsgType.PONG, {
             "epoch": self.epoch, "state": self.state(), "queued": status.queued,
@@ -296,7 +365,8 @@ class EngineServer:
                 "rid": body["rid"], "status": 503, "code": "engine_restarted", "type": "server_error",
                 "message": "The engine restarted; retry the request"})
             return
-        self.peers.setdefault(peer, Peer("", time.monotonic()))
+        if peer not in self.peers:
+            self._new_peer(peer, Peer("", time.monotonic()))
         self.preprocessor.submit(peer, body)  # rendered and tokenized off the mlx thread, then AddCommand
 
     def _on_abort(self, router: zmq.Socket, peer: bytes, body: dict[str, Any]) -> None:
@@ -343,11 +413,9 @@ class EngineServer:
         deadline = time.monotonic() - self.peer_timeout
         for peer in [p for p, info in self.peers.items() if info.last_seen < deadline]:
             log.info("front-end %s silent for %.0f s: aborting its requests",
-                     self.peers[peer].frontend_id or repr(peer), self.peer_timeout)
+                     clipped(self.peers[peer].frontend_id) or repr(peer), self.peer_timeout)
             self._peer_gone(peer)
-            self.dropped[peer] = time.monotonic()  # told so if it speaks again (`_receive`)
-            if len(self.dropped) > MAX_REFUSED_PEERS:
-                self.dropped.popitem(last=False)
+            self._remember_dropped(peer)
 
     # -- what the io thread knows of the mlx thread -------------------------------------
     def loading(self) -> dict[str, Any]:

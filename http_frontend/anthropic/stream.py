@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 FINISH_TO_STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 # OpenAI-shaped error types/codes (what GenerationRoute.sse emits) -> Anthropic's error types.
 _ERROR_TYPES = {"engine_unavailable": "overloaded_error", "engine_restarted": "overloaded_error",
+                "engine_shutting_down": "overloaded_error",
                 "overloaded": "overloaded_error", "timeout": "timeout_error"}
 
 

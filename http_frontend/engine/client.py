@@ -87,6 +87,7 @@ class EngineClient:
         self.running = 0
         self._others_load = 0  # of those, the ones not this worker's: the rest of the load is counted here
         self.last_heard = 0.0
+        self.received_bytes = 0  # of frames read from the engine, sent as `rx` in PINGs (the engine's unread cap)
         # When the oldest ping still followed by no frame at all was sent (None before the first ping).
         self._unanswered_since: float | None = None
         self.streams: dict[str, RequestStream] = {}
@@ -270,6 +271,7 @@ class EngineClient:
         while True:
             frame = await self._socket.recv()
             self.last_heard = time.monotonic()  # any frame is a sign of life, not only PONG
+            self.received_bytes += len(frame)  # told to the engine in each PING: it bounds what we leave unread
             try:
                 msg_type, body = decode(frame)
             except ProtocolError as exc:
@@ -402,7 +404,7 @@ class EngineClient:
         while True:
             if self._silent_for() == 0.0:  # every earlier ping was answered: silence counts from this one
                 self._unanswered_since = time.monotonic()
-            self._send(MsgType.PING, {"t": time.time()})
+            self._send(MsgType.PING, {"t": time.time(), "rx": self.received_bytes})
             await asyncio.sleep(self.ping_interval)
             if self._ready.is_set() and not self.alive and not self._socket.get(zmq.EVENTS) & zmq.POLLIN:
                 # Frames still waiting to be read mean this worker is behind, not the engine dead.

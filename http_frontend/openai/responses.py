@@ -44,7 +44,7 @@ from http_frontend.parsing.generation_fields import ignored_tools_header
 from http_frontend.parsing.generation_fields import parse_reasoning as chat_reasoning
 from http_frontend.parsing.media import MediaCollector
 from http_frontend.parsing.sampling import parse_sampling
-from http_frontend.relay.generation import GenerationRoute, relay, serve_generation
+from http_frontend.relay.generation import LOST_ENGINE_CODES, GenerationRoute, relay, serve_generation
 from http_frontend.service.metrics import TokenTimer
 from protocol import CallMethod
 from protocol.messages import MAX_FRAME_BYTES
@@ -293,6 +293,8 @@ class Responses(GenerationRoute):
         if not request.store:
             return
         response = builder.response()
+        if (response.get("error") or {}).get("code") in LOST_ENGINE_CODES:
+            return  # the engine holding the store is gone or going (SIGTERM): waiting on it held the stream 2 s
         reply = [builder.assistant_message()] if builder.status != "failed" or builder.output else []
         record = {"response": response, "messages": conversation + reply,
                   "input_items": request.input_items, "owner": request.owner}

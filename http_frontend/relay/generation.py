@@ -155,7 +155,7 @@ async def serve_generation(
                 client.release(stream, reason)
 
 
-LOST_ENGINE_CODES = ("engine_unavailable", "engine_restarted", "engine_group_failed")
+LOST_ENGINE_CODES = ("engine_unavailable", "engine_restarted", "engine_group_failed", "engine_shutting_down")
 MODEL_REFUSALS = ("invalid_model_name", "model_not_found")  # an engine that cannot load the model named
 
 

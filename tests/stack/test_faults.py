@@ -274,3 +274,54 @@ def test_a_paused_worker_hears_that_the_engine_dropped_its_requests(tiny_model: 
             os.kill(worker_pid, signal.SIGCONT)
         frontend.stop()
         engine.stop()
+
+
+SHUTDOWN_BODIES = {
+    "/v1/chat/completions": long_body(),
+    "/v1/completions": {"prompt": "Once upon a time", "max_tokens": 5000, "temperature": 0, "stream": True,
+                        "ignore_eos": True},
+    "/v1/responses": {"input": "Talk for a long time.", "max_output_tokens": 5000, "temperature": 0, "stream": True,
+                      "ignore_eos": True},
+    "/v1/messages": {"model": "default", "messages": [{"role": "user", "content": "Talk for a long time."}],
+                     "max_tokens": 5000, "temperature": 0, "stream": True, "ignore_eos": True},
+}
+
+
+def test_sigterm_tells_every_stream_the_engine_is_shutting_down(tiny_model: Path, ipc_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    """Red team E4: on SIGTERM the engine sent nothing; every stream ended ~2 s later with "The engine stopped
+    responding". Now each open request gets a 503 engine_shutting_down ERROR before the engine exits."""
+    endpoint = f"ipc://{ipc_dir}/term.sock"
+    engine = Engine(endpoint, tmp_path / "engined.log", model=str(tiny_model))
+    frontend = Frontend(endpoint, tmp_path / "frontend.log", workers=1)
+    try:
+        engine.wait_ready()
+        frontend.wait_healthy()
+        started = threading.Barrier(len(SHUTDOWN_BODIES) + 1)
+
+        def stream(path: str, body: dict) -> tuple[list[str], float]:
+            lines: list[str] = []
+            with httpx.stream("POST", frontend.base_url + path, json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line:
+                        lines.append(line)
+                        if len(lines) == 6:
+                            started.wait(30)
+            return lines, time.monotonic()
+
+        with ThreadPoolExecutor(len(SHUTDOWN_BODIES)) as pool:
+            futures = {path: pool.submit(stream, path, body) for path, body in SHUTDOWN_BODIES.items()}
+            started.wait(timeout=30)
+            stopped_at = time.monotonic()
+            engine.signal(signal.SIGTERM)
+            results = {path: future.result(timeout=60) for path, future in futures.items()}
+        for path, (lines, ended_at) in results.items():
+            tail = "\n".join(lines[-4:])
+            assert "engine_shutting_down" in tail or "shutting down" in tail, (path, tail)
+            assert "stopped responding" not in tail, (path, tail)
+            assert ended_at - stopped_at < 1.5, f"{path} ended {ended_at - stopped_at:.1f} s after SIGTERM"
+        assert results["/v1/chat/completions"][0][-1] == "data: [DONE]"
+        assert engine.popen.wait(30) == 0
+    finally:
+        frontend.stop()
+        engine.stop()

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from protocol import MsgType, ProtocolError, decode, encode, new_request_id, request_id_owner
-from protocol.messages import MAX_FRAME_BYTES
+from protocol.messages import MAX_FRAME_BYTES, MAX_ID_CHARS
 
 
 def add_body(**overrides):
@@ -36,6 +36,16 @@ def test_round_trip_every_type_byte() -> None:
     (encode(MsgType.ADD, add_body(messages=["x"])), "map"),
     (encode(MsgType.ABORT, {"rids": [1]}), "strings"),
     (encode(MsgType.DELTAS, {"items": [{"seq": 1}]}), "rid"),
+    (encode(MsgType.ADD, add_body(params={"min_tokens": "5"})), "param 'min_tokens'"),
+    (encode(MsgType.ADD, add_body(tools=[1, 2, 3])), "tools[0] must be a map"),
+    (encode(MsgType.ADD, add_body(tools=[{"type": "function", "function": "f"}])), "tools[0].function"),
+    (encode(MsgType.ADD, add_body(tools=[{"function": {"name": 5}}])), "tools[0].function.name"),
+    (encode(MsgType.ADD, add_body(messages=[{"role": 5, "content": "x"}])), "messages[0].role"),
+    (encode(MsgType.ADD, add_body(messages=[{"role": "user", "content": 5}])), "messages[0].content"),
+    (encode(MsgType.ADD, add_body(messages=[{"role": "user", "content": ["x", 5]}])), "parts"),
+    (encode(MsgType.ADD, add_body(messages=[{"role": "assistant", "tool_calls": 5}])), "tool_calls must be a list"),
+    (encode(MsgType.ADD, add_body(messages=[{"role": "assistant", "tool_calls": [{"function": "f"}]}])),
+     "messages[0].tool_calls[0].function"),
 ])
 def test_malformed_frames_are_refused(frame: bytes, fragment: str) -> None:
     with pytest.raises(ProtocolError) as info:
@@ -49,6 +59,23 @@ def test_refusal_names_the_request_so_it_can_be_answered() -> None:
     assert info.value.rid == "fe:1"
 
 
+def test_refusal_names_the_param() -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(MsgType.ADD, add_body(params={"min_tokens": [1]})))
+    assert info.value.param == "min_tokens"
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(MsgType.ADD, add_body(tools=[1])))
+    assert info.value.param == "tools"
+
+
+def test_every_ranged_param_has_a_wire_type() -> None:
+    """A param the engine range-checks but the wire lets through untyped reached `check_params` as a string: 500."""
+    from engine_daemon.request.param_checks import PARAM_RANGES
+    from protocol.messages import PARAM_TYPES
+
+    assert set(PARAM_RANGES) <= set(PARAM_TYPES)
+
+
 def test_oversized_frame_is_refused_before_decoding() -> None:
     with pytest.raises(ProtocolError, match="exceeds"):
         decode(bytes([MsgType.PING]) + b"\0" * MAX_FRAME_BYTES)
@@ -59,3 +86,14 @@ def test_request_ids_carry_their_owner() -> None:
     assert request_id_owner(rid) == "host-12-ab"
     assert rid != new_request_id("host-12-ab")
     assert request_id_owner("nocolon") == ""
+
+
+def test_overlong_ids_are_refused_with_the_field() -> None:
+    assert decode(encode(MsgType.ADD, add_body(rid="r" * MAX_ID_CHARS)))[1]["rid"] == "r" * MAX_ID_CHARS
+    with pytest.raises(ProtocolError) as info:
+        decode(encode(MsgType.ADD, add_body(rid="r" * (MAX_ID_CHARS + 1))))
+    assert info.value.param == "rid" and info.value.rid == "r" * (MAX_ID_CHARS + 1)
+    with pytest.raises(ProtocolError, match="frontend_id"):
+        decode(encode(MsgType.HELLO, {"version": 1, "frontend_id": "f" * 10_000}))
+    with pytest.raises(ProtocolError, match="cid"):
+        decode(encode(MsgType.CALL, {"cid": "c" * 10_000, "method": "stats"}))
