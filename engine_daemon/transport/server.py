@@ -71,8 +71,9 @@ class Peer:
     rx: int = 0  # its latest PING's `rx`
 
     def unread(self) -> int:
-        """Bytes sent that it has not said it read; all of them for a peer whose PINGs carry no `rx`."""
-        return self.sent_bytes - (self.rx - self.rx_base if self.rx_base is not None else 0)
+        """Bytes sent that it has not said it read; 0 for a peer whose PINGs carry no `rx` (a front-end of an
+        older release, which must keep streaming through an engine upgraded first: only SEND_HWM bounds it)."""
+        return self.sent_bytes - (self.rx - self.rx_base) if self.rx_base is not None else 0
 
 
 def lock_ipc_endpoint(endpoint: str) -> BinaryIO | None:

@@ -58,16 +58,14 @@ def test_a_peer_that_reads_nothing_is_cut_off(server: EngineServer, caplog: pyte
     assert b"sink" in server.dropped  # its next frame hears frontend_dropped
 
 
-def test_a_peer_that_never_says_rx_counts_as_reading_nothing(server: EngineServer) -> None:
+def test_a_peer_that_never_says_rx_is_an_older_front_end_and_keeps_streaming(server: EngineServer) -> None:
+    """Front-ends of an earlier release send PINGs without `rx`: counted as reading nothing, they were cut after
+    64 MB of output in all, though they read everything (upgrade order: engine first, front-ends later)."""
     router = Router()
-    sends = 0
-    while not gone(server):
+    for _ in range(40):
         server._on_ping(router, b"old", {"t": 0})  # type: ignore[arg-type]
         server._reply(router, b"old", MsgType.DELTAS, {"items": [{"rid": "x", "text": "d" * 99_990}]})  # type: ignore[arg-type]
-        sends += 1
-    assert sends == 10
-    server._on_ping(router, b"old", {"t": 0})  # type: ignore[arg-type]  # still nothing read: cut again at once
-    assert gone(server) == [b"old"]
+    assert not gone(server)
 
 
 def test_a_peer_that_reads_keeps_streaming(server: EngineServer) -> None:
