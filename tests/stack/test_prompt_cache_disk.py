@@ -22,7 +22,7 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 from engine_daemon.prefix_cache.disk import DiskTier
 from model_builders.text import build_model
-from tests.helpers import answers_from_two_engines, client_for, running_stack
+from tests.helpers import Frontend, answers_from_two_engines, client_for, running_stack
 
 SYSTEM = "You maintain a large service. Runbook: " + " ".join(
     f"step {i}: check the {w} and write down what you saw." for i, w in
@@ -154,6 +154,21 @@ def test_weights_rewritten_in_place_never_get_the_old_prefixes(other_model: Path
     assert back.choices[0].message.content == cold.choices[0].message.content
 
 
+def ask_beside_a_victim(fe: Frontend, model: str, messages: list[dict]) -> tuple[httpx.Response, list[str]]:
+    """Sends `messages` (12 tokens, greedy) while a 200-token victim stream decodes; the answer and the victim's
+    SSE lines."""
+    victim = {"model": model, "messages": [{"role": "user", "content": "A long story, please."}],
+              "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True,
+              "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{fe.base_url}/v1/chat/completions", json=victim, timeout=300) as stream:
+        lines = stream.iter_lines()
+        seen = [line for line, _ in zip(lines, range(3))]  # the victim is decoding
+        answer = httpx.post(f"{fe.base_url}/v1/chat/completions", timeout=300, json={
+            "model": model, "messages": messages, "max_tokens": 12, "temperature": 0})
+        seen += list(lines)
+    return answer, seen
+
+
 def test_a_restart_with_another_kv_layout_never_loads_the_old_layouts_prefixes(tiny_model: Path, ipc_dir: Path,
                                                                                tmp_path: Path) -> None:
     """Prefixes written by a run with plain KV caches, read by one with `--max-kv-size` (rotating caches): the
@@ -169,15 +184,7 @@ def test_a_restart_with_another_kv_layout_never_loads_the_old_layouts_prefixes(t
     assert list(cache_dir.glob("*.safetensors"))
     rotating = [*args, "--max-kv-size", "512"]
     with running_stack(f"ipc://{ipc_dir}/layout-b.sock", tmp_path / "b", model=model, engine_args=rotating) as (_, fe):
-        victim = {"model": model, "messages": [{"role": "user", "content": "A long story, please."}],
-                  "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{fe.base_url}/v1/chat/completions", json=victim, timeout=300) as stream:
-            lines = stream.iter_lines()
-            seen = [line for line, _ in zip(lines, range(3))]  # the victim is decoding
-            answer = httpx.post(f"{fe.base_url}/v1/chat/completions", timeout=300, json={
-                "model": model, "messages": second, "max_tokens": 12, "temperature": 0})
-            seen += list(lines)
+        answer, seen = ask_beside_a_victim(fe, model, second)
         assert answer.status_code == 200, answer.text
         assert stats(fe)["prompt_cache_disk_loads"] == 0
     chunks = [json.loads(line[6:]) for line in seen if line.startswith("data: {")]
@@ -207,15 +214,7 @@ def test_a_file_of_another_models_kv_under_a_valid_name_is_skipped_beside_a_runn
     assert DiskTier(cache_dir, 1 << 30).store(meta["key"], tokens, foreign, trimmable=True)
     (planted,) = cache_dir.glob("*.safetensors")
     with running_stack(f"ipc://{ipc_dir}/fit-b.sock", tmp_path / "b", model=model, engine_args=args) as (engine, fe):
-        victim = {"model": model, "messages": [{"role": "user", "content": "A long story, please."}],
-                  "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{fe.base_url}/v1/chat/completions", json=victim, timeout=300) as stream:
-            lines = stream.iter_lines()
-            seen = [line for line, _ in zip(lines, range(3))]  # the victim is decoding
-            answer = httpx.post(f"{fe.base_url}/v1/chat/completions", timeout=300, json={
-                "model": model, "messages": second, "max_tokens": 12, "temperature": 0})
-            seen += list(lines)
+        answer, seen = ask_beside_a_victim(fe, model, second)
         assert answer.status_code == 200, answer.text
         found = stats(fe)
         assert found["prompt_cache_disk_corrupt"] == 1 and found["prompt_cache_disk_loads"] == 0

@@ -15,16 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from llguidance import LLMatcher
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.utils import load_tokenizer
 
 from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.schema_depth import MAX_SCHEMA_DEPTH
 from engine_daemon.sampling.strict_schema import strict_schema
 from engine_daemon.sampling.structured import constraint_for, llg_tokenizer
+from tests.unit.grammar_checks import accepts, allowed_ids
 
 SPECIAL_TEXTS = ["</think>", "<tool_call>", "</tool_call>", "<|im_end|>"]
 LOOSE = {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3}}}
@@ -33,35 +31,6 @@ LOOSE = {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path) -> Any:
     return load_tokenizer(tiny_model)
-
-
-def allowed_ids(matcher: LLMatcher, vocab_size: int) -> list[int]:
-    mask = allocate_token_bitmask(1, vocab_size)
-    fill_next_token_bitmask(matcher, mask)
-    assert not matcher.is_error(), matcher.get_error()
-    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size]).tolist()
-
-
-def accepts(matcher: LLMatcher, tokenizer: Any, text: str, then: tuple[int, ...] = ()) -> bool:
-    """Whether the grammar lets ordinary tokens spell exactly `text`, then the tokens `then`, and end there.
-
-    Works on a copy of `matcher`; picks the longest allowed token that `text` goes on with.
-    """
-    vocabulary = llg_tokenizer(tokenizer)
-    matcher = matcher.deep_copy()
-    rest = text.encode()
-    while rest:
-        candidates = [(len(piece), token) for token in allowed_ids(matcher, vocabulary.vocab_size)
-                      if not vocabulary.is_special_token(token)
-                      and (piece := vocabulary.decode_bytes([token])) and rest.startswith(piece)]
-        if not candidates:
-            return False
-        length, token = max(candidates)
-        if not matcher.consume_token(token):
-            return False
-        rest = rest[length:]
-    return all(token in allowed_ids(matcher, vocabulary.vocab_size) and matcher.consume_token(token)
-               for token in then) and matcher.is_accepting()
 
 
 def walk(constraint: GrammarConstraint, tokenizer: Any, seed: int, limit: int = 200) -> list[int]:

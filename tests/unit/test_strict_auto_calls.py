@@ -14,14 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from llguidance import LLMatcher
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from mlx_lm.utils import load_tokenizer
 
 from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.structured import constraint_for, llg_tokenizer
+from tests.unit.grammar_checks import accepts, spell
 
 LOOSE = {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3}, "n": {"type": "integer"}}}
 
@@ -29,38 +27,6 @@ LOOSE = {"type": "object", "properties": {"z": {"type": "string", "maxLength": 3
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path) -> Any:
     return load_tokenizer(tiny_model)
-
-
-def allowed_ids(matcher: LLMatcher, vocab_size: int) -> list[int]:
-    mask = allocate_token_bitmask(1, vocab_size)
-    fill_next_token_bitmask(matcher, mask)
-    assert not matcher.is_error(), matcher.get_error()
-    return np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size]).tolist()
-
-
-def spell(matcher: LLMatcher, tokenizer: Any, text: str, then: tuple[int, ...] = ()) -> bool:
-    """Feeds `matcher` `text` in ordinary tokens (the longest allowed one each time), then the tokens `then`;
-    whether the grammar allowed all of it."""
-    vocabulary = llg_tokenizer(tokenizer)
-    rest = text.encode()
-    while rest:
-        candidates = [(len(piece), token) for token in allowed_ids(matcher, vocabulary.vocab_size)
-                      if not vocabulary.is_special_token(token)
-                      and (piece := vocabulary.decode_bytes([token])) and rest.startswith(piece)]
-        if not candidates:
-            return False
-        length, token = max(candidates)
-        if not matcher.consume_token(token):
-            return False
-        rest = rest[length:]
-    return all(token in allowed_ids(matcher, vocabulary.vocab_size) and matcher.consume_token(token)
-               for token in then)
-
-
-def accepts(matcher: LLMatcher, tokenizer: Any, text: str, then: tuple[int, ...] = ()) -> bool:
-    """Whether a copy of `matcher` takes `text` then `then` and is complete there."""
-    matcher = matcher.deep_copy()
-    return spell(matcher, tokenizer, text, then) and matcher.is_accepting()
 
 
 def tool(name: str, parameters: Any, strict: Any = True) -> dict[str, Any]:
