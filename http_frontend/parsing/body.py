@@ -9,6 +9,10 @@ once, and only one large body is being turned into objects at a time. The cyclic
 collector is paused while a body is parsed (`collector_paused`): a body of a million small
 arrays otherwise sets off full collections that walk every object made so far, which
 tripled the time the parser held the GIL (1.3 s against 0.4 s for 13 MB of `[[1,[2]],...]`).
+A body is decoded with msgspec first, `json.loads` only for what msgspec refuses (`decoded`), and
+checked with msgspec's packer (`check_encodable`): each C call holds the GIL for its whole length,
+and 13 MB of token ids held it 0.66 s in `json.loads` and 0.14 s in `msgpack.packb` against 0.12 s
+and 0.02 s.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, TypeVar
 
 import falcon.asgi
 import msgpack
+import msgspec
 
 from http_frontend.errors import APIError, bad_request
 
@@ -89,7 +94,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     """`raw` as a JSON object whose every value msgpack can carry, or a 400 that says what is wrong."""
     try:
         with collector_paused():
-            body = json.loads(raw)
+            body = decoded(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
@@ -100,14 +105,30 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def decoded(raw: bytes) -> Any:
+    """`raw` parsed by msgspec, or by `json.loads` where msgspec refuses it.
+
+    msgspec is strict RFC 8259 and gives what `json.loads` gives for such input (last duplicate key
+    wins, integers of any size); what it refuses (`NaN`, `1e400`, UTF-16 or a BOM, a surrogate in the
+    raw UTF-8, malformed JSON, deep nesting) goes through `json.loads`, so every body gets the value or
+    the error message it always got.
+    """
+    try:
+        return msgspec.json.decode(raw)
+    except (msgspec.MsgspecError, ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return json.loads(raw)
+
+
 def check_encodable(body: dict[str, Any]) -> None:
     """400 naming the top-level field that holds a lone surrogate or an integer outside 64 bits.
 
-    msgpack packs the whole body in C (a fraction of what parsing it cost); only a refused body
+    msgspec packs the whole body in C (a fraction of what parsing it cost) and refuses exactly the
+    integers and strings msgpack refuses. Its packer has no nesting limit where msgpack's is 1,024
+    levels, but neither JSON parser gets past Python's recursion limit (~1,000). Only a refused body
     is walked again, field by field, to name the culprit.
     """
     try:
-        msgpack.packb(body, use_bin_type=True)
+        msgspec.msgpack.encode(body)
         return
     except (OverflowError, UnicodeEncodeError, ValueError):
         pass
