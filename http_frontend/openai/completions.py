@@ -54,7 +54,7 @@ def parse_prompt(body: dict[str, Any]) -> str | list[int]:
         if not is_token_ids(prompt):
             raise bad_request("Invalid 'prompt': expected a string or an array of token ids", param="prompt",
                               code="invalid_type")
-        if any(t < 0 for t in prompt):
+        if prompt and min(prompt) < 0:
             raise bad_request("Invalid 'prompt': token ids cannot be negative", param="prompt")
     if not prompt:
         raise bad_request("'prompt' must not be empty", param="prompt")

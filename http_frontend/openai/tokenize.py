@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import falcon.asgi
+import msgspec
 
 from http_frontend.engine.calls import TOKENIZE_TIMEOUT, call_engine
 from http_frontend.engine.client import EngineClient
@@ -22,10 +23,19 @@ from protocol import CallMethod
 
 
 def is_token_ids(value: Any) -> bool:
-    """A list of integer token ids (never booleans)."""
+    """A list of integer token ids (never booleans) within 64 bits.
+
+    msgspec checks the types in C: a Python walk over a 13 MB body's 6.5 M ids took ~0.7 s of its
+    worker's GIL, twice per completion (`parse_prompt`), beside every stream that worker serves.
+    """
+    if not isinstance(value, list):
+        return False
+    try:
+        msgspec.convert(value, list[int])  # a bool, float or string anywhere is refused
+    except msgspec.ValidationError:
+        return False
     # 64-bit range: msgpack carries nothing larger (the engine checks the vocabulary itself).
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and -2**63 <= t < 2**63
-                                           for t in value)
+    return not value or (min(value) >= -2**63 and max(value) < 2**63)
 
 
 class Tokenize:
