@@ -17,7 +17,7 @@ from falcon.asgi import SSEvent
 
 from http_frontend.engine.client import RequestStream, Update
 from http_frontend.errors import bad_request
-from http_frontend.openai.tokenize import is_token_ids
+from http_frontend.openai.tokenize import PROMPT_TOKEN_IDS, is_token_ids
 from http_frontend.parsing.body import get_field, off_loop, read_json_object
 from http_frontend.parsing.generation_fields import parse_response_format
 from http_frontend.parsing.sampling import check_max_tokens, check_unsupported, parse_sampling
@@ -47,15 +47,11 @@ def parse_prompt(body: dict[str, Any]) -> str | list[int]:
             raise bad_request(f"Only one prompt per request is supported, got {len(prompt)}", param="prompt",
                               code="unsupported_parameter")
         prompt = prompt[0]
-        if isinstance(prompt, list) and not is_token_ids(prompt):
-            raise bad_request("Invalid 'prompt': expected a string or an array of token ids", param="prompt",
-                              code="invalid_type")
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and not is_token_ids(prompt, PROMPT_TOKEN_IDS):  # one pass in C when it is fine
         if not is_token_ids(prompt):
             raise bad_request("Invalid 'prompt': expected a string or an array of token ids", param="prompt",
                               code="invalid_type")
-        if prompt and min(prompt) < 0:
-            raise bad_request("Invalid 'prompt': token ids cannot be negative", param="prompt")
+        raise bad_request("Invalid 'prompt': token ids cannot be negative", param="prompt")
     if not prompt:
         raise bad_request("'prompt' must not be empty", param="prompt")
     return prompt
