@@ -32,7 +32,7 @@ class ProtocolError(ValueError):
 def encode(msg_type: MsgType, body: dict[str, Any]) -> bytes:
     """One frame for `msg_type`. Bodies are plain maps of msgpack-able values.
 
-    Packed by msgspec: the same bytes as `msgpack.packb(body, use_bin_type=True)` (tests/unit/test_protocol.py
+    Packed by msgspec: the same bytes as `msgpack.packb(body, use_bin_type=True)` (a property test
     compares them), the same refusals of integers outside 64 bits and lone surrogates, ~4x faster. The C packer
     holds the GIL throughout: a 13 MB token-id prompt held it 0.14 s in msgpack, beside every stream of its worker.
     """
