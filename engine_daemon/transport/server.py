@@ -38,6 +38,7 @@ from engine_daemon.scheduling.commands import (
 )
 from engine_daemon.scheduling.worker import MlxWorker
 from engine_daemon.transport.handshake_log import HandshakeLog, QuietLog, folded
+from engine_daemon.transport.outbox import forward_outbox
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
 from engine_daemon.transport.wind_down import wind_down
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
@@ -173,12 +174,7 @@ class EngineServer:
             while not self._stop.is_set():
                 ready = dict(poller.poll(200))
                 if outbox in ready:
-                    for _ in range(1000):  # bounded, so inbound frames are not starved
-                        try:
-                            peer, frame = outbox.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._send(router, peer, frame)
+                    forward_outbox(outbox, lambda peer, frame: self._send(router, peer, frame))
                 if router in ready:
                     started = time.perf_counter()
                     for _ in range(INBOUND_BATCH):

@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 
+from engine_daemon.transport.outbox import forward_outbox
 from protocol import MsgType, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,8 @@ def wind_down(server: Any, router: zmq.Socket, outbox: zmq.Socket) -> None:
     while True:
         stopped = not server.worker.is_alive() or time.monotonic() >= deadline
         ready = dict(poller.poll(100))  # once stopped: until its last frames are through the inproc pipe
-        while outbox in ready:
-            try:
-                peer, frame = outbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            server._send(router, peer, frame)
+        if outbox in ready:
+            forward_outbox(outbox, lambda peer, frame: server._send(router, peer, frame), limit=None)
         if router in ready:
             for _ in range(1000):
                 try:
