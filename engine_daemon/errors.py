@@ -31,6 +31,12 @@ class RequestError(Exception):
                 "type": self.error_type, "param": self.param}
 
 
+# A clean stop (SIGTERM): what every request and CALL still open or waiting hears (`scheduling.inbox`,
+# the admission pool's `Preprocessor.close`).
+SHUTTING_DOWN = RequestError(503, "engine_shutting_down", "The engine is shutting down; retry the request",
+                             error_type="server_error")
+
+
 def describe(exc: BaseException) -> str:
     """An exception's text as a client may see it: server paths cut down to their last component."""
     return redact_paths(str(exc))

@@ -19,6 +19,10 @@ the scheduler's fair-share identity) and are taken round-robin, so one client's 
 another's first request by about one render; a client holds at most --max-queued requests here
 (429 `queue_full` beyond, as the scheduler's queue answers). A request aborted while it waits (or
 whose front-end vanished) is dropped without being rendered.
+
+On SIGTERM (`close`) every ADD and CALL the pool holds, waiting or being rendered, is answered once with
+503 `engine_shutting_down` (the mlx thread never heard of them: before, their clients waited for the
+front-end's timeout), and what was not rendered yet never is.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from engine_daemon.errors import RequestError, describe
+from engine_daemon.errors import SHUTTING_DOWN, RequestError, describe
 from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.request.context_overflow import DROPPED_BY_SIZE, overflow_mode
 from engine_daemon.request.param_checks import check_params, parse_logit_bias
@@ -50,6 +54,8 @@ CALLS = (b"", "\0calls")  # the pool's queue of CALLs (`run_call`): taken in tur
 
 # (peer, ADD body, what was prepared or None) -> handed to the mlx thread
 Deliver = Callable[[bytes, dict[str, Any], "PreparedPrompt | None"], None]
+# (result, error): how a CALL run on the pool is answered (`Preprocessor.run_call`)
+Answer = Callable[[Any, "RequestError | None"], None]
 # (ADD body, loaded vision model) -> its model inputs, or RequestError (`prepare_media_inputs`)
 DecodeMedia = Callable[[dict[str, Any], LoadedModel], list[Any]]
 
@@ -206,6 +212,8 @@ class Preprocessor:
         self._pending: dict[str, _Job] = {}  # rid -> its job, from submit until delivered or cancelled
         self._queues: OrderedDict[tuple[bytes, str], deque[_Job]] = OrderedDict()  # per owner, next owner first
         self._held: Counter[tuple[bytes, str]] = Counter()  # owner -> its requests in `_pending`
+        self._calls: dict[_Job, Answer] = {}  # CALLs waiting or running -> how each is answered (once)
+        self._closed = False  # `close`: all it held was answered; ADDs and CALLs from now on are refused
         self.max_queued = max_queued  # per owner (--max-queued)
         self.counts = {"prompts_prepared": 0, "prompts_refused_by_size": 0, "prompts_refused_off_thread": 0,
                        "processors_prepared": 0,  # requests whose grammar / thinking budget was built here
@@ -243,10 +251,19 @@ class Preprocessor:
             self._deliver(peer, {"rid": body["rid"], "params": {}},
                           PreparedPrompt(model_key(loaded), error=refusal, refusal=True))
             return
-        self._pool.submit(self._next)
+        self._submit()
+
+    def _submit(self) -> None:
+        """One pool task for a job just queued; a pool shut down since then (`close`) has answered that job."""
+        try:
+            self._pool.submit(self._next)
+        except RuntimeError:
+            pass  # the pool was shut down meanwhile: `close` answered the job
 
     def _refusal(self, job: _Job) -> RequestError | None:
         """Why an ADD may not wait in the pool (a duplicate id, its client's share full), else None. Under the lock."""
+        if self._closed:
+            return SHUTTING_DOWN
         if job.body["rid"] in self._pending:
             return RequestError(400, "duplicate_request_id", f"Request id {job.body['rid']!r} is already in flight")
         if self._held[job.owner] >= self.max_queued:
@@ -265,7 +282,7 @@ class Preprocessor:
                     self._queues.move_to_end(owner)
                 else:
                     del self._queues[owner]
-                if candidate.owner == CALLS or self._pending.get(candidate.body["rid"]) is candidate:
+                if candidate in self._calls or self._pending.get(candidate.body.get("rid")) is candidate:
                     job, candidate.started = candidate, True
         if job is not None:
             job.run(job.peer, job.body, job.loaded)
@@ -310,8 +327,9 @@ class Preprocessor:
                     self.counts["prompts_refused_by_size"] += 1
             self._hand_on(peer, body, prepared)
 
-    def run_call(self, call: Callable[[], Any], answer: Callable[[Any, RequestError | None], None]) -> None:
-        """Runs a CALL that tokenizes (`/tokenize`) on the pool; `answer(result, error)` when done."""
+    def run_call(self, call: Callable[[], Any], answer: Answer) -> None:
+        """Runs a CALL that tokenizes (`/tokenize`) on the pool; `answer(result, error)` when done, exactly once
+        (a CALL the pool still holds at `close` is answered there, and its result, if any comes, dropped)."""
         def run() -> None:
             try:
                 result, error = call(), None
@@ -320,11 +338,21 @@ class Preprocessor:
             except Exception as exc:
                 log.exception("a pool CALL failed")
                 result, error = None, RequestError(500, "engine_error", describe(exc), error_type="server_error")
+            with self._lock:
+                if self._calls.pop(job, None) is None:
+                    return  # answered by `close`
             answer(result, error)
 
+        job = _Job(lambda *_: run(), b"", {}, None, CALLS)
         with self._lock:  # a turn of its own: a client's backlog of ADDs does not hold it up
-            self._queues.setdefault(CALLS, deque()).append(_Job(lambda *_: run(), b"", {}, None, CALLS))
-        self._pool.submit(self._next)
+            closed = self._closed
+            if not closed:
+                self._calls[job] = answer
+                self._queues.setdefault(CALLS, deque()).append(job)
+        if closed:
+            answer(None, SHUTTING_DOWN)
+            return
+        self._submit()
 
     def cancel(self, peer: bytes, rids: list[str]) -> None:
         """An ABORT: drops those of `rids` that `peer` sent (another front-end's requests are not its to end)."""
@@ -361,5 +389,19 @@ class Preprocessor:
         with self._lock:
             return {**self.counts, "prompts_preparing": len(self._pending)}
 
-    def close(self) -> None:
+    def close(self) -> list[tuple[bytes, str]]:
+        """Stops the pool (SIGTERM, or the mlx thread died): each CALL it holds is answered with `SHUTTING_DOWN`
+        now; the (peer, rid) of each ADD it held (waiting or being rendered) is returned for the io thread to
+        answer so. None of them is handed on afterwards; those still waiting are never rendered."""
+        with self._lock:
+            self._closed = True
+            calls, self._calls = list(self._calls.values()), {}
+            adds = [(job.peer, rid) for rid, job in self._pending.items()]
+            self.counts["prompts_dropped_unrendered"] += sum(not job.started for job in self._pending.values())
+            self._pending.clear()
+            self._held.clear()
+            self._queues.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        for answer in calls:
+            answer(None, SHUTTING_DOWN)
+        return adds

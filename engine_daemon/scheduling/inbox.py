@@ -12,7 +12,7 @@ import logging
 import queue
 from typing import Any
 
-from engine_daemon.errors import RequestError, clipped
+from engine_daemon.errors import SHUTTING_DOWN, clipped
 from engine_daemon.scheduling.base import Event, error_event
 from engine_daemon.scheduling.commands import (
     AbortCommand,
@@ -78,10 +78,6 @@ class PendingAborts:
         if found:
             log.info("aborted %d request(s) (%s): rid=%s", found, self.reasons(), self.named(rids))
         return PendingAborts()
-
-
-SHUTTING_DOWN = RequestError(503, "engine_shutting_down", "The engine is shutting down; retry the request",
-                             error_type="server_error")
 
 
 def shutdown_events(scheduler: Any, aux_jobs: Any, commands: queue.Queue) -> list[Event]:

@@ -23,7 +23,7 @@ import zmq
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.calls.table import Thread, lookup
 from engine_daemon.config import SchedulerConfig
-from engine_daemon.errors import RequestError, clipped
+from engine_daemon.errors import SHUTTING_DOWN, RequestError, clipped
 from engine_daemon.group.settings import GroupSettings
 from engine_daemon.models import store as model_store
 from engine_daemon.multimodal.inputs import prepare_media_inputs
@@ -198,7 +198,8 @@ class EngineServer:
                     self._report_loading()
                     next_sweep = time.monotonic() + 1.0
         finally:
-            self.preprocessor.close()
+            for peer, rid in self.preprocessor.close():  # its ADDs (its CALLs are answered through the mlx thread)
+                self._reply(router, peer, MsgType.ERROR, SHUTTING_DOWN.to_body(rid))
             self.worker.stop()
             # Its last frames (every open request's engine_shutting_down) go out while it stops; a clean stop
             # writes the hot prefixes to --prompt-cache-dir.

@@ -9,8 +9,11 @@ twice while the first copy was in the pool left the first without any reply.
 from __future__ import annotations
 
 import re
+import signal
 import time
+from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import zmq
 
@@ -139,3 +142,49 @@ def test_a_duplicate_id_while_the_first_is_in_the_pool_gets_400(engine: Engine) 
     finally:
         first.close()
         second.close()
+
+
+def test_sigterm_answers_every_add_and_call_in_the_pool_once(tiny_model: Path, ipc_dir: Path, tmp_path: Path) -> None:
+    """On SIGTERM the ADDs waiting in the pool or being rendered there (and a /tokenize CALL queued behind them)
+    got no reply at all: their clients waited for the front-end's timeout. Now each gets one 503
+    engine_shutting_down ERROR (or, rendered before the stop, its own answer), and never two."""
+    engine = Engine(f"ipc://{ipc_dir}/pool-term.sock", tmp_path / "engined.log", model=str(tiny_model))
+    peer = None
+    try:
+        engine.wait_ready()
+        peer = Peer(engine, "term")
+        before = call_engine(engine.endpoint, "stats")
+        rids = {f"term:{i}" for i in range(16)}
+        for i, rid in enumerate(sorted(rids)):
+            peer.add(rid, client=f"c{i % 3}", messages=BIG)  # ~0.2-0.5 s each to render on two pool threads
+        pool_stats(engine, lambda stats: stats["prompts_preparing"] + stats["prompts_prepared"]
+                   >= before["prompts_prepared"] + 16)
+        peer.send(MsgType.CALL, {"cid": "term:tok", "method": "tokenize", "args": {"messages": BIG}})
+        time.sleep(0.05)  # the CALL is in the pool's queue
+        engine.signal(signal.SIGTERM)
+        ends: dict[str, list[str]] = defaultdict(list)  # rid or cid -> every ending it heard
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (engine.popen.poll() is None or peer.sock.poll(500)):
+            if not peer.sock.poll(100):
+                continue
+            kind, body = decode(peer.sock.recv())
+            if kind == MsgType.ERROR:
+                ends[body.get("rid") or body.get("cid")].append(body["code"])
+            elif kind == MsgType.RESULT:
+                ends[body["cid"]].append("result")
+            elif kind == MsgType.DELTAS:
+                for item in body["items"]:
+                    if item.get("finish_reason"):
+                        ends[item["rid"]].append(item["finish_reason"])
+        assert engine.popen.wait(30) == 0
+        missing = sorted(rids - set(ends))
+        assert not missing, f"{len(missing)} ADD(s) never answered: {missing}; answered: {dict(ends)}"
+        assert all(len(codes) == 1 for codes in ends.values()), dict(ends)
+        codes = [ends[rid][0] for rid in rids]
+        assert set(codes) <= {"engine_shutting_down", "context_length_exceeded"}, dict(ends)
+        assert codes.count("engine_shutting_down") >= 8, dict(ends)  # most were still in the pool
+        assert ends["term:tok"] in (["engine_shutting_down"], ["result"]), dict(ends)
+    finally:
+        if peer is not None:
+            peer.close()
+        engine.stop()

@@ -156,3 +156,46 @@ def test_a_token_prompt_is_refused_by_its_length_before_its_ids_are_walked() -> 
             check_token_prompt(bad, fake_model())
         assert refused.value.code == "invalid_value"
     check_token_prompt([0, 999], fake_model())
+
+
+def test_close_answers_every_job_it_holds_once_and_renders_nothing_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM: ADDs waiting in the pool or being rendered, and CALLs waiting there, got no reply at all (their
+    clients waited for the front-end's timeout). Now `close` answers each once; what it held is never handed on."""
+    pool = Pool(monkeypatch)
+    pool.hold()  # "first" is being rendered
+    pool.add(A, "a0")
+    pool.add(A, "a1", client="other")
+    pool.add(B, "b0")
+    answers: list[tuple[Any, Any]] = []
+    pool.pre.run_call(lambda: pool.rendered.append("call") or 7, lambda result, error: answers.append((result, error)))
+    assert sorted(pool.pre.close()) == [(A, "a0"), (A, "a1"), (A, "first"), (B, "b0")]
+    assert [(result, error.code) for result, error in answers] == [(None, "engine_shutting_down")]
+    pool.gate.set()  # the render in progress ends after the close
+    time.sleep(0.2)
+    assert pool.rendered == ["first"] and pool.delivered == []  # nothing handed on, nothing more rendered
+    assert len(answers) == 1
+    stats = pool.pre.stats()
+    assert stats["prompts_preparing"] == 0 and stats["prompts_dropped_unrendered"] == 3
+
+
+def test_a_call_running_at_close_is_answered_there_and_its_late_result_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = Pool(monkeypatch)
+    running, finish = threading.Event(), threading.Event()
+    answers: list[tuple[Any, Any]] = []
+
+    def slow_call() -> int:
+        running.set()
+        finish.wait(10)
+        return 7
+
+    pool.pre.run_call(slow_call, lambda result, error: answers.append((result, error)))
+    assert running.wait(5)
+    assert pool.pre.close() == []
+    finish.set()
+    time.sleep(0.2)
+    assert [(result, error.code) for result, error in answers] == [(None, "engine_shutting_down")]
+    # After the close (the mlx thread may still offload an auxiliary job, the io thread sends nothing more):
+    pool.pre.run_call(lambda: 8, lambda result, error: answers.append((result, error)))
+    assert answers[-1][0] is None and answers[-1][1].code == "engine_shutting_down"
+    pool.add(A, "late")
+    assert pool.refusals() == {"late": "engine_shutting_down"} and pool.rendered == []
