@@ -1,7 +1,8 @@
 """CALLs the io thread answers at once, from values the mlx thread publishes (never waiting on it).
 
-Status, the model catalogue, stats, the adapter list and the Responses store are read
-here so that /health, /v1/models and /stats answer during a long prefill or a model load.
+Status, stats, the adapter list and the Responses store are read here so that /health and
+/stats answer during a long prefill or a model load. The model catalogue reads the disk: it has
+a thread of its own (`calls.catalogue`).
 """
 
 from __future__ import annotations
@@ -9,14 +10,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any, Protocol
 
-from engine_daemon.auxiliary.embedding import pooling_of
 from engine_daemon.calls import response_store
 from engine_daemon.calls.response_store import ResponseStore
 from engine_daemon.generation.speculative import speculative_stats
-from engine_daemon.models.store import list_cached_models, list_root_models
 from engine_daemon.request.preprocess import Preprocessor
 from engine_daemon.scheduling.worker import MlxWorker
 
@@ -48,48 +46,6 @@ def status(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:
             "auxiliary_models": ctx.worker.aux.describe(), **ctx.loading(),
             # Engine groups: mode, size, backend, per-rank memory, and which rank failed (`GroupLeader`).
             **({"group": ctx.worker.group.describe()} if ctx.worker.group is not None else {})}
-
-
-def list_models(ctx: IoContext, args: dict[str, Any]) -> list[dict[str, Any]]:
-    """The catalogue: the operator's names, models under --model-dir, the HF cache, and the loaded model.
-
-    In that order, as names resolve. `loaded` marks every id a request could name
-    without a load: the loaded name, and ids whose directory is served under it.
-    """
-    names = ctx.worker.models.names
-    models = names.catalogue()
-    for found in (list_root_models(ctx.worker.scheduler.config.model_dirs), list_cached_models()):
-        seen = {m["id"] for m in models}
-        models += [m for m in found if m["id"] not in seen]
-    current = ctx.worker.models.current  # one read: the mlx thread may swap it meanwhile
-    loaded = current.ref.id if current else None
-    if current is not None and loaded not in {m["id"] for m in models}:
-        models.insert(0, {"id": loaded, "created": int(current.loaded_at), "kind": current.kind})
-    auxiliary = ctx.worker.aux.catalogue()  # loaded or configured (--embedding-model and the like), typed by kind
-    aux_dirs = ctx.worker.aux.loaded_dirs()
-    for entry in models:
-        path = entry.pop("path", None)
-        if entry.get("kind", "text") == "text" and path and pooling_of(Path(path)):
-            entry["kind"] = "embedding"  # served by /v1/embeddings in the embedding slot, not as a chat model
-        served_as = entry["id"] if entry["id"] in names.entries else names.name_of_path(path) or entry["id"]
-        # As `BaseScheduler.resolve_model` folds them: an unnamed spelling of the loaded directory is the loaded model
-        # (and one of a loaded auxiliary model's directory is served by its slot without a load).
-        unnamed = bool(path) and entry["id"] not in names.entries
-        chat = served_as == loaded or (unnamed and current is not None and loaded not in names.entries
-                                       and _same_dir(path, current.ref.path))
-        entry["loaded"] = chat or (unnamed and any(_same_dir(path, directory) for directory in aux_dirs))
-        if chat:
-            entry["context_window"] = current.context_window  # as loaded: a profile may override it
-    aux_ids = {entry["id"] for entry in auxiliary}
-    return auxiliary + [m for m in models if m["id"] not in aux_ids]
-
-
-def _same_dir(a: str | Path, b: str | Path) -> bool:
-    """Two spellings of one directory (relative, symlinked, trailing slash)."""
-    try:
-        return Path(a).resolve() == Path(b).resolve()
-    except (OSError, RuntimeError, ValueError):
-        return False
 
 
 def stats(ctx: IoContext, args: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from engine_daemon.calls import audio, auxiliary, drain, io_thread, mlx_thread, models, tokenize
+from engine_daemon.calls import audio, auxiliary, catalogue, drain, io_thread, mlx_thread, models, tokenize
 from protocol import CallMethod
 
 
@@ -24,19 +24,22 @@ class Thread(enum.Enum):
     # auxiliary models (`AuxiliarySlots`): the handler checks the args on the io thread and returns an
     # `AuxiliaryRequest`; the mlx thread loads the model, the pool prepares the job, the mlx thread runs it
     AUX = "aux"
+    # a thread of its own (`transport.disk_calls`): handlers that read the disk, as io-thread ones do otherwise;
+    # on the io thread a slow scan held every stream's frames, on the mlx thread it would wait for each step
+    DISK = "disk"
 
 
 @dataclass(frozen=True)
 class CallSpec:
     thread: Thread
-    # io: (IoContext, args) -> result; aux: (IoContext, args) -> AuxiliaryRequest;
+    # io and disk: (IoContext, args) -> result; aux: (IoContext, args) -> AuxiliaryRequest;
     # mlx: (MlxContext, args) -> (events, result); pool: (the loaded model or None, args) -> result
     handler: Callable[[Any, dict[str, Any]], Any]
 
 
 CALLS: dict[CallMethod, CallSpec] = {
     CallMethod.STATUS: CallSpec(Thread.IO, io_thread.status),
-    CallMethod.LIST_MODELS: CallSpec(Thread.IO, io_thread.list_models),
+    CallMethod.LIST_MODELS: CallSpec(Thread.DISK, catalogue.list_models),
     CallMethod.STATS: CallSpec(Thread.IO, io_thread.stats),
     CallMethod.STEP_GAPS: CallSpec(Thread.IO, io_thread.step_gaps),
     CallMethod.ADAPTERS_LIST: CallSpec(Thread.IO, io_thread.adapters_list),

@@ -37,6 +37,7 @@ from engine_daemon.scheduling.commands import (
     ReplyCommand,
 )
 from engine_daemon.scheduling.worker import MlxWorker
+from engine_daemon.transport.disk_calls import DiskCalls
 from engine_daemon.transport.handshake_log import HandshakeLog, QuietLog, folded
 from engine_daemon.transport.outbox import forward_outbox
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
@@ -121,6 +122,7 @@ class EngineServer:
             lambda: self.worker.models.current,
             lambda peer, body, prepared: self.worker.commands.put(AddCommand(peer, body, prepared)),
             decode_media=prepare_media_inputs, max_queued=config.max_queued)
+        self.disk_calls = DiskCalls(self.context, OUTBOX_ADDRESS, self)  # `list_models`: reads the disk
         self.worker.offload = self.preprocessor.run_call  # auxiliary jobs' tokenizing / decoding, off the mlx thread
         self._stop = threading.Event()
         self._lock: BinaryIO | None = None
@@ -162,6 +164,7 @@ class EngineServer:
         outbox = self.context.socket(zmq.PULL)
         outbox.bind(OUTBOX_ADDRESS)
         self.worker.start()
+        self.disk_calls.start()
         log.info("engine epoch %d listening on %s (pid %d)", self.epoch, self.endpoint, os.getpid())
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
@@ -200,6 +203,7 @@ class EngineServer:
         finally:
             for peer, rid in self.preprocessor.close():  # its ADDs (its CALLs are answered through the mlx thread)
                 self._reply(router, peer, MsgType.ERROR, SHUTTING_DOWN.to_body(rid))
+            self.disk_calls.stop()
             self.worker.stop()
             # Its last frames (every open request's engine_shutting_down) go out while it stops; a clean stop
             # writes the hot prefixes to --prompt-cache-dir.
@@ -384,6 +388,10 @@ class EngineServer:
             return
         if spec.thread is Thread.MLX:
             self.worker.commands.put(CallCommand(peer, cid, method, spec.handler, args))
+            return
+        if spec.thread is Thread.DISK:
+            if (refused := self.disk_calls.submit(peer, cid, spec.handler, args)) is not None:
+                self._reply(router, peer, MsgType.ERROR, refused)
             return
         if spec.thread is Thread.POOL:
             self.preprocessor.run_call(
