@@ -65,6 +65,10 @@ class Catalogues:
     def names(self, engine_id: str) -> frozenset[str]:
         return self._names.get(engine_id, frozenset())
 
+    def known(self, engine_id: str) -> bool:
+        """Whether this worker ever had engine `engine_id`'s catalogue (a worker started while it was down had not)."""
+        return engine_id in self._names
+
     def lists(self, engine_id: str, name: str) -> bool:
         """Whether engine `engine_id`'s last catalogue lists `name`, or a path whose tail is a name it lists."""
         names = self._names.get(engine_id)

@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from http_frontend.engine.catalogues import Catalogues
-from http_frontend.engine.client import EngineClient, EngineLink, EngineUnavailable, RequestStream
+from http_frontend.engine.client import EngineClient, EngineError, EngineLink, EngineUnavailable, RequestStream
 from http_frontend.engine.model_names import ModelSpellings
 from http_frontend.engine.routing import DEFAULT_EPSILON, DEFAULT_MIN_BOUND, Candidate, pick
 from protocol import CallMethod
+
+# What an engine answers for a model it cannot load (the same pair `relay.generation` turns into a 503)
+MODEL_REFUSALS = ("invalid_model_name", "model_not_found")
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +167,10 @@ class EnginePool:
         (`Catalogues`, fetched by every worker whatever requests it served)."""
         if not isinstance(model, str) or not model or self.single:
             return False
-        return any(self.spellings.answered(engine_id, getattr(link, "model", None), model)
+        # An engine whose catalogue this worker never had (the worker started after it went down) may serve any
+        # model: the other workers, which listed it, answer 503 too, and the client's retry finds it back.
+        return any(not self.catalogues.known(engine_id)
+                   or self.spellings.answered(engine_id, getattr(link, "model", None), model)
                    or self.catalogues.lists(engine_id, model)
                    for engine_id, link in self.links.items() if engine_id in down or not self.routable(engine_id))
 
@@ -215,13 +221,21 @@ class EnginePool:
                 raise EngineUnavailable(f"No engine '{engine}' behind this front-end")
             return await link.call(method, args, timeout=timeout)
         failure: EngineUnavailable | None = None
-        await self.learn_model((args or {}).get("model"))
-        for engine_id in self._call_order((args or {}).get("model")):
+        model = (args or {}).get("model")
+        await self.learn_model(model)
+        for engine_id in self._call_order(model):
             try:
                 return await self.links[engine_id].call(method, args, timeout=timeout)
             except EngineUnavailable as exc:  # tokenize, count_tokens: any live engine answers alike
                 log.warning("engine %s did not answer %s: trying the next one", engine_id, method)
                 failure = exc
+            except EngineError as exc:
+                # Another engine refused the model of one that is down (tokenize, count_tokens): that engine's
+                # outage, a 503 as generation answers (`accepted_somewhere`), not the other engine's 404.
+                code = exc.body.get("code") if isinstance(exc.body, dict) else None
+                if code in MODEL_REFUSALS and self.serves_while_down(model):
+                    raise EngineUnavailable(f"The engine serving '{model}' is unavailable; retry shortly") from None
+                raise
         raise failure or EngineUnavailable("No engine behind this front-end answered")
 
     def _call_order(self, model: Any) -> list[str]:

@@ -23,7 +23,7 @@ from falcon.asgi import SSEvent
 
 from http_frontend.engine.client import EngineClient, EngineError, EngineLink, EngineUnavailable, RequestStream, Update
 from http_frontend.engine.frames import UnsendableRequest
-from http_frontend.engine.pool import EnginePool, RouteHint
+from http_frontend.engine.pool import MODEL_REFUSALS, EnginePool, RouteHint
 from http_frontend.engine.routing import AFFINITY_HEADERS, affinity_key
 from http_frontend.errors import APIError
 from http_frontend.middleware.auth import caller_of
@@ -156,7 +156,6 @@ async def serve_generation(
 
 
 LOST_ENGINE_CODES = ("engine_unavailable", "engine_restarted", "engine_group_failed", "engine_shutting_down")
-MODEL_REFUSALS = ("invalid_model_name", "model_not_found")  # an engine that cannot load the model named
 
 
 async def accepted_somewhere(req: falcon.asgi.Request, client: EngineLink, streams: list[RequestStream], index: int,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +122,56 @@ def test_every_request_for_a_down_engines_model_is_a_503_on_every_worker_and_api
         assert unknown.status_code == 404, unknown.text
     assert outage.ask("messages", "never-served-anywhere").json()["error"]["type"] == "not_found_error"
     assert outage.ask("chat", "tiny-a").status_code == 200
+
+
+def test_workers_started_after_the_engine_died_and_token_counts_answer_503(outage: Outage) -> None:
+    """Session 30 left two gaps: a worker started after b died never had b's catalogue and answered a's 404 for
+    b's model (the other workers 503), and /v1/tokenize and count_tokens naming b's model got a's 404 on every
+    worker. Both workers are killed here once b is down: gunicorn's new ones never heard b list anything."""
+    engine_b = outage.engines["b"]
+    if engine_b.popen.poll() is None:
+        os.killpg(engine_b.pid, signal.SIGKILL)
+        engine_b.popen.wait(10)
+    old = workers_of(outage.front.popen.pid)
+    assert len(old) == 2, old
+    for pid in old:
+        os.kill(pid, signal.SIGKILL)
+    for _ in range(600):  # gunicorn starts two new workers
+        new = workers_of(outage.front.popen.pid)
+        if len(new) == 2 and not new & old:
+            break
+        time.sleep(0.1)
+    assert len(new) == 2 and not new & old, (old, new)
+    served_by = set()
+    for _ in range(40):  # both new workers up and serving a's model
+        answer = outage.ask("chat", "tiny-a")
+        if answer.status_code == 200:
+            served_by.add(request_id_owner(answer.headers["x-request-id"]))
+        if len(served_by) == 2:
+            break
+    assert len(served_by) == 2, served_by
+
+    answers = [(name, api, outage.ask(api, name)) for _ in range(ROUNDS) for name in ("bee", "tiny-b")
+               for api in REQUESTS]
+    for name, path, body in (("bee", "/v1/tokenize", {"prompt": "hi"}),
+                             ("tiny-b", "/v1/tokenize", {"messages": HI}),
+                             ("tiny-b", "/v1/messages/count_tokens", {"messages": HI})):
+        for _ in range(ROUNDS):
+            answers.append((name, path, httpx.post(outage.front.base_url + path, json={**body, "model": name},
+                                                   timeout=60, headers={"Connection": "close"})))
+    wrong = [(name, api, r.status_code, r.text[:200]) for name, api, r in answers
+             if r.status_code != 503 or r.headers.get("retry-after") != "1"]
+    assert not wrong, wrong
+    for _, api, answer in answers:
+        error = answer.json()
+        if api in ("messages", "/v1/messages/count_tokens"):
+            assert error["error"]["type"] == "overloaded_error", error
+        else:
+            assert error["error"]["code"] == "engine_unavailable", error
+    assert outage.ask("chat", "tiny-a").status_code == 200
+
+
+def workers_of(master: int) -> set[int]:
+    """The gunicorn master's worker processes."""
+    found = subprocess.run(["pgrep", "-P", str(master)], capture_output=True, text=True).stdout.split()
+    return {int(pid) for pid in found}
