@@ -30,6 +30,7 @@ import msgpack
 import msgspec
 
 from http_frontend.errors import APIError, bad_request
+from protocol.codec import pack
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 OFF_LOOP_BYTES = 1024 * 1024
@@ -128,7 +129,7 @@ def check_encodable(body: dict[str, Any]) -> None:
     is walked again, field by field, to name the culprit.
     """
     try:
-        msgspec.msgpack.encode(body)
+        pack(body)  # the engine's frames are packed so (`protocol.encode`)
         return
     except (OverflowError, UnicodeEncodeError, ValueError):
         pass

@@ -133,3 +133,21 @@ def test_encode_refuses_what_msgpack_refuses(value: object) -> None:
 def test_call_methods_travel_as_their_plain_names() -> None:
     frame = encode(MsgType.CALL, {"cid": "c1", "method": CallMethod.STATS})
     assert frame[1:] == msgpack.packb({"cid": "c1", "method": "stats"}, use_bin_type=True)
+
+
+def test_subclasses_of_builtin_scalars_pack_as_msgpack_packs_them() -> None:
+    """msgspec refuses a float subclass (NumPy's float64, which an engine's arithmetic can hand over) where msgpack
+    packs it as a float: frames would have failed where they used to go out."""
+    import numpy as np
+
+    class Name(str):
+        pass
+
+    class Count(int):
+        pass
+
+    body = {"f": np.float64(1.5), "s": Name("x"), "i": Count(3), "b": bytearray(b"ab"), "t": (1, 2)}
+    assert encode(MsgType.DELTAS, body)[1:] == msgpack.packb(body, use_bin_type=True)
+    for value in (np.float32(1.5), np.int64(3), object()):  # what msgpack refuses is still refused
+        with pytest.raises(TypeError):
+            encode(MsgType.DELTAS, {"v": value})
