@@ -232,8 +232,7 @@ class EnginePool:
             except EngineError as exc:
                 # Another engine refused the model of one that is down (tokenize, count_tokens): that engine's
                 # outage, a 503 as generation answers (`accepted_somewhere`), not the other engine's 404.
-                code = exc.body.get("code") if isinstance(exc.body, dict) else None
-                if code in MODEL_REFUSALS and self.serves_while_down(model):
+                if exc.body.get("code") in MODEL_REFUSALS and self.serves_while_down(model):
                     raise EngineUnavailable(f"The engine serving '{model}' is unavailable; retry shortly") from None
                 raise
         raise failure or EngineUnavailable("No engine behind this front-end answered")

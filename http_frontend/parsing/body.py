@@ -26,7 +26,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import falcon.asgi
-import msgpack
 import msgspec
 
 from http_frontend.errors import APIError, bad_request
@@ -143,7 +142,7 @@ def check_encodable(body: dict[str, Any]) -> None:
 
 def _unpackable(value: Any) -> str | None:
     try:
-        msgpack.packb(value, use_bin_type=True)
+        pack(value)
     except OverflowError:
         return "an integer is outside the 64-bit range"
     except UnicodeEncodeError:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,7 +67,7 @@ def test_valid_bodies_never_reach_json_loads(monkeypatch: pytest.MonkeyPatch) ->
         raise AssertionError("slow path taken")
 
     monkeypatch.setattr(body_module.json, "loads", refuse)
-    monkeypatch.setattr(body_module.msgpack, "packb", refuse)
+    monkeypatch.setattr(msgpack, "packb", refuse)
     raw = json.dumps({"model": "m", "prompt": list(range(200_000))}).encode()
     assert parse_json_object(raw)["prompt"][-1] == 199_999
 
