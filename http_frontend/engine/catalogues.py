@@ -8,13 +8,21 @@ another. Each worker therefore asks every engine for its catalogue (`list_models
 names, the models under --model-dir and in the HF cache, the loaded one) as soon as the engine
 answers, again whenever it restarts (a new epoch) or loads another model, and every
 REFRESH_SECONDS; the last catalogue is kept while the engine is down.
+
+A worker that gunicorn starts after an engine died cannot list it: each catalogue is therefore also
+written to a directory the gunicorn master makes for its workers (`gunicorn_settings.SHARED_DIR_ENV`),
+and a worker takes from there the catalogue of an engine it never listed itself, so every worker of a
+front-end answers alike. Without that directory (the app run by hand) or before any worker listed the
+engine, `known` is False and the pool treats the engine as possibly serving any model (`EnginePool`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import posixpath
 import time
 from collections.abc import Callable, Mapping
@@ -52,10 +60,12 @@ class Catalogues:
     """The names each engine of one worker's pool lists, refreshed in the background (`run`)."""
 
     def __init__(self, links: Mapping[str, EngineLink], routable: Callable[[str], bool],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, shared_dir: str | None = None):
         self.links = links
         self.routable = routable
         self.clock = clock
+        self.shared_dir = shared_dir
+        self._adopted: dict[str, int] = {}  # engine -> mtime_ns of the shared file its names were taken from
         self._names: dict[str, frozenset[str]] = {}
         self._fetched_for: dict[str, tuple[Any, Any]] = {}  # engine -> (epoch, model) its catalogue was listed at
         self._due: dict[str, float] = {}
@@ -66,7 +76,9 @@ class Catalogues:
         return self._names.get(engine_id, frozenset())
 
     def known(self, engine_id: str) -> bool:
-        """Whether this worker ever had engine `engine_id`'s catalogue (a worker started while it was down had not)."""
+        """Whether this worker has engine `engine_id`'s catalogue, its own or another worker's (`adopt_shared`).
+
+        Not when no worker of this front-end ever listed it: every worker started after it died."""
         return engine_id in self._names
 
     def lists(self, engine_id: str, name: str) -> bool:
@@ -88,8 +100,43 @@ class Catalogues:
         return engine_id not in self._fetching and self.routable(engine_id) and (
             self._fetched_for.get(engine_id) != self._version(engine_id) or now >= self._due.get(engine_id, 0.0))
 
+    def _shared_path(self, engine_id: str) -> str | None:
+        return os.path.join(self.shared_dir, f"catalogue-{engine_id}.json") if self.shared_dir else None
+
+    def _share(self, engine_id: str, names: frozenset[str]) -> None:
+        """Writes the catalogue for the other workers (whole, then renamed: a reader never sees half of it)."""
+        path = self._shared_path(engine_id)
+        if path is None:
+            return
+        try:
+            temporary = f"{path}.{os.getpid()}.tmp"
+            with open(temporary, "w", encoding="utf-8") as file:
+                json.dump({"engine": engine_id, "names": sorted(names)}, file)
+            os.replace(temporary, path)
+        except OSError as exc:
+            log.debug("could not share engine %s's catalogue: %s", engine_id, exc)
+
+    def adopt_shared(self) -> None:
+        """Takes, from the other workers, the catalogue of each engine this worker never listed itself."""
+        for engine_id in self.links:
+            path = self._shared_path(engine_id)
+            if path is None or engine_id in self._fetched_for:
+                continue
+            try:
+                mtime = os.stat(path).st_mtime_ns
+                if self._adopted.get(engine_id) == mtime:
+                    continue
+                with open(path, encoding="utf-8") as file:
+                    shared = json.load(file)
+                names = frozenset(name for name in shared["names"] if isinstance(name, str))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # none yet, or unreadable: this worker knows nothing of that engine
+            self._names[engine_id] = names
+            self._adopted[engine_id] = mtime
+
     def refresh(self) -> list[asyncio.Task]:
         """Starts listing every engine that is due, one task each (a slow engine holds up no other)."""
+        self.adopt_shared()
         now = self.clock()
         for engine_id in [engine_id for engine_id in self.links if self._is_due(engine_id, now)]:
             self._fetching[engine_id] = asyncio.create_task(self._fetch(engine_id))
@@ -107,9 +154,11 @@ class Catalogues:
         if not isinstance(answer, list):
             self._due[engine_id] = self.clock() + RETRY_SECONDS  # the last catalogue stays
             return
-        self._names[engine_id] = frozenset(entry["id"] for entry in answer
-                                           if isinstance(entry, dict) and isinstance(entry.get("id"), str))
+        names = frozenset(entry["id"] for entry in answer
+                          if isinstance(entry, dict) and isinstance(entry.get("id"), str))
+        self._names[engine_id] = names
         self._fetched_for[engine_id] = version
+        self._share(engine_id, names)
         self._due[engine_id] = self.clock() + REFRESH_SECONDS
 
     async def run(self) -> None:

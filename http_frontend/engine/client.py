@@ -412,3 +412,9 @@ class EngineClient:
                 self._ready.clear()
                 self.engine_state = "unreachable"
                 self._fail_all(503, "engine_unavailable", "The engine stopped responding")
+            elif not self._ready.is_set() and self.engine_state == "unknown" and self._silent_for() >= self.dead_after:
+                # Never answered (this worker started while it was down): known down, so CALLs to it (/v1/models,
+                # /health, each engine's) fail at once as for an engine that died, not after a 2 s wait each.
+                log.warning("engine at %s has not answered for %.1f s: down until it does", self.endpoint,
+                            self.dead_after)
+                self.engine_state = "unreachable"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from http_frontend.engine.catalogues import Catalogues
 from http_frontend.engine.client import EngineClient, EngineError, EngineLink, EngineUnavailable, RequestStream
 from http_frontend.engine.model_names import ModelSpellings
 from http_frontend.engine.routing import DEFAULT_EPSILON, DEFAULT_MIN_BOUND, Candidate, pick
+from http_frontend.gunicorn_settings import SHARED_DIR_ENV
 from protocol import CallMethod
 
 # What an engine answers for a model it cannot load (the same pair `relay.generation` turns into a 503)
@@ -67,7 +69,7 @@ class EnginePool:
     """One worker's engines by id, with `submit` routed and `call` addressed."""
 
     def __init__(self, links: Mapping[str, EngineLink], epsilon: float = DEFAULT_EPSILON,
-                 min_bound: int = DEFAULT_MIN_BOUND):
+                 min_bound: int = DEFAULT_MIN_BOUND, shared_dir: str | None = None):
         if not links:
             raise ValueError("an engine pool needs at least one engine")
         self.links = dict(links)
@@ -77,7 +79,8 @@ class EnginePool:
         self.frontend_id = first.frontend_id
         self.streams = StreamsView(list(self.links.values()))
         self.spellings = ModelSpellings()  # which engine's loaded model a request's `model` names (`model_names`)
-        self.catalogues = Catalogues(self.links, self.routable)  # what each engine lists, kept while it is down
+        # What each engine lists, kept while it is down and shared with this master's other workers
+        self.catalogues = Catalogues(self.links, self.routable, shared_dir=shared_dir)
         self._catalogue_task: asyncio.Task | None = None
 
     @property
@@ -164,15 +167,32 @@ class EnginePool:
         """Whether an engine that cannot take requests now (down, stalled, draining, or one of `down`: passed
         over or lost by this request) serves `model`, as this worker last knew it: its loaded model's name, a
         spelling it answered to (`ModelSpellings.answered`, however old) or a name its catalogue lists
-        (`Catalogues`, fetched by every worker whatever requests it served)."""
+        (`Catalogues`, fetched by every worker whatever requests it served, shared between workers)."""
+        return bool(self.outage_message(model, down))
+
+    def outage_message(self, model: str | None, down: frozenset[str] | set[str] = frozenset()) -> str | None:
+        """The 503's message when `model` is an engine's that cannot take requests now (`serves_while_down`),
+        naming that engine; None when none of them serves it."""
         if not isinstance(model, str) or not model or self.single:
-            return False
-        # An engine whose catalogue this worker never had (the worker started after it went down) may serve any
-        # model: the other workers, which listed it, answer 503 too, and the client's retry finds it back.
-        return any(not self.catalogues.known(engine_id)
-                   or self.spellings.answered(engine_id, getattr(link, "model", None), model)
-                   or self.catalogues.lists(engine_id, model)
-                   for engine_id, link in self.links.items() if engine_id in down or not self.routable(engine_id))
+            return None
+        serving, unlisted = [], []
+        for engine_id, link in self.links.items():
+            if engine_id not in down and self.routable(engine_id):
+                continue
+            if (self.spellings.answered(engine_id, getattr(link, "model", None), model)
+                    or self.catalogues.lists(engine_id, model)):
+                serving.append(engine_id)
+            elif not self.catalogues.known(engine_id):
+                # No worker of this front-end ever had its catalogue (all started after it went down): it may
+                # serve any model, and the live engines' 404 would be wrong whenever it does. A 503 every
+                # worker answers alike; once it answers, its catalogue tells.
+                unlisted.append(engine_id)
+        if serving:
+            return f"The engine serving '{model}' ({', '.join(serving)}) is unavailable; retry shortly"
+        if unlisted:
+            return (f"The model '{model}' may be served by engine {', '.join(unlisted)}, which is not reachable "
+                    "(it has not listed its models to this front-end); retry shortly")
+        return None
 
     def primary(self) -> str:
         """The engine for CALLs that any engine answers alike (tokenize, adapters list): the first routable."""
@@ -232,8 +252,9 @@ class EnginePool:
             except EngineError as exc:
                 # Another engine refused the model of one that is down (tokenize, count_tokens): that engine's
                 # outage, a 503 as generation answers (`accepted_somewhere`), not the other engine's 404.
-                if exc.body.get("code") in MODEL_REFUSALS and self.serves_while_down(model):
-                    raise EngineUnavailable(f"The engine serving '{model}' is unavailable; retry shortly") from None
+                message = self.outage_message(model) if exc.body.get("code") in MODEL_REFUSALS else None
+                if message:
+                    raise EngineUnavailable(message) from None
                 raise
         raise failure or EngineUnavailable("No engine behind this front-end answered")
 
@@ -294,4 +315,4 @@ def build_pool(specs: Sequence[Any], epsilon: float, max_pending_bytes: int | No
     links = {spec.engine_id: EngineClient(spec.endpoint, max_pending_bytes=max_pending_bytes,
                                           engine_id=spec.engine_id, curve_server_key=spec.curve_server_key)
              for spec in specs}
-    return EnginePool(links, epsilon, min_bound)
+    return EnginePool(links, epsilon, min_bound, shared_dir=os.environ.get(SHARED_DIR_ENV) or None)

@@ -168,12 +168,12 @@ async def accepted_somewhere(req: falcon.asgi.Request, client: EngineLink, strea
         try:
             return await until_disconnect(req, wait_accepted(stream, timeout))
         except APIError as exc:
-            if (exc.code in MODEL_REFUSALS and isinstance(client, EnginePool)
-                    and client.serves_while_down(hint.model, lost | stream.passed_over)):
+            outage = (client.outage_message(hint.model, lost | stream.passed_over)
+                      if exc.code in MODEL_REFUSALS and isinstance(client, EnginePool) else None)
+            if outage:
                 # Another engine refused a model whose own engine is down: that is the engine's outage, and
                 # a client retries a 503 (a 400 told it the request itself was wrong).
-                raise APIError(503, f"The engine serving '{hint.model}' is unavailable; retry shortly",
-                               code="engine_unavailable", headers={"Retry-After": "1"}) from None
+                raise APIError(503, outage, code="engine_unavailable", headers={"Retry-After": "1"}) from None
             # A group that just failed is lost the same way (its newest requests were not accepted either).
             if (exc.code not in LOST_ENGINE_CODES or not isinstance(client, EnginePool)
                     or client.single or stream.engine_id is None):

@@ -88,6 +88,7 @@ class ModelById:
     A name that is not in the catalogue but that a chat request would still be served under (an agent's
     `claude-…` under --model-fallback or a glob alias, another spelling of a model's path) is found too,
     under the name asked for, with the serving model's fields: clients retrieve a model before using it.
+    A model of an engine that is down is a 503 with Retry-After, as a request to run it is.
     """
 
     def __init__(self, client: EnginePool):
@@ -101,6 +102,9 @@ class ModelById:
             if served is not None:
                 entry = next((m for m in models if m["id"] == served.get("id")), served)
                 found = {**entry, "id": model_id, "loaded": bool(served.get("loaded") or entry.get("loaded"))}
+        outage = self.client.outage_message(model_id) if found is None and isinstance(self.client, EnginePool) else None
+        if outage:  # the model of an engine that is down: its outage, as generation answers, not "no such model"
+            raise APIError(503, outage, code="engine_unavailable", headers={"Retry-After": "1"})
         if found is None:
             listed = ", ".join(m["id"] for m in models[:20]) or "none"
             raise APIError(404, f"The model '{model_id}' does not exist. Available models: {listed}",

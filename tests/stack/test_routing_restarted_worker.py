@@ -1,0 +1,155 @@
+"""Several engines, b down, one gunicorn worker restarted since: both workers answer every request alike.
+
+Red team after session 31: engine b (its model loaded as `bee`, `tiny-b` under its --model-dir) was
+killed, then one of two workers (SIGKILL: gunicorn starts another). The worker that survived had
+listed b's models, the new one never heard b: for a model no engine serves, the new worker answered
+503 and the old one 404, the same request; `GET /v1/models/tiny-b` said the model does not exist
+(404) where running it was a 503; and the new worker took 2 s for every `/v1/models` and `/health`,
+waiting on b. Real processes: two engines, a two-worker front-end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from protocol import request_id_owner
+from tests.helpers import Engine, Frontend
+
+HI = [{"role": "user", "content": "hi"}]
+GENERATION = {  # API -> (path, body without the model)
+    "chat": ("/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
+    "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
+    "messages": ("/v1/messages", {"messages": HI, "max_tokens": 2}),
+}
+COUNTING = {  # the other routes that name a model
+    "tokenize": ("/v1/tokenize", {"prompt": "hi"}),
+    "tokenize-chat": ("/v1/tokenize", {"messages": HI}),
+    "detokenize": ("/v1/detokenize", {"tokens": [1, 2]}),
+    "count_tokens": ("/v1/messages/count_tokens", {"messages": HI}),
+}
+ANTHROPIC = ("messages", "count_tokens")
+ROUNDS = 6  # each request this often, on fresh connections: both workers answer some
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    from model_builders.text import build_model
+
+    base = tmp_path_factory.mktemp("routing-restarted")
+    shutil.copytree(tiny_model, base / "ma" / "tiny-a")
+    build_model(base / "mb" / "tiny-b", size="tiny", seed=5)
+    endpoints = {engine_id: f"ipc://{ipc_dir}/restarted-{engine_id}.sock" for engine_id in ("a", "b")}
+    engines = {"a": Engine(endpoints["a"], base / "a.log", model=str(base / "ma" / "tiny-a"),
+                           args=["--model-dir", str(base / "ma")]),
+               "b": Engine(endpoints["b"], base / "b.log", model=str(base / "mb" / "tiny-b"),
+                           args=["--model-dir", str(base / "mb"), "--served-model-name", "bee"])}
+    front = None
+    try:
+        for engine in engines.values():
+            engine.wait_ready()
+        front = Frontend(f"a={endpoints['a']}", base / "frontend.log", workers=2,
+                         args=["--endpoint", f"b={endpoints['b']}"])
+        front.wait_healthy()
+        yield engines, front
+    finally:
+        if front is not None:
+            front.stop()
+        for engine in engines.values():
+            engine.stop()
+
+
+def post(front: Frontend, path: str, body: dict) -> httpx.Response:
+    return httpx.post(front.base_url + path, json=body, timeout=60, headers={"Connection": "close"})
+
+
+def get(front: Frontend, path: str) -> httpx.Response:
+    return httpx.get(front.base_url + path, timeout=60, headers={"Connection": "close"})
+
+
+def workers_of(master: int) -> set[int]:
+    found = subprocess.run(["pgrep", "-P", str(master)], capture_output=True, text=True).stdout.split()
+    return {int(pid) for pid in found}
+
+
+def serving_workers(front: Frontend, tries: int = 60) -> set[str]:
+    """The front-end ids of the workers that served engine a's model (both, when both are up)."""
+    served_by: set[str] = set()
+    for _ in range(tries):
+        answer = post(front, "/v1/chat/completions", {"model": "tiny-a", "messages": HI, "max_tokens": 1})
+        if answer.status_code == 200:
+            served_by.add(request_id_owner(answer.headers["x-request-id"]))
+        if len(served_by) == 2:
+            break
+    return served_by
+
+
+def test_an_old_and_a_restarted_worker_answer_alike_while_an_engine_is_down(stack: tuple) -> None:
+    engines, front = stack
+    assert post(front, "/v1/chat/completions", {"model": "bee", "messages": HI, "max_tokens": 1}
+                ).headers["x-engine-id"] == "b"
+    assert len(serving_workers(front)) == 2  # both workers listed both engines
+
+    os.killpg(engines["b"].pid, signal.SIGKILL)
+    engines["b"].popen.wait(10)
+    for _ in range(100):  # until both workers take b as down
+        states = {e["state"] for _ in range(6) for e in get(front, "/admin/engines").json()["data"] if e["id"] == "b"}
+        if states == {"unreachable"}:
+            break
+    assert states == {"unreachable"}, states
+
+    old = workers_of(front.popen.pid)
+    assert len(old) == 2, old
+    killed = min(old)
+    os.kill(killed, signal.SIGKILL)
+    for _ in range(600):
+        now = workers_of(front.popen.pid)
+        if len(now) == 2 and killed not in now:
+            break
+        time.sleep(0.1)
+    assert len(now) == 2 and killed not in now, (old, now)
+    served_by = serving_workers(front)
+    assert len(served_by) == 2 and any(f"-{max(old)}-" in owner for owner in served_by), served_by
+
+    answers = []
+    for _ in range(ROUNDS):
+        for name in ("bee", "tiny-b"):
+            for api, (path, body) in {**GENERATION, **COUNTING}.items():
+                answers.append((name, api, post(front, path, {**body, "model": name})))
+            answers.append((name, "retrieve", get(front, f"/v1/models/{name}")))
+    wrong = [(name, api, r.status_code, r.text[:200]) for name, api, r in answers
+             if r.status_code != 503 or r.headers.get("retry-after") != "1"]
+    assert not wrong, wrong
+    for name, api, answer in answers:
+        error = answer.json()
+        if api in ANTHROPIC:
+            assert error["type"] == "error" and error["error"]["type"] == "overloaded_error", error
+        else:
+            assert error["error"]["code"] == "engine_unavailable", error
+        assert name in error["error"]["message"] and "(b)" in error["error"]["message"], error
+
+    # A model no engine serves: the same 404 from the worker that survived and from the one gunicorn restarted.
+    unknown = [(api, post(front, path, {**body, "model": "never-served-anywhere"}))
+               for _ in range(ROUNDS) for api, (path, body) in {**GENERATION, **COUNTING}.items()
+               if api != "detokenize"]
+    unknown += [("retrieve", get(front, "/v1/models/never-served-anywhere")) for _ in range(ROUNDS)]
+    wrong = [(api, r.status_code, r.text[:200]) for api, r in unknown if r.status_code != 404]
+    assert not wrong, wrong
+
+    # Neither worker waits on b for what the live engine answers.
+    for _ in range(ROUNDS):
+        for path in ("/v1/models", "/health", "/v1/models/tiny-a"):
+            started = time.monotonic()
+            answer = get(front, path)
+            took = time.monotonic() - started
+            assert answer.status_code == 200 and took < 1.0, (path, answer.status_code, took)
+    assert post(front, "/v1/tokenize", {"model": "tiny-a", "prompt": "hi"}).status_code == 200
