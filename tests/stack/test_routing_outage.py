@@ -12,9 +12,7 @@ so no worker learned one from a request.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +22,9 @@ import pytest
 
 from protocol import request_id_owner
 from tests.helpers import Engine, Frontend, ping_engine
+from tests.stack.two_engines import GENERATION, HI, serving_workers, two_engines, workers_of
 
-HI = [{"role": "user", "content": "hi"}]
-REQUESTS = {  # API -> (path, body without the model)
-    "chat": ("/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
-    "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
-    "messages": ("/v1/messages", {"messages": HI, "max_tokens": 2}),
-}
+REQUESTS = GENERATION
 ROUNDS = 3  # each (name, API, stream) this often, on fresh connections: both workers answer some
 
 
@@ -55,29 +48,9 @@ class Outage:
 
 @pytest.fixture(scope="module")
 def outage(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outage]:
-    from model_builders.text import build_model
-
     base = tmp_path_factory.mktemp("routing-outage")
-    shutil.copytree(tiny_model, base / "ma" / "tiny-a")
-    build_model(base / "mb" / "tiny-b", size="tiny", seed=5)
-    endpoints = {engine_id: f"ipc://{ipc_dir}/outage-{engine_id}.sock" for engine_id in ("a", "b")}
-    engines = {"a": Engine(endpoints["a"], base / "a.log", model=str(base / "ma" / "tiny-a"),
-                           args=["--model-dir", str(base / "ma")]),
-               "b": Engine(endpoints["b"], base / "b.log", model=str(base / "mb" / "tiny-b"),
-                           args=["--model-dir", str(base / "mb"), "--served-model-name", "bee"])}
-    front = None
-    try:
-        for engine in engines.values():
-            engine.wait_ready()
-        front = Frontend(f"a={endpoints['a']}", base / "frontend.log", workers=2,
-                         args=["--endpoint", f"b={endpoints['b']}"])
-        front.wait_healthy()
+    with two_engines(tiny_model, ipc_dir, base, "outage") as (engines, front):
         yield Outage(base, engines, front)
-    finally:
-        if front is not None:
-            front.stop()
-        for engine in engines.values():
-            engine.stop()
 
 
 def test_every_request_for_a_down_engines_model_is_a_503_on_every_worker_and_api(outage: Outage) -> None:
@@ -142,13 +115,7 @@ def test_workers_started_after_the_engine_died_and_token_counts_answer_503(outag
             break
         time.sleep(0.1)
     assert len(new) == 2 and not new & old, (old, new)
-    served_by = set()
-    for _ in range(40):  # both new workers up and serving a's model
-        answer = outage.ask("chat", "tiny-a")
-        if answer.status_code == 200:
-            served_by.add(request_id_owner(answer.headers["x-request-id"]))
-        if len(served_by) == 2:
-            break
+    served_by = serving_workers(outage.front)  # both new workers up and serving a's model
     assert len(served_by) == 2, served_by
 
     answers = [(name, api, outage.ask(api, name)) for _ in range(ROUNDS) for name in ("bee", "tiny-b")
@@ -170,8 +137,3 @@ def test_workers_started_after_the_engine_died_and_token_counts_answer_503(outag
             assert error["error"]["code"] == "engine_unavailable", error
     assert outage.ask("chat", "tiny-a").status_code == 200
 
-
-def workers_of(master: int) -> set[int]:
-    """The gunicorn master's worker processes."""
-    found = subprocess.run(["pgrep", "-P", str(master)], capture_output=True, text=True).stdout.split()
-    return {int(pid) for pid in found}

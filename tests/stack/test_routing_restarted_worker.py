@@ -11,9 +11,7 @@ waiting on b. Real processes: two engines, a two-worker front-end.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,16 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from protocol import request_id_owner
-from tests.helpers import Engine, Frontend
+from tests.helpers import Frontend
+from tests.stack.two_engines import GENERATION, HI, post, serving_workers, two_engines, workers_of
 
-HI = [{"role": "user", "content": "hi"}]
-GENERATION = {  # API -> (path, body without the model)
-    "chat": ("/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
-    "completions": ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-    "responses": ("/v1/responses", {"input": "hi", "max_output_tokens": 16}),
-    "messages": ("/v1/messages", {"messages": HI, "max_tokens": 2}),
-}
 COUNTING = {  # the other routes that name a model
     "tokenize": ("/v1/tokenize", {"prompt": "hi"}),
     "tokenize-chat": ("/v1/tokenize", {"messages": HI}),
@@ -43,54 +34,12 @@ ROUNDS = 6  # each request this often, on fresh connections: both workers answer
 
 @pytest.fixture(scope="module")
 def stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
-    from model_builders.text import build_model
-
-    base = tmp_path_factory.mktemp("routing-restarted")
-    shutil.copytree(tiny_model, base / "ma" / "tiny-a")
-    build_model(base / "mb" / "tiny-b", size="tiny", seed=5)
-    endpoints = {engine_id: f"ipc://{ipc_dir}/restarted-{engine_id}.sock" for engine_id in ("a", "b")}
-    engines = {"a": Engine(endpoints["a"], base / "a.log", model=str(base / "ma" / "tiny-a"),
-                           args=["--model-dir", str(base / "ma")]),
-               "b": Engine(endpoints["b"], base / "b.log", model=str(base / "mb" / "tiny-b"),
-                           args=["--model-dir", str(base / "mb"), "--served-model-name", "bee"])}
-    front = None
-    try:
-        for engine in engines.values():
-            engine.wait_ready()
-        front = Frontend(f"a={endpoints['a']}", base / "frontend.log", workers=2,
-                         args=["--endpoint", f"b={endpoints['b']}"])
-        front.wait_healthy()
-        yield engines, front
-    finally:
-        if front is not None:
-            front.stop()
-        for engine in engines.values():
-            engine.stop()
-
-
-def post(front: Frontend, path: str, body: dict) -> httpx.Response:
-    return httpx.post(front.base_url + path, json=body, timeout=60, headers={"Connection": "close"})
+    with two_engines(tiny_model, ipc_dir, tmp_path_factory.mktemp("routing-restarted"), "restarted") as started:
+        yield started
 
 
 def get(front: Frontend, path: str) -> httpx.Response:
     return httpx.get(front.base_url + path, timeout=60, headers={"Connection": "close"})
-
-
-def workers_of(master: int) -> set[int]:
-    found = subprocess.run(["pgrep", "-P", str(master)], capture_output=True, text=True).stdout.split()
-    return {int(pid) for pid in found}
-
-
-def serving_workers(front: Frontend, tries: int = 60) -> set[str]:
-    """The front-end ids of the workers that served engine a's model (both, when both are up)."""
-    served_by: set[str] = set()
-    for _ in range(tries):
-        answer = post(front, "/v1/chat/completions", {"model": "tiny-a", "messages": HI, "max_tokens": 1})
-        if answer.status_code == 200:
-            served_by.add(request_id_owner(answer.headers["x-request-id"]))
-        if len(served_by) == 2:
-            break
-    return served_by
 
 
 def test_an_old_and_a_restarted_worker_answer_alike_while_an_engine_is_down(stack: tuple) -> None:

@@ -12,53 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from http_frontend.engine.client import EngineClient, EngineUnavailable
-from http_frontend.engine.model_names import SETTLE_SECONDS
 from http_frontend.engine.pool import EnginePool
-from http_frontend.engine.request_stream import EngineError
 from http_frontend.gunicorn_settings import SHARED_DIR_ENV, make_shared_dir, options, remove_shared_dir
-
-
-class Link:
-    """A stand-in engine: lists `ids`, runs `ids` on its model, refuses the rest with 404; `frozen` never answers."""
-
-    def __init__(self, model: str, ids: list[str], alive: bool = True):
-        self.frontend_id, self.streams, self.load, self.alive, self.engine_state = "f", {}, 0, alive, "ready"
-        self.model, self.ids, self.epoch, self.frozen = model, ids, 1, False
-
-    @property
-    def routable(self) -> bool:
-        return self.alive and self.engine_state == "ready"
-
-    async def call(self, method: Any, args: dict | None = None, timeout: float = 5.0) -> Any:
-        if not self.alive:
-            raise EngineUnavailable("The engine is not reachable")
-        if self.frozen:
-            await asyncio.sleep(timeout)
-            raise EngineUnavailable("The engine did not answer")
-        if method == "list_models":
-            return [{"id": model_id} for model_id in self.ids]
-        model = (args or {}).get("model")
-        known = model in self.ids or str(model).rstrip("/").endswith(self.model)
-        if not known:
-            raise EngineError({"status": 404, "code": "model_not_found", "message": f"no model {model!r}"})
-        if method == "resolve_model":
-            return {"id": self.model, "loaded": True}
-        return {"tokens": [1, 2], "count": 2}
-
-
-def listed(pool: EnginePool) -> None:
-    async def one_round() -> None:
-        started = pool.catalogues.refresh()
-        if started:
-            await asyncio.wait(started)
-    asyncio.run(one_round())
+from tests.unit.routing_fakes import Link, listed
 
 
 def two_engines(shared: Path | None, b_alive: bool = True) -> tuple[EnginePool, dict[str, Link]]:
@@ -128,39 +90,43 @@ def test_the_gunicorn_master_makes_the_shared_directory_and_removes_it(monkeypat
     assert not made.exists()
 
 
-def test_a_frozen_engine_holds_up_a_live_engines_model_only_briefly() -> None:
-    """b froze a moment ago (not yet taken as down): a's model, by its name or another spelling, goes on."""
-    pool, links = two_engines(None)
-    links["b"].frozen = True
+OUTSTANDING = 30.0  # how long a test lets a request run while b's answer is held: far past SETTLE_SECONDS
 
-    async def timed(name: str) -> tuple[float, Any]:
-        started = time.monotonic()
-        answer = await pool.call("tokenize", {"model": name, "prompt": "hi"})
-        return time.monotonic() - started, answer
+
+def test_a_frozen_engine_holds_up_a_live_engines_model_only_briefly() -> None:
+    """b froze a moment ago (not yet taken as down): a's model, by its name or another spelling, is answered
+    while b's answer to `resolve_model` is still outstanding (the old code waited for every engine's answer)."""
+    pool, links = two_engines(None)
+
+    async def scenario(name: str) -> Any:
+        links["b"].hold = asyncio.Event()  # b answers nothing until released
+        request = asyncio.ensure_future(pool.call("tokenize", {"model": name, "prompt": "hi"}))
+        await asyncio.wait({request}, timeout=OUTSTANDING)
+        assert request.done(), f"{name}: the request waited for the frozen engine"
+        links["b"].hold.set()
+        return request.result()
 
     for name in ("tiny-a", "./tiny-a/"):
-        took, answer = asyncio.run(timed(name))
-        assert answer["count"] == 2 and took < SETTLE_SECONDS + 0.5, (name, took)
+        assert asyncio.run(scenario(name))["count"] == 2
     assert pool.spellings.serves("a", "tiny-a", "./tiny-a/")
 
 
 def test_a_late_answer_is_kept() -> None:
-    """a has `bee/` loaded under that very name: b's slower answer is not awaited, yet kept when it comes."""
+    """a has `bee/` loaded under that very name: b's answer is not awaited, yet kept when it comes."""
     pool, links = two_engines(None)
     links["a"].model = "bee/"
-    answer_b = links["b"].call
-
-    async def late(method: Any, args: dict | None = None, timeout: float = 5.0) -> Any:
-        await asyncio.sleep(0.6)
-        return await answer_b(method, args, timeout)
-    links["b"].call = late  # type: ignore[method-assign]
 
     async def scenario() -> None:
-        started = time.monotonic()
-        await pool.learn_model("bee/")
-        assert time.monotonic() - started < 0.5
+        links["b"].hold = asyncio.Event()
+        learning = asyncio.ensure_future(pool.learn_model("bee/"))
+        await asyncio.wait({learning}, timeout=OUTSTANDING)
+        assert learning.done() and "resolve_model" in links["b"].calls, "learning waited for b's answer"
         assert not pool.spellings.serves("b", "bee", "bee/")
-        await asyncio.sleep(0.8)
+        links["b"].hold.set()
+        for _ in range(1000):  # b's answer is recorded as it lands
+            if pool.spellings.serves("b", "bee", "bee/"):
+                break
+            await asyncio.sleep(0.01)
         assert pool.spellings.serves("b", "bee", "bee/")
     asyncio.run(scenario())
 
@@ -170,12 +136,17 @@ def test_an_engine_that_never_answered_is_down_for_calls_after_its_silence() -> 
         client = EngineClient("ipc:///nonexistent/mlx-test/never.sock", ping_interval=0.05, dead_after=0.2)
         await client.start()
         try:
-            await asyncio.sleep(0.5)
+            for _ in range(1000):
+                if client.engine_state == "unreachable":
+                    break
+                await asyncio.sleep(0.01)
             assert client.engine_state == "unreachable"
-            started = time.monotonic()
-            with pytest.raises(EngineUnavailable):
-                await client.call("status", timeout=5.0)
-            assert time.monotonic() - started < 0.1
+            pending = client.call("status", timeout=5.0)
+            try:  # refused in its first step: no wait for the engine at all (the old code waited 2 s)
+                with pytest.raises(EngineUnavailable):
+                    pending.send(None)
+            finally:
+                pending.close()
         finally:
             await client.close()
     asyncio.run(scenario())

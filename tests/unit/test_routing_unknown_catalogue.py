@@ -8,46 +8,13 @@ it answered engine a's 404 for b's model where the other workers answered 503; a
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import pytest
 
 from http_frontend.engine.client import EngineUnavailable
 from http_frontend.engine.pool import EnginePool
 from http_frontend.engine.request_stream import EngineError
-
-
-class Link:
-    """A stand-in engine client: lists `ids`, refuses other models' tokenize CALLs with 404 as an engine does."""
-
-    def __init__(self, model: str, ids: list[str], alive: bool = True):
-        self.frontend_id, self.streams, self.load, self.alive, self.engine_state = "f", {}, 0, alive, "ready"
-        self.model, self.ids, self.epoch, self.calls = model, ids, 1, []
-
-    @property
-    def routable(self) -> bool:
-        return self.alive and self.engine_state == "ready"
-
-    async def call(self, method: Any, args: dict | None = None, timeout: float = 5.0) -> Any:
-        if not self.alive:
-            raise EngineUnavailable("The engine is not reachable")
-        self.calls.append(method)
-        if method == "list_models":
-            return [{"id": model_id} for model_id in self.ids]
-        if method == "resolve_model":
-            return {"model": None}
-        model = (args or {}).get("model")
-        if model not in self.ids:
-            raise EngineError({"status": 404, "code": "model_not_found", "message": f"no model {model!r}"})
-        return {"tokens": [1, 2], "count": 2}
-
-
-def listed(pool: EnginePool) -> None:
-    async def one_round() -> None:
-        started = pool.catalogues.refresh()
-        if started:
-            await asyncio.wait(started)
-    asyncio.run(one_round())
+from tests.unit.routing_fakes import Link, listed
 
 
 def test_an_engine_never_listed_may_serve_any_model_while_it_is_down() -> None:
