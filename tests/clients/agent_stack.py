@@ -30,6 +30,11 @@ import pytest
 
 AGENTS_DIR = Path(__file__).parent / "agents"
 BIN = AGENTS_DIR / "node_modules" / ".bin"
+
+
+def pinned_version(package: str) -> str:
+    """The version of npm `package` that package.json pins (each test checks the CLI it runs is that one)."""
+    return json.loads((AGENTS_DIR / "package.json").read_text())["dependencies"][package]
 NODE = shutil.which("node")
 NPM = shutil.which("npm")
 

@@ -32,6 +32,7 @@ from tests.clients.agent_stack import (
     ending_model,  # noqa: F401 (fixture)
     engine_cached_tokens,
     needs_node,
+    pinned_version,
     reply_of,
     run_cli,
     serve,
@@ -40,7 +41,7 @@ from tests.helpers import Engine, Frontend, pdf, png
 
 pytestmark = needs_node
 
-CLAUDE_VERSION = "2.1.330"
+CLAUDE_VERSION = pinned_version("@anthropic-ai/claude-code")
 
 # A real one-page PDF (what the Read tool would base64 as is).
 PDF = pdf("Quarterly report: revenue up")

@@ -26,6 +26,7 @@ from tests.clients.agent_stack import (
     ending_model,  # noqa: F401 (fixture)
     engine_cached_tokens,
     needs_node,
+    pinned_version,
     reply_of,
     run_cli,
     serve,
@@ -34,7 +35,8 @@ from tests.helpers import Engine, Frontend
 
 pytestmark = needs_node
 
-CODEX_VERSION = "0.169.0"
+CODEX_VERSION = pinned_version("@openai/codex")
+
 
 @pytest.fixture(scope="module")
 def codex_stack(ipc_dir: Path, ending_model: Path, tmp_path_factory: pytest.TempPathFactory  # noqa: F811

@@ -21,6 +21,7 @@ from tests.clients.agent_stack import (
     agent_env,
     ending_model,  # noqa: F401 (fixture)
     needs_node,
+    pinned_version,
     reply_of,
     run_cli,
     serve,
@@ -29,7 +30,7 @@ from tests.helpers import Engine, Frontend
 
 pytestmark = needs_node
 
-OPENCODE_VERSION = "1.18.33"
+OPENCODE_VERSION = pinned_version("opencode-ai")
 PROVIDERS = {"chat": "@ai-sdk/openai-compatible", "responses": "@ai-sdk/openai", "messages": "@ai-sdk/anthropic"}
 ENDPOINTS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 
