@@ -34,7 +34,9 @@ class Engines:
         self.pool = pool
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        resp.media = {"object": "list", "data": [engine_view(self.pool, engine_id) for engine_id in self.pool.ids]}
+        # `frontend`: whose view this is (each worker routes by its own, e.g. one started after an engine died)
+        resp.media = {"object": "list", "frontend": self.pool.frontend_id,
+                      "data": [engine_view(self.pool, engine_id) for engine_id in self.pool.ids]}
 
 
 class EngineDrain:

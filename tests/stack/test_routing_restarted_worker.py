@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.helpers import Frontend
-from tests.stack.two_engines import GENERATION, HI, post, serving_workers, two_engines, workers_of
+from tests.stack.two_engines import GENERATION, HI, engine_states, post, serving_workers, two_engines, workers_of
 
 COUNTING = {  # the other routes that name a model
     "tokenize": ("/v1/tokenize", {"prompt": "hi"}),
@@ -51,10 +51,11 @@ def test_an_old_and_a_restarted_worker_answer_alike_while_an_engine_is_down(stac
     os.killpg(engines["b"].pid, signal.SIGKILL)
     engines["b"].popen.wait(10)
     for _ in range(100):  # until both workers take b as down
-        states = {e["state"] for _ in range(6) for e in get(front, "/admin/engines").json()["data"] if e["id"] == "b"}
-        if states == {"unreachable"}:
+        states = engine_states(front, "b")
+        if set(states.values()) == {"unreachable"} and len(states) == 2:
             break
-    assert states == {"unreachable"}, states
+        time.sleep(0.1)
+    assert set(states.values()) == {"unreachable"} and len(states) == 2, states
 
     old = workers_of(front.popen.pid)
     assert len(old) == 2, old
@@ -94,11 +95,12 @@ def test_an_old_and_a_restarted_worker_answer_alike_while_an_engine_is_down(stac
     wrong = [(api, r.status_code, r.text[:200]) for api, r in unknown if r.status_code != 404]
     assert not wrong, wrong
 
-    # Neither worker waits on b for what the live engine answers.
+    # Both workers answer what the live engine serves, b down in each one's view. (That a worker which never heard
+    # b does not wait on it for these is test_an_engine_that_never_answered_is_down_for_calls_after_its_silence:
+    # a duration measured here would be the client's clock.)
+    states = engine_states(front, "b")
+    assert len(states) == 2 and set(states.values()) == {"unreachable"}, states
     for _ in range(ROUNDS):
         for path in ("/v1/models", "/health", "/v1/models/tiny-a"):
-            started = time.monotonic()
-            answer = get(front, path)
-            took = time.monotonic() - started
-            assert answer.status_code == 200 and took < 1.0, (path, answer.status_code, took)
+            assert get(front, path).status_code == 200, path
     assert post(front, "/v1/tokenize", {"model": "tiny-a", "prompt": "hi"}).status_code == 200

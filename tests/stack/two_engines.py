@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,8 +65,11 @@ def workers_of(master: int) -> set[int]:
     return {int(pid) for pid in found}
 
 
-def serving_workers(front: Frontend, tries: int = 60) -> set[str]:
-    """The front-end ids of the workers that served engine a's model (both, when both are up)."""
+def serving_workers(front: Frontend, tries: int = 600) -> set[str]:
+    """The front-end ids of the workers that served engine a's model (both, when both are up).
+
+    A worker gunicorn just started may take seconds to serve on a loaded machine, and the kernel may hand
+    every new connection to the other one meanwhile: asked again, a little later each time, until both did."""
     served_by: set[str] = set()
     for _ in range(tries):
         answer = post(front, "/v1/chat/completions", {"model": "tiny-a", "messages": HI, "max_tokens": 1})
@@ -73,4 +77,17 @@ def serving_workers(front: Frontend, tries: int = 60) -> set[str]:
             served_by.add(request_id_owner(answer.headers["x-request-id"]))
         if len(served_by) == 2:
             break
+        time.sleep(0.05)
     return served_by
+
+
+def engine_states(front: Frontend, engine_id: str, tries: int = 600) -> dict[str, str]:
+    """Each worker's state of engine `engine_id` (`GET /admin/engines`, keyed by the worker's front-end id)."""
+    views: dict[str, str] = {}
+    for _ in range(tries):
+        view = httpx.get(front.base_url + "/admin/engines", timeout=60, headers={"Connection": "close"}).json()
+        views[view["frontend"]] = next(e["state"] for e in view["data"] if e["id"] == engine_id)
+        if len(views) == 2:
+            break
+        time.sleep(0.05)
+    return views

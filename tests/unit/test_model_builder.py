@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -71,14 +70,11 @@ def loaded(built) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_load_and_generate_16_tokens(built, arch):
-    start = time.perf_counter()
     model, tokenizer = mlx_lm.load(str(built[arch]))  # strict weight loading is mlx_lm's default
     text, last = _greedy(model, tokenizer, 16)
-    elapsed = time.perf_counter() - start
 
     assert text.strip(), "random model produced no visible text"
     assert last.generation_tokens == 16 and last.finish_reason == "length"
-    assert elapsed < 5.0, f"tiny {arch} load + 16 tokens took {elapsed:.2f}s"
     # mlx_lm.generate (the simple API) agrees with the streaming one.
     prompt = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
     assert mlx_lm.generate(model, tokenizer, prompt, max_tokens=16) == text
@@ -191,10 +187,8 @@ def test_build_is_deterministic_across_processes(built, tmp_path):
 def test_build_is_idempotent(tmp_path):
     out = build_model(tmp_path / "m", seed=3)
     before = _snapshot(out)
-    start = time.perf_counter()
     assert build_model(out, seed=3) == out
-    assert time.perf_counter() - start < 0.5
-    assert _snapshot(out) == before, "a complete build was rewritten"
+    assert _snapshot(out) == before, "a complete build was rewritten"  # mtimes too: nothing written again
 
     # An incomplete build (missing file) is detected and rebuilt to the same bytes.
     (out / "tokenizer.json").unlink()
