@@ -56,6 +56,11 @@ class Unsupported(ValueError):
     """A grammar feature this rewrite does not carry into a JSON string."""
 
 
+class InvalidGrammar(ValueError):
+    """A grammar no text can follow: a literal or regex naming a lone UTF-16 surrogate (`"\\ud800"`), which is
+    not valid Unicode. Refused (400), not left unenforced: llguidance cannot even be handed it."""
+
+
 def literal(text: str) -> str:
     """The Lark literal matching `text` as it reads inside a JSON string."""
     return json.dumps(json.dumps(text, ensure_ascii=False)[1:-1], ensure_ascii=False)
@@ -202,7 +207,12 @@ def json_string_grammar(definition: str) -> str:
             out.append(_term_rule(token.group("term")))
         elif token.group("comment") is None:
             out.append(token.group(0))
-    return "\n".join(["".join(out).strip(), *lines])
+    grammar = "\n".join(["".join(out).strip(), *lines])
+    try:
+        grammar.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidGrammar("it names a lone UTF-16 surrogate, which is not valid Unicode") from None
+    return grammar
 
 
 def custom_lark(parameters: Any) -> str | None:

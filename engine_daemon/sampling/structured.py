@@ -26,7 +26,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from engine_daemon.errors import RequestError, describe
 from engine_daemon.sampling.auto_calls import auto_call_rules
-from engine_daemon.sampling.custom_grammar import custom_lark, input_rule
+from engine_daemon.sampling.custom_grammar import InvalidGrammar, custom_lark, input_rule
 from engine_daemon.sampling.grammar import GrammarConstraint
 from engine_daemon.sampling.schema_depth import MAX_SCHEMA_DEPTH, schema_depth_within
 from engine_daemon.sampling.strict_schema import strict_schema
@@ -175,8 +175,17 @@ def function_specs(tools: Any) -> list[FunctionSpec]:
 
 def with_custom_grammars(specs: list[FunctionSpec]) -> list[FunctionSpec]:
     """Specs of custom tools with a Lark grammar get its arguments rule (built only for calls a grammar holds)."""
-    return [replace(spec, arguments=input_rule(lark)) if (lark := custom_lark(spec.parameters)) else spec
+    return [replace(spec, arguments=_custom_rule(spec, lark)) if (lark := custom_lark(spec.parameters)) else spec
             for spec in specs]
+
+
+def _custom_rule(spec: FunctionSpec, lark: str) -> str | None:
+    """`input_rule` of a custom tool's grammar; a grammar no text can follow is the client's 400, naming the tool."""
+    try:
+        return input_rule(lark)
+    except InvalidGrammar as exc:  # an UnicodeEncodeError in llguidance before: the engine's 500
+        raise RequestError(400, "invalid_value", f"Invalid grammar for tool {spec.name!r}: {exc}",
+                           param=f"tools[{spec.index}].function.parameters") from None
 
 
 def forced_functions(specs: list[FunctionSpec], tool_choice: Any) -> list[FunctionSpec] | None:

@@ -90,8 +90,9 @@ def _content(content: Any, param: str, role: str = "", media: MediaCollector | N
 def _output_text(output: Any, param: str) -> str:
     """A function_call_output's `output`: a string or input_text parts (an image part is named, not shown)."""
     if isinstance(output, list):
-        output = [{"type": "input_text", "text": "[image]"} if isinstance(p, dict) and p.get("type") in MEDIA_PARTS
-                  else p for p in output]
+        output = [{"type": "input_text", "text": "[image]"}
+                  if isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] in MEDIA_PARTS
+                  else p for p in output]  # a non-string type is left for _content to refuse
     return _content(output, param)
 
 
@@ -236,7 +237,7 @@ TRUNCATION_MODES = {"auto": "truncate", "disabled": "error"}  # Responses `trunc
 def parse_truncation(value: Any) -> str | None:
     """`truncation`: "auto" drops the oldest input items to fit the window, "disabled" refuses (400), as
     OpenAI; absent (null), the model's own `context_overflow` setting decides."""
-    if value is None or value in TRUNCATION_MODES:
+    if value is None or (isinstance(value, str) and value in TRUNCATION_MODES):  # a list is unhashable
         return value
     raise bad_request(f"Invalid value for 'truncation': {value!r}; expected 'auto' or 'disabled'",
                       param="truncation")

@@ -38,7 +38,7 @@ def test_truncation_echoes_auto_when_older_items_made_way() -> None:
     assert final["truncation"] == "auto"
 
 
-@pytest.mark.parametrize("value", ["middle", 1, True, ""])
+@pytest.mark.parametrize("value", ["middle", 1, True, "", ["auto"], {"type": "auto"}])  # unhashable ones: 500 before
 def test_an_unknown_truncation_is_a_400_naming_it(value: Any) -> None:
     result = post(FakeEngine(), truncation=value)
     assert result.status_code == 400 and result.json["error"]["param"] == "truncation"
@@ -73,6 +73,13 @@ def test_a_call_output_answering_no_call_is_refused_as_openai_does() -> None:
     # Its call may be an item stored at OpenAI (`item_reference`), which OpenAI resolves and this server cannot.
     reference = {"type": "item_reference", "id": "fc_stored"}
     assert post(engine, input=[{"role": "user", "content": "hi"}, reference, OUTPUT]).status_code == 200
+
+
+@pytest.mark.parametrize("part", [{"type": ["input_image"]}, {"type": {}}, {"type": None}])
+def test_a_call_output_part_with_a_non_string_type_is_a_400_naming_it(part: dict[str, Any]) -> None:
+    result = post(FakeEngine(), input=[CALL, {**OUTPUT, "output": [part]}])  # a list type was unhashable: 500
+    assert result.status_code == 400, result.text
+    assert result.json["error"]["param"] == "input[1].output[0].type"
 
 
 def test_a_call_output_may_answer_a_call_of_the_previous_response() -> None:

@@ -209,6 +209,19 @@ def test_a_lark_grammar_holds_through_json_escaping() -> None:
     assert input_rule("start: /^anchored/") is None
 
 
+@pytest.mark.parametrize("definition", ['start: "\\ud800"', "start: /\\ud800/", "start: /[\\ud800]/"])
+def test_a_grammar_naming_a_lone_surrogate_is_a_400_naming_the_tool(definition: str) -> None:
+    from engine_daemon.errors import RequestError
+    from engine_daemon.sampling.structured import function_specs, with_custom_grammars
+
+    schema = {"type": "object", "properties": {"input": {"type": "string", "x-lark": definition}}}
+    tools = [{"type": "function", "function": {"name": "c", "parameters": schema}}]
+    with pytest.raises(RequestError) as refused:  # llguidance's UnicodeEncodeError before: the engine's 500
+        with_custom_grammars(function_specs(tools))
+    assert refused.value.status == 400 and refused.value.param == "tools[0].function.parameters"
+    assert "surrogate" in str(refused.value)
+
+
 def test_the_ignored_tools_header_is_visible_ascii_whatever_the_names() -> None:
     from http_frontend.parsing.generation_fields import ignored_tools_header
 
