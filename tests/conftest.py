@@ -9,14 +9,24 @@ import pytest
 
 from tests.helpers import Engine, Frontend
 
+# The stack modules that take longest (a minute or more each on a 2-core machine: engine groups over the ring
+# backend, the disk prompt cache's restarts, fault injection, fuzzing, audio models): with the clients and the
+# browser they are `slow`, so `python -m pytest -m "not slow"` runs the rest in about half the suite's time.
+SLOW_STACK_MODULES = frozenset({
+    "test_groups", "test_prompt_cache_disk", "test_vision_prompt_cache_disk", "test_faults", "test_audio_endpoints",
+    "test_fuzz_engine_socket", "test_isolation", "test_openapi", "test_routing", "test_frontend_limits",
+})
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tier is the folder: tests/stack gets the `stack` marker, tests/clients `clients`, tests/browser
-    `browser` (see pyproject)."""
+    `browser` (see pyproject); those two tiers and SLOW_STACK_MODULES get `slow` too."""
     for item in items:
         tier = item.path.parent.name
         if tier in ("stack", "clients", "browser"):
             item.add_marker(tier)
+        if tier in ("clients", "browser") or (tier == "stack" and item.path.stem in SLOW_STACK_MODULES):
+            item.add_marker("slow")
     # The browser tier runs last: Playwright's sync API runs an asyncio loop in the main thread while it
     # is started, so a browser that fails to stop cleanly can never break a later test's asyncio.run().
     items.sort(key=lambda item: item.path.parent.name == "browser")
