@@ -11,7 +11,7 @@ from tests.helpers import Engine, Frontend
 
 # The stack modules that take longest (a minute or more each on a 2-core machine: engine groups over the ring
 # backend, the disk prompt cache's restarts, fault injection, fuzzing, audio models): with the clients and the
-# browser they are `slow`, so `python -m pytest -m "not slow"` runs the rest in about half the suite's time.
+# browser they are `slow`, so `python -m pytest -m "not slow"` runs the rest in under half the suite's time.
 SLOW_STACK_MODULES = frozenset({
     "test_groups", "test_prompt_cache_disk", "test_vision_prompt_cache_disk", "test_faults", "test_audio_endpoints",
     "test_fuzz_engine_socket", "test_isolation", "test_openapi", "test_routing", "test_frontend_limits",
