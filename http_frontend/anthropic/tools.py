@@ -16,7 +16,7 @@ from typing import Any
 
 from http_frontend.anthropic.client_tools import CLIENT_TOOLS, client_tool
 from http_frontend.errors import bad_request
-from http_frontend.parsing.body import get_field
+from http_frontend.parsing.body import get_field, one_of
 from http_frontend.parsing.generation_fields import parse_tool_choice, parse_tools
 from protocol.messages import STRICT_CLOSED
 
@@ -57,7 +57,7 @@ def parse_anthropic_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             raise bad_request(f"{param}: expected an object", param=param, code="invalid_type")
         if tool.get("strict") is not None and not isinstance(tool["strict"], bool):
             raise bad_request(f"{param}.strict: expected a boolean", param=f"{param}.strict", code="invalid_type")
-        if tool.get("type") is not None and not isinstance(tool["type"], str):  # a list is unhashable: 500 before
+        if tool.get("type") is not None and not isinstance(tool["type"], str):  # named, where `one_of` says no
             raise bad_request(f"{param}.type: expected a string", param=f"{param}.type", code="invalid_type")
         if tool.get("type") in CLIENT_TOOLS:
             converted.append(client_tool(tool, param))
@@ -96,7 +96,7 @@ def parse_anthropic_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]
             raise bad_request("tool_choice.name: a string is required when type is 'tool'", param="tool_choice.name",
                               code="invalid_type")
         mapped: str | dict[str, Any] = {"type": "function", "function": {"name": choice["name"]}}
-    elif isinstance(kind, str) and kind in TOOL_CHOICES:
+    elif one_of(kind, TOOL_CHOICES):
         mapped = TOOL_CHOICES[kind]
     else:
         raise bad_request(f"tool_choice.type: expected 'auto', 'any', 'tool' or 'none', got {kind!r}",

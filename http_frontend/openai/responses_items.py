@@ -15,6 +15,7 @@ from typing import Any
 
 from http_frontend.errors import APIError, bad_request
 from http_frontend.openai.responses_tools import ToolCatalog, build_catalog
+from http_frontend.parsing.body import one_of
 from http_frontend.parsing.generation_fields import REASONING_EFFORTS
 from http_frontend.parsing.media import MediaCollector
 
@@ -91,7 +92,7 @@ def _output_text(output: Any, param: str) -> str:
     """A function_call_output's `output`: a string or input_text parts (an image part is named, not shown)."""
     if isinstance(output, list):
         output = [{"type": "input_text", "text": "[image]"}
-                  if isinstance(p, dict) and isinstance(p.get("type"), str) and p["type"] in MEDIA_PARTS
+                  if isinstance(p, dict) and one_of(p.get("type"), MEDIA_PARTS)
                   else p for p in output]  # a non-string type is left for _content to refuse
     return _content(output, param)
 
@@ -195,7 +196,7 @@ def parse_input(value: Any, max_items: int, media: MediaCollector | None = None,
             conversation.pending_reasoning = _reasoning_text(item)
         elif kind == "additional_tools":
             continue  # its tools joined the request's (`tools_of`)
-        elif isinstance(kind, str) and kind in SKIPPED_ITEMS:
+        elif one_of(kind, SKIPPED_ITEMS):
             log.debug("%s: a %s item carries nothing for the model here: skipped", where, kind)
         else:
             raise bad_request(f"Input items of type {kind!r} are not supported", param=f"{where}.type",
@@ -237,7 +238,7 @@ TRUNCATION_MODES = {"auto": "truncate", "disabled": "error"}  # Responses `trunc
 def parse_truncation(value: Any) -> str | None:
     """`truncation`: "auto" drops the oldest input items to fit the window, "disabled" refuses (400), as
     OpenAI; absent (null), the model's own `context_overflow` setting decides."""
-    if value is None or (isinstance(value, str) and value in TRUNCATION_MODES):  # a list is unhashable
+    if value is None or one_of(value, TRUNCATION_MODES):
         return value
     raise bad_request(f"Invalid value for 'truncation': {value!r}; expected 'auto' or 'disabled'",
                       param="truncation")
@@ -285,7 +286,7 @@ def parse_tool_choice(value: Any, catalog: ToolCatalog) -> str | dict[str, Any] 
         return None
     tools = catalog.tools
     kind = value.get("type") if isinstance(value, dict) else None
-    if isinstance(kind, str) and kind in (*TOOL_CHOICE_MODES, "any"):
+    if one_of(kind, (*TOOL_CHOICE_MODES, "any")):
         value = "required" if kind == "any" else kind
     elif kind == "allowed_tools":
         return _allowed_tools(value, catalog)

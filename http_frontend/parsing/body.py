@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
@@ -162,6 +162,12 @@ def check_model_name(model: Any) -> None:
     if isinstance(model, str) and len(model.encode("utf-8", "surrogatepass")) > MAX_MODEL_NAME_BYTES:
         raise bad_request(f"Invalid 'model': model names are limited to {MAX_MODEL_NAME_BYTES} bytes", param="model",
                           code="invalid_model_name")
+
+
+def one_of(value: Any, names: Collection[str]) -> bool:
+    """Whether a client's `value` is one of `names`: a string first, since a list or a map sent where a name
+    belongs is unhashable, and a lookup in a set or dict of names would raise (a 500) instead of answering no."""
+    return isinstance(value, str) and value in names
 
 
 def _describe(types: tuple[type, ...]) -> str:
