@@ -37,6 +37,7 @@ from http_frontend.openai.responses_items import (
     skips_items,
     tools_of,
 )
+from http_frontend.openai.responses_replay import replay_events, starting_after
 from http_frontend.openai.responses_stream import TERMINAL_EVENTS, Event, ResponseBuilder
 from http_frontend.openai.responses_tools import ToolCatalog
 from http_frontend.parsing.body import get_field, read_json_object
@@ -364,6 +365,11 @@ def _sse(event: Event) -> SSEvent:
     return SSEvent(event=event["type"], json=event)
 
 
+async def _replay(events: list[Event]) -> AsyncIterator[SSEvent]:
+    for event in events:
+        yield _sse(event)
+
+
 class ResponseById:
     """GET and DELETE /v1/responses/{response_id}, answered from the engine's store."""
 
@@ -371,10 +377,19 @@ class ResponseById:
         self.client = client
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, response_id: str) -> None:
+        """The stored response: its JSON, or with `stream=true` its events as SSE (`starting_after` resumes)."""
+        stream = req.get_param_as_bool("stream", default=False)
         record = await load_record(self.client, req, response_id)
         if req.context.response_engine:
             resp.set_header("X-Engine-Id", req.context.response_engine)
-        resp.media = record.get("response")
+        if not stream:
+            resp.media = record.get("response")
+            return
+        events = replay_events(record.get("response") or {})
+        after = starting_after(req.get_param("starting_after"), events)
+        resp.content_type = "text/event-stream"
+        resp.set_header("Cache-Control", "no-cache")
+        resp.sse = _replay(events[after + 1:])
 
     async def on_get_input_items(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
                                  response_id: str) -> None:

@@ -366,8 +366,10 @@ def openapi_document() -> dict[str, Any]:
         "/v1/responses": {"post": _operation("OpenAI Responses API", "ResponsesRequest",
                                              _ok(ref("Response"), RESPONSES_EVENT), GENERATION_ERRORS)},
         "/v1/responses/{response_id}": {
-            "get": {**_operation("A stored response", None, _ok(ref("Response")), (401, 404, 503, 504)),
-                    "parameters": RESPONSE_ID},
+            "get": {**_operation("A stored response (`stream=true`: its events again, after `starting_after`)", None,
+                                 _ok(ref("Response"), RESPONSES_EVENT), (400, 401, 404, 503, 504)),
+                    "parameters": RESPONSE_ID + [{"name": "stream", "in": "query", "schema": BOOLEAN},
+                                                 {"name": "starting_after", "in": "query", "schema": INTEGER}]},
             "delete": {**_operation("Delete a stored response", None, _ok(ref("ResponseDeleted")),
                                     (401, 404, 503, 504)), "parameters": RESPONSE_ID},
         },
