@@ -269,6 +269,20 @@ def png(seed: int, width: int = 112, height: int | None = None) -> bytes:
     return out.getvalue()
 
 
+def float_wav(samples: Any, rate: int = 16_000, dtype: str = "<f4") -> bytes:
+    """A mono IEEE-float WAV (format tag 3) of `samples` as float32 or float64 (`dtype`), NaN or infinity kept:
+    the stdlib `wave` writes integer PCM only."""
+    import struct
+
+    import numpy as np
+
+    data = np.asarray(samples, dtype=dtype).tobytes()
+    width = np.dtype(dtype).itemsize
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * width, width, width * 8)
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
 def pdf(text: str) -> bytes:
     """A real one-page PDF (cross-reference table and all, written by pypdf) showing `text` in Helvetica."""
     from pypdf import PdfWriter

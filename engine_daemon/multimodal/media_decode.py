@@ -37,6 +37,8 @@ MIN_AUDIO_SECONDS = 0.1  # a clip of a few samples broke the audio tower inside 
 MAX_PROCESSOR_PIXELS = 16_000_000
 # PyAV's demuxer name for each audio format a request may declare.
 _CONTAINERS = {"wav": "wav", "mp3": "mp3"}
+# FFmpeg's float sample formats (packed and planar): the only ones that can hold NaN or infinity.
+_FLOAT_SAMPLES = frozenset({"flt", "fltp", "dbl", "dblp"})
 
 
 def _media_error(message: str, code: str = "invalid_media", param: str | None = "messages") -> RequestError:
@@ -105,7 +107,12 @@ def decode_audio(item: dict[str, Any], index: int, sample_rate: int) -> Any:
 
 
 def audio_seconds(data: bytes, declared: str, index: int, limit: float) -> float:
-    """Seconds of audio the clip decodes to, counted up to `limit` (400 past it, or when it is no clip)."""
+    """Seconds of audio the clip decodes to, counted up to `limit` (400 past it, or when it is no clip).
+
+    Float samples are checked to be finite here, as they are decoded: `decode_audio` (mlx-audio's
+    reader) converts through 16-bit integers, which turns NaN and infinity into full-scale noise
+    that no later check can tell from sound, and the model was given that with a 200.
+    """
     import av
 
     try:
@@ -122,6 +129,9 @@ def audio_seconds(data: bytes, declared: str, index: int, limit: float) -> float
         try:
             for frame in container.decode(container.streams.audio[0]):
                 seconds += frame.samples / max(frame.sample_rate or 0, 1)
+                if frame.format.name in _FLOAT_SAMPLES and not np.isfinite(frame.to_ndarray()).all():
+                    raise _media_error(f"Audio {index + 1} holds non-finite samples (NaN or infinity); audio "
+                                       "samples must be finite numbers", code="invalid_audio")
                 if seconds > limit:
                     raise _media_error(f"The request's audio is longer than {MAX_AUDIO_SECONDS:g} seconds",
                                        code="audio_too_long")

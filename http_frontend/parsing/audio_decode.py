@@ -80,7 +80,8 @@ def decode_to_pcm(data: bytes, max_seconds: float) -> np.ndarray:
                           param="file", code="audio_too_long")
     pcm = np.concatenate(parts).astype("<f4", copy=False)
     if not np.isfinite(pcm).all():
-        raise bad_request("The uploaded audio decodes to non-finite samples", param="file", code="invalid_audio")
+        raise bad_request("The uploaded audio holds non-finite samples (NaN or infinity); audio samples must be "
+                          "finite numbers", param="file", code="invalid_audio")
     return pcm
 
 

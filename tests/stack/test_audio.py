@@ -22,7 +22,7 @@ import numpy as np
 import openai
 import pytest
 
-from tests.helpers import Frontend, running_stack
+from tests.helpers import Frontend, float_wav, running_stack
 
 MODEL = "tiny-gemma4-audio"
 PROMPT = "What is this sound?"
@@ -178,6 +178,27 @@ def test_bad_audio_is_a_400(client: openai.OpenAI) -> None:
                                                    audio_part(b"RIFF\0\0\0\0WAVEjunk")]}])
     assert caught.value.status_code == 400 and caught.value.body["code"] == "invalid_audio", caught.value.body
     assert audio_chat(client, CLIP).usage.completion_tokens == MAX_TOKENS
+
+
+def test_non_finite_float_audio_is_a_400(client: openai.OpenAI) -> None:
+    """Fuzzing: a float32/float64 WAV of NaN or infinity was served with a 200 (the model heard full-scale noise)."""
+    samples = 0.3 * np.sin(np.arange(RATE // 2) / 10)
+    samples[100] = np.nan
+    for dtype in ("<f4", "<f8"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": PROMPT}, audio_part(float_wav(samples, dtype=dtype))]}])
+        assert caught.value.body["code"] == "invalid_audio" and caught.value.body["type"] == "invalid_request_error"
+        assert "non-finite samples" in caught.value.body["message"]
+    samples[100] = -np.inf
+    clip = base64.b64encode(float_wav(samples)).decode()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, max_output_tokens=4, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": PROMPT}, {"type": "input_audio", "input_audio": {"data": clip,
+                                                                                           "format": "wav"}}]}])
+    assert caught.value.body["param"] == "input" and "non-finite samples" in caught.value.body["message"]
+    samples[100] = 0.0  # the same clip with finite samples is audio like any other
+    assert audio_chat(client, float_wav(samples)).usage.completion_tokens == MAX_TOKENS
 
 
 def adts_aac(seconds: float = 1.0) -> bytes:

@@ -18,6 +18,7 @@ from http_frontend.openai.transcripts import render, to_srt, to_vtt
 from http_frontend.parsing.audio_decode import decode_to_pcm
 from http_frontend.parsing.audio_encode import FORMATS, StreamingEncoder, encode_all
 from protocol import CallMethod
+from tests.helpers import float_wav
 from tests.unit.fake_engine import FakeEngine, client_for
 
 RESULT = {"model": "whisper-1", "text": " Hello there. General Kenobi.", "language": "en", "language_name": "english",
@@ -157,4 +158,20 @@ def test_speech_request_checks() -> None:
                         ({"model": "tts-1", "voice": "alloy", "input": "x" * 5000}, "input")]:
         response = client.simulate_post("/v1/audio/speech", json=body)
         assert response.status_code == 400 and response.json["error"]["param"] == param, response.text
+    assert engine.calls == []
+
+
+@pytest.mark.parametrize("route", ["transcriptions", "translations"])
+@pytest.mark.parametrize("dtype", ["<f4", "<f8"])
+def test_an_upload_with_non_finite_samples_is_a_400(route: str, dtype: str) -> None:
+    samples = np.sin(np.arange(8000) / 10) * 0.5
+    samples[[10, 20, 30]] = [np.nan, np.inf, -np.inf]
+    engine = FakeEngine()
+    body, content_type = multipart({"model": "whisper-1"}, ("clip.wav", float_wav(samples, 22_050, dtype)))
+    response = client_for(engine).simulate_post(f"/v1/audio/{route}", body=body,
+                                                headers={"Content-Type": content_type})
+    assert response.status_code == 400, response.text
+    assert response.json["error"] == {"message": "The uploaded audio holds non-finite samples (NaN or infinity); "
+                                                 "audio samples must be finite numbers",
+                                      "type": "invalid_request_error", "param": "file", "code": "invalid_audio"}
     assert engine.calls == []

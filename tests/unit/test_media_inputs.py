@@ -11,7 +11,7 @@ from PIL import Image
 
 from http_frontend.parsing.media import MediaCollector, audio_format_of
 from http_frontend.settings import FrontendSettings
-from tests.helpers import data_url, png
+from tests.helpers import data_url, float_wav, png
 
 IMAGE = png(2)
 
@@ -76,3 +76,27 @@ def test_huge_images_reach_the_processor_scaled_down() -> None:
     assert big.width * big.height <= media_decode.MAX_PROCESSOR_PIXELS and abs(big.width / big.height - 2) < 0.01
     small = Image.new("RGB", (640, 480))
     assert media_decode._within(small, media_decode.MAX_PROCESSOR_PIXELS) is small  # untouched: same pixels
+
+
+@pytest.mark.parametrize("dtype", ["<f4", "<f8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_float_audio_with_non_finite_samples_is_a_400(dtype: str, bad: float) -> None:
+    """Fuzzing: a float WAV holding NaN or infinity was given to the model (mlx-audio's reader turns them into
+    full-scale noise through 16-bit integers) with a 200; its samples are now checked as PyAV measures the clip."""
+    from types import SimpleNamespace
+
+    from engine_daemon.multimodal import media_decode
+
+    samples = np.sin(np.arange(8000) / 10) * 0.5
+    loaded = SimpleNamespace(vision=None)
+    assert len(media_decode.decode_media({"media": [
+        {"type": "audio", "format": "wav", "data": float_wav(samples, dtype=dtype), "placeholder": "<a>"}]},
+        loaded)[0]) == 8000  # finite float samples are audio like any other
+    samples[4000] = bad
+    with pytest.raises(media_decode.RequestError) as caught:
+        media_decode.decode_media({"media": [
+            {"type": "audio", "format": "wav", "data": float_wav(samples, dtype=dtype), "placeholder": "<a>"}]},
+            loaded)
+    error = caught.value
+    assert (error.status, error.code) == (400, "invalid_audio")
+    assert "Audio 1 holds non-finite samples (NaN or infinity)" in str(error)
