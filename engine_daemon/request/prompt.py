@@ -36,6 +36,10 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
                                                    **kwargs)
         except Exception as exc:  # jinja raises its own exception types for template errors
             folded = fold_late_system_turns(messages)
+            if isinstance(exc, RecursionError):  # the front-ends bound nesting (`MAX_NESTING`): a last guard
+                raise RequestError(400, "invalid_messages", "The chat template could not render the messages: "
+                                   "values in them (tool-call arguments, tool schemas) are nested too deeply",
+                                   param="messages") from None
             if folded is None:
                 raise RequestError(400, "invalid_messages", "The chat template rejected the messages: "
                                    f"{describe(exc)}", param="messages") from None

@@ -17,6 +17,7 @@ from http_frontend.errors import APIError, bad_request
 from http_frontend.openai.responses_tools import ToolCatalog, build_catalog
 from http_frontend.parsing.body import one_of
 from http_frontend.parsing.generation_fields import REASONING_EFFORTS
+from http_frontend.parsing.json_limits import check_json_text
 from http_frontend.parsing.media import MediaCollector
 
 log = logging.getLogger(__name__)
@@ -176,9 +177,11 @@ def parse_input(value: Any, max_items: int, media: MediaCollector | None = None,
             conversation.add_message(role, _content(item.get("content"), f"{where}.content", role, media))
         elif kind == "function_call":
             namespace = _string(item.get("namespace"), f"{where}.namespace", required=False)
+            arguments = _string(item.get("arguments"), f"{where}.arguments")
+            check_json_text(arguments, f"{where}.arguments")  # JSON the engine parses for the chat template
             conversation.add_call(_string(item.get("call_id"), f"{where}.call_id"),
                                   catalog.offered_name(_string(item.get("name"), f"{where}.name"), namespace),
-                                  _string(item.get("arguments"), f"{where}.arguments"))
+                                  arguments)
         elif kind == "custom_tool_call":
             namespace = _string(item.get("namespace"), f"{where}.namespace", required=False)
             conversation.add_call(_string(item.get("call_id"), f"{where}.call_id"),

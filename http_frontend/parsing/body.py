@@ -9,6 +9,7 @@ once, and only one large body is being turned into objects at a time. The cyclic
 collector is paused while a body is parsed (`collector_paused`): a body of a million small
 arrays otherwise sets off full collections that walk every object made so far, which
 tripled the time the parser held the GIL (1.3 s against 0.4 s for 13 MB of `[[1,[2]],...]`).
+A body nested past `MAX_NESTING` levels is a 400 naming where (`json_limits`).
 A body is decoded with msgspec first, `json.loads` only for what msgspec refuses (`decoded`), and
 checked with msgspec's packer (`check_encodable`): each C call holds the GIL for its whole length,
 and 13 MB of token ids held it 0.66 s in `json.loads` and 0.14 s in `msgpack.packb` against 0.12 s
@@ -29,6 +30,7 @@ import falcon.asgi
 import msgspec
 
 from http_frontend.errors import APIError, bad_request
+from http_frontend.parsing.json_limits import body_too_deep, check_body_depth, show_path
 from protocol.codec import pack
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -98,9 +100,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     except RecursionError:
-        raise bad_request("The request body is nested too deeply", code="invalid_json") from None
+        raise body_too_deep(raw) from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object", code="invalid_json")
+    check_body_depth(raw)
     check_encodable(body)
     return body
 
@@ -120,35 +123,68 @@ def decoded(raw: bytes) -> Any:
 
 
 def check_encodable(body: dict[str, Any]) -> None:
-    """400 naming the top-level field that holds a lone surrogate or an integer outside 64 bits.
+    """400 naming the place (a param path) of a lone surrogate or an integer outside 64 bits.
 
     msgspec packs the whole body in C (a fraction of what parsing it cost) and refuses exactly the
     integers and strings msgpack refuses. Its packer has no nesting limit where msgpack's is 1,024
-    levels, but neither JSON parser gets past Python's recursion limit (~1,000). Only a refused body
-    is walked again, field by field, to name the culprit.
+    levels, but no body nests past `MAX_NESTING` (`check_body_depth`). Only a refused body is
+    walked again, value by value, to name the culprit: "'messages'" alone left a client to search
+    a conversation for one bad escape.
     """
     try:
         pack(body)  # the engine's frames are packed so (`protocol.encode`)
         return
     except (OverflowError, UnicodeEncodeError, ValueError):
         pass
-    for key, value in body.items():
-        for problem, what in ((_unpackable(key), "field name"), (_unpackable(value), "value for")):
+    found = _culprit(body)
+    if found is None:
+        raise bad_request("The request body holds a value that cannot be sent to the engine", code="invalid_value")
+    path, problem, is_key = found
+    where = _printable(show_path(path))
+    raise bad_request(f"Invalid {'field name' if is_key else 'value for'} '{where}': {problem}", param=where,
+                      code="invalid_value")
+
+
+def _culprit(body: dict[str, Any]) -> tuple[list[str | int], str, bool] | None:
+    """The path to the first key or value msgpack refuses (in document order), what is wrong, and whether
+    it is a key. Iterative, a body may nest `MAX_NESTING` levels; each pending value holds its path as a
+    link to its parent's, not a copy (a wide array deep down would copy the path once per item)."""
+    Link = tuple[Any, Any] | None  # (parent link, key or index)
+
+    def unlinked(link: Link) -> list[str | int]:
+        parts: list[str | int] = []
+        while link is not None:
+            link, part = link
+            parts.append(part)
+        return parts[::-1]
+
+    stack: list[tuple[Any, Link]] = [(body, None)]
+    while stack:
+        node, link = stack.pop()
+        if isinstance(node, dict):
+            for key in node:
+                problem = _scalar_problem(key)
+                if problem:
+                    return unlinked((link, key)), problem, True
+            stack.extend((node[key], (link, key)) for key in reversed(list(node)))
+        elif isinstance(node, list):
+            stack.extend((node[index], (link, index)) for index in range(len(node) - 1, -1, -1))
+        else:
+            problem = _scalar_problem(node)
             if problem:
-                raise bad_request(f"Invalid {what} '{_printable(key)}': {problem}", param=_printable(key),
-                                  code="invalid_value")
-    raise bad_request("The request body holds a value that cannot be sent to the engine", code="invalid_value")
+                return unlinked(link), problem, False
+    return None
 
 
-def _unpackable(value: Any) -> str | None:
-    try:
-        pack(value)
-    except OverflowError:
+def _scalar_problem(value: Any) -> str | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (f"a string holds a lone UTF-16 surrogate ('\\u{ord(value[exc.start]):04x}'), which is not "
+                    "valid Unicode")
+    elif isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
         return "an integer is outside the 64-bit range"
-    except UnicodeEncodeError:
-        return "a string holds a lone UTF-16 surrogate, which is not valid Unicode"
-    except ValueError:
-        return "values are nested too deeply"
     return None
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from http_frontend.errors import bad_request
 from http_frontend.parsing.body import get_field
+from http_frontend.parsing.json_limits import check_json_text
 from http_frontend.parsing.media import AUDIO_PART_TYPES, IMAGE_PART_TYPES, MediaCollector
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -79,7 +80,7 @@ def _tool_fields(message: dict[str, Any], index: int, role: str) -> dict[str, An
             if not isinstance(calls, list):
                 raise bad_request(f"Invalid type for '{param}': expected an array", param=param, code="invalid_type")
             checked = []
-            for call in calls:
+            for number, call in enumerate(calls):
                 function = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                     raise bad_request(f"Invalid '{param}': each call needs a 'function' with a string 'name'",
@@ -88,6 +89,8 @@ def _tool_fields(message: dict[str, Any], index: int, role: str) -> dict[str, An
                 if not isinstance(arguments, (str, dict)):
                     raise bad_request(f"Invalid '{param}': 'arguments' must be a JSON string", param=param,
                                       code="invalid_type")
+                if isinstance(arguments, str):  # JSON the engine parses for the chat template
+                    check_json_text(arguments, f"{param}.[{number}].function.arguments")
                 checked.append({"id": str(call.get("id") or ""), "type": "function",
                                 "function": {"name": function["name"], "arguments": arguments}})
             if checked:

@@ -52,8 +52,9 @@ def test_edge_cases_keep_json_loads_answer(raw: bytes) -> None:
 def test_malformed_bodies_get_json_loads_message(raw: bytes) -> None:
     try:
         json.loads(raw)
-    except RecursionError:
-        expected = "The request body is nested too deeply"
+    except RecursionError:  # refused for its depth, named where (`json_limits`)
+        expected = ("Invalid 'a.[0].[0].[0].[0].[0].[0].[0].…(246 more levels)….[0].[0]': the request body nests "
+                    "arrays and objects more than 256 levels deep there; at most 256 levels are allowed")
     except ValueError as exc:
         expected = f"The request body is not valid JSON: {exc}"
     with pytest.raises(APIError) as caught:
@@ -73,13 +74,16 @@ def test_valid_bodies_never_reach_json_loads(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_deep_bodies_are_refused_by_either_parser() -> None:
-    """msgspec's packer has no nesting limit (msgpack's is 1,024 levels): both parsers stop first, at Python's."""
-    for depth in (600, 900):
-        raw = b'{"a": ' + b"[" * depth + b"]" * depth + b"}"
-        assert parse_json_object(raw)["a"] == json.loads(raw)["a"]
-    with pytest.raises(APIError) as caught:
-        parse_json_object(b'{"a": ' + b"[" * 1100 + b"]" * 1100 + b"}")
-    assert (caught.value.status, caught.value.code) == (400, "invalid_json")
+    """msgspec's packer has no nesting limit (msgpack's is 1,024 levels): both parsers stop first, at Python's,
+    and a body the parsers take is held to `MAX_NESTING` (the chat template failed from ~500 levels)."""
+    raw = b'{"a": ' + b"[" * 255 + b"]" * 255 + b"}"
+    assert parse_json_object(raw)["a"] == json.loads(raw)["a"]
+    for depth in (256, 600, 900, 1100, 100_000):
+        with pytest.raises(APIError) as caught:
+            parse_json_object(b'{"a": ' + b"[" * depth + b"]" * depth + b"}")
+        assert (caught.value.status, caught.value.code) == (400, "invalid_json")
+        assert caught.value.param == "a.[0].[0].[0].[0].[0].[0].[0].…(246 more levels)….[0].[0]"
+        assert "more than 256 levels deep" in caught.value.message
 
 
 @pytest.mark.parametrize("value", [2**64, -2**63 - 1, "a\ud800"])

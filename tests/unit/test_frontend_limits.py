@@ -46,10 +46,11 @@ def top_logprobs_item(rid: str, seq: int) -> dict[str, Any]:
 
 # -- (14) unencodable input ---------------------------------------------------------------------
 @pytest.mark.parametrize("raw,param", [
-    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages"),
-    (b'{"messages": [], "chat_template_kwargs": {"k": ["\\udfff"]}}', "chat_template_kwargs"),
-    (b'{"messages": [], "tools": [{"x": 123456789012345678901234567890}]}', "tools"),
-    (b'{"messages": [], "metadata": {"n": -9223372036854775809}}', "metadata"),
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages.[0].content"),
+    (b'{"messages": [], "chat_template_kwargs": {"k": ["\\udfff"]}}', "chat_template_kwargs.k.[0]"),
+    (b'{"messages": [], "tools": [{"x": 123456789012345678901234567890}]}', "tools.[0].x"),
+    (b'{"messages": [], "metadata": {"n": -9223372036854775809}}', "metadata.n"),
+    (b'{"messages": [], "metadata": {"\\udfff": 1}}', "metadata.\\udfff"),  # a key: named escaped
     (b'{"messages": [], "x": "\xed\xa0\x80"}', "x"),  # a surrogate encoded in the raw UTF-8
 ])
 def test_unencodable_values_anywhere_are_a_400_naming_the_field(raw: bytes, param: str) -> None:
