@@ -17,6 +17,7 @@ from protocol.messages import (
     MsgType,
     check_fields,
 )
+from protocol.token_ids import ID_BYTES
 
 
 class ProtocolError(ValueError):
@@ -103,6 +104,9 @@ def _check_add(body: dict[str, Any]) -> tuple[str, str] | None:
             return problem, "tools"
     # A token prompt's ids are checked by the engine's admission pool, after its length: a walk over millions
     # of ids here held the io thread (and every stream's frames) for a second.
+    prompt = body.get("prompt")
+    if isinstance(prompt, bytes) and len(prompt) % ID_BYTES:
+        return f"a packed prompt must hold whole {ID_BYTES}-byte token ids, got {len(prompt)} bytes", "prompt"
     params = body["params"]
     for name, types in PARAM_TYPES.items():
         if name in params:

@@ -139,7 +139,9 @@ SCHEMAS: dict[MsgType, Schema] = {
         # Who asked (a digest of the API key, else the `user` field): decode slots are shared fairly between clients.
         "client": ((str, NONE), False),
         "messages": ((list, NONE), False),
-        "prompt": ((str, list, NONE), False),
+        # A string, token ids, or token ids packed as little-endian uint32 (`protocol.token_ids`; only to an
+        # engine whose WELCOME lists that feature)
+        "prompt": ((str, list, bytes, NONE), False),
         "params": ((dict,), True),
         "chat_template_kwargs": ((dict, NONE), False),
         "deadline": ((NUMBER, NONE), False),
@@ -173,6 +175,9 @@ SCHEMAS: dict[MsgType, Schema] = {
         "pid": ((int,), False),
         # An engine group's rank 0: {"mode", "size", "backend", "ranks": [{"rank", "weights_bytes", ...}], ...}
         "group": ((dict, NONE), False),
+        # What this engine reads beyond the version's baseline, e.g. `protocol.token_ids.FEATURE`: a front-end
+        # uses a feature only with an engine that lists it, so either side may be upgraded first.
+        "features": ((list, NONE), False),
     },
     MsgType.PONG: {
         "epoch": ((int,), True),

@@ -19,7 +19,7 @@ from engine_daemon.output.stop_strings import MAX_STOP_LENGTH, MAX_STOP_STRINGS,
 from engine_daemon.output.token_text import request_detokenizer
 from engine_daemon.request.context_overflow import fit_context
 from engine_daemon.request.param_checks import check_params, check_stops, parse_logit_bias
-from engine_daemon.request.preprocess import check_token_prompt, model_key
+from engine_daemon.request.preprocess import TOKEN_PROMPTS, check_token_prompt, model_key
 from engine_daemon.request.prompt import build_prompt, template_tools
 from engine_daemon.request.state import EngineRequest, PreparedPrompt
 from engine_daemon.sampling.request_processors import build_processors, processor_spec
@@ -112,8 +112,8 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     check_params(request.params)
     check_stops(request.params.get("stop"), *stop_limits)
     unchecked = prepared is None or (prepared.tokens is None and prepared.error is None)  # else the pool checked it
-    if isinstance(request.body.get("prompt"), list) and unchecked:
-        check_token_prompt(request.body["prompt"], loaded)  # its length first, then its ids
+    if isinstance(request.body.get("prompt"), TOKEN_PROMPTS) and unchecked:
+        request.body["prompt"] = check_token_prompt(request.body["prompt"], loaded)  # its length first, then its ids
     request.prompt_tokens = prepared_tokens(request, loaded, prepared)
     # models-config max_tokens default; --context-overflow truncate/summarize (fit_context)
     default_max_tokens = loaded.profile.max_tokens or default_max_tokens

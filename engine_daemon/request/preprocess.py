@@ -43,6 +43,7 @@ from engine_daemon.request.prompt import build_prompt
 from engine_daemon.request.state import PreparedPrompt
 from engine_daemon.sampling.request_processors import build_processors, processor_spec
 from engine_daemon.sampling.thinking import prompt_in_thinking
+from protocol.token_ids import packed_count, unpack_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def prompt_bytes(body: dict[str, Any]) -> int:
 def check_size(body: dict[str, Any], loaded: LoadedModel) -> None:
     """Refuses a prompt whose bytes could not fit the window in the best case, without tokenizing it."""
     window, longest = loaded.context_window, longest_token_bytes(loaded)
-    if not window or not longest or isinstance(body.get("prompt"), list):
+    if not window or not longest or isinstance(body.get("prompt"), TOKEN_PROMPTS):
         return
     size = prompt_bytes(body)
     if size > window * longest:
@@ -144,22 +145,34 @@ def drop_oversized_turns(body: dict[str, Any], loaded: LoadedModel) -> None:
     body[DROPPED_BY_SIZE] = len(dropped)
 
 
-def check_token_prompt(prompt: list[Any], loaded: LoadedModel) -> None:
-    """A prompt of token ids: refused by its length first (one `len()`), then each id checked (in the vocabulary)."""
+TOKEN_PROMPTS = (list, bytes)  # a token prompt as ids, or packed (`protocol.token_ids`)
+
+
+def check_token_prompt(prompt: list[Any] | bytes, loaded: LoadedModel) -> list[int]:
+    """A prompt of token ids, as a list: refused by its length first (a packed one is not unpacked for that),
+    then each id checked (in the vocabulary)."""
     window = loaded.context_window
-    if window and len(prompt) >= window:
+    count = packed_count(prompt) if isinstance(prompt, bytes) else len(prompt)
+    if window and count >= window:
         raise RequestError(400, "context_length_exceeded", f"This model's maximum context length is {window} tokens, "
-                           f"but the prompt has {len(prompt)} tokens", param="prompt")
+                           f"but the prompt has {count} tokens", param="prompt")
     vocab = loaded.vocab_size
+    if isinstance(prompt, bytes):
+        ids = unpack_token_ids(prompt)  # unsigned: only the upper bound is left to check
+        if ids and max(ids) >= vocab:
+            raise RequestError(400, "invalid_value", f"prompt token ids must be integers in [0, {vocab})",
+                               param="prompt")
+        return ids
     if not all(type(token) is int and 0 <= token < vocab for token in prompt):  # a bool is not a token id
         raise RequestError(400, "invalid_value", f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+    return prompt
 
 
 def prepare_prompt(body: dict[str, Any], loaded: LoadedModel) -> PreparedPrompt:
     """The prompt's tokens and the request's logits processors, or the refusal of either."""
     try:
-        if isinstance(body.get("prompt"), list):
-            check_token_prompt(body["prompt"], loaded)  # before anything else: its length costs nothing
+        if isinstance(body.get("prompt"), TOKEN_PROMPTS):
+            body["prompt"] = check_token_prompt(body["prompt"], loaded)  # first: its length costs nothing
         params = body.get("params") or {}
         check_params(params)  # before any compile: a refusal for a bad value costs nothing
         parse_logit_bias(params.get("logit_bias"), loaded.vocab_size)
@@ -233,7 +246,7 @@ class Preprocessor:
             run = self._run_media
         elif (loaded is None or loaded.kind not in PROMPT_KINDS or body.get("media")
                 or not names_loaded_model(body, loaded)
-                or (body.get("messages") is None and not isinstance(body.get("prompt"), (str, list)))):
+                or (body.get("messages") is None and not isinstance(body.get("prompt"), (str, *TOKEN_PROMPTS)))):
             self._deliver(peer, body, None)
             return
         else:

@@ -10,6 +10,7 @@ from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.request import client_template
 from engine_daemon.request.template_kwargs import checked_template_kwargs
 from engine_daemon.sampling.tool_choice import allowed_tools, narrowed
+from protocol.token_ids import unpack_token_ids
 
 
 def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
@@ -48,6 +49,8 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
     prompt = body["prompt"]
     if isinstance(prompt, list):
         return prompt
+    if isinstance(prompt, bytes):  # packed (`protocol.token_ids`); `check_token_prompt` unpacks it before this
+        return unpack_token_ids(prompt)
     return list(tokenizer.encode(prompt))
 
 

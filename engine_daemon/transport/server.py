@@ -43,6 +43,7 @@ from engine_daemon.transport.outbox import forward_outbox
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
 from engine_daemon.transport.wind_down import wind_down
 from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
+from protocol.token_ids import FEATURE as PACKED_TOKEN_IDS
 
 log = logging.getLogger(__name__)
 
@@ -320,11 +321,10 @@ class EngineServer:
         self._new_peer(peer, Peer(body["frontend_id"], time.monotonic(), body.get("pid"), body.get("host")))
         log.info("front-end %s connected (pid %s on %s)", clipped(body["frontend_id"]), body.get("pid"),
                  clipped(body.get("host")))
-        status = self.worker.status
         self._reply(router, peer, MsgType.WELCOME, {
-            "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": status.state,
+            "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": (status := self.worker.status).state,
             "model": status.model, "adapter": self.worker.scheduler.adapters.registry.default,
-            "started_at": self.started_at, "pid": os.getpid(),
+            "started_at": self.started_at, "pid": os.getpid(), "features": [PACKED_TOKEN_IDS],
             **({"group": self.worker.group.describe()} if self.worker.group is not None else {})})
 
     def state(self) -> str:

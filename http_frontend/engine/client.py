@@ -30,6 +30,9 @@ from http_frontend.engine.handshake_watch import VERSION_MISMATCH, handshake_mon
 from http_frontend.engine.loop_time import wait_free_time
 from http_frontend.engine.request_stream import EngineError, EngineUnavailable, RequestStream, Update
 from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decode, encode, new_request_id
+from protocol.messages import MAX_FRAME_BYTES
+from protocol.token_ids import FEATURE as PACKED_TOKEN_IDS
+from protocol.token_ids import pack_token_ids
 
 __all__ = ["ROUTABLE_STATES", "EngineClient", "EngineError", "EngineLink", "EngineUnavailable", "RequestStream",
            "Update"]
@@ -82,6 +85,7 @@ class EngineClient:
         self.epoch: int | None = None
         self.engine_state = "unknown"
         self.model: str | None = None  # the engine's loaded model, as its WELCOME / PONG last said
+        self.features: frozenset[str] = frozenset()  # what the engine's WELCOME says it reads (`protocol.token_ids`)
         self.refusal: str | None = None  # why the engine refused this front-end's HELLO (another protocol version)
         self.queued = 0  # the engine's queue and running requests at its last PONG (every front-end's)
         self.running = 0
@@ -199,13 +203,24 @@ class EngineClient:
         if not await self.wait_ready(2.0):
             raise self._unreachable()
         rid = new_request_id(self.frontend_id)
-        frame = packed_frame(MsgType.ADD, {**request, "rid": rid, "epoch": self.epoch})
+        frame = packed_frame(MsgType.ADD, {**self._packed(request), "rid": rid, "epoch": self.epoch})
         stream = RequestStream(rid, self.max_pending_bytes)
         self.streams[rid] = stream
         if not self._send_frame(frame):
             del self.streams[rid]
             raise self._unreachable()
         return stream
+
+    def _packed(self, request: dict[str, Any]) -> dict[str, Any]:
+        """`request` with a token prompt packed (`protocol.token_ids`) when the engine reads that: its io thread
+        then copies one binary where it made an int per id (0.12 s for 6.5 M ids, every stream waiting)."""
+        prompt = request.get("prompt")
+        if not isinstance(prompt, list) or PACKED_TOKEN_IDS not in self.features:
+            return request
+        packed = pack_token_ids(prompt)
+        # Four bytes an id where msgpack writes one for ids below 128: a list that packs past half a frame goes
+        # as it is (it is millions of ids, which the engine refuses by their count).
+        return request if packed is None or len(packed) > MAX_FRAME_BYTES // 2 else {**request, "prompt": packed}
 
     def release(self, stream: RequestStream, reason: str) -> None:
         """Forget a request; ABORT it unless it already finished. Idempotent."""
@@ -366,8 +381,11 @@ class EngineClient:
                         self.epoch, epoch, len(self.streams))
             self._fail_all(503, "engine_restarted", "The engine restarted while this request ran")
         if epoch != self.epoch:
+            self.features = frozenset()  # another engine process: its WELCOME says what it reads
             self._send(MsgType.HELLO, self._hello())
         self.epoch = epoch
+        if isinstance(body.get("features"), list):
+            self.features = frozenset(name for name in body["features"] if isinstance(name, str))
         self.engine_state = body["state"]
         if "model" in body:
             self.model = body["model"]

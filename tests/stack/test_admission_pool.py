@@ -18,6 +18,7 @@ from pathlib import Path
 import zmq
 
 from protocol import PROTOCOL_VERSION, MsgType, decode, encode
+from protocol.token_ids import FEATURE, pack_token_ids
 from tests.helpers import Engine, call_engine
 
 # ~0.2-0.5 s to render and tokenize on the tiny model; ~40 k tokens, then refused for its 32 k window
@@ -32,6 +33,8 @@ class Peer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(engine.endpoint)
         self.send(MsgType.HELLO, {"version": PROTOCOL_VERSION, "frontend_id": name})
+        self.welcome: dict | None = None
+        self.tokens: dict[str, list[int]] = defaultdict(list)
 
     def send(self, kind: MsgType, body: dict) -> None:
         self.sock.send(encode(kind, body))
@@ -41,16 +44,20 @@ class Peer:
                                 "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
 
     def outcomes(self, rids: set[str], timeout: float = 120) -> dict[str, str]:
-        """Each rid's end: its finish_reason, or its ERROR's code."""
+        """Each rid's end: its finish_reason, or its ERROR's code (the tokens it made go to `tokens`)."""
         ended: dict[str, str] = {}
         deadline = time.monotonic() + timeout
         while set(ended) < rids and time.monotonic() < deadline:
             if not self.sock.poll(200):
                 continue
             kind, body = decode(self.sock.recv())
+            if kind == MsgType.WELCOME:
+                self.welcome = body
             if kind == MsgType.ERROR and body.get("rid"):
                 ended[body["rid"]] = body["code"]
             elif kind == MsgType.DELTAS:
+                for item in body["items"]:
+                    self.tokens[item["rid"]].extend(item.get("token_ids") or ())
                 ended.update({item["rid"]: item["finish_reason"] for item in body["items"]
                               if item.get("finish_reason")})
         return ended
@@ -113,6 +120,31 @@ def test_a_token_prompt_is_checked_on_the_pool_and_refused_by_its_length(engine:
         after = call_engine(engine.endpoint, "stats")
         assert after["prompts_prepared"] - before["prompts_prepared"] == 3  # all three off the mlx thread
         assert after["prompts_refused_off_thread"] - before["prompts_refused_off_thread"] == 2
+    finally:
+        peer.close()
+
+
+def test_a_packed_token_prompt_is_its_ids_and_is_refused_by_its_length(engine: Engine) -> None:
+    """What a front-end sends an engine whose WELCOME lists `protocol.token_ids.FEATURE`: the same ids as one
+    binary, which the io thread copies where it made an int per id."""
+    peer = Peer(engine, "packed")
+    try:
+        before = call_engine(engine.endpoint, "stats")
+        ids = [5, 17, 99, 3, 250, 1000]
+        peer.add("pk:list", prompt=ids, max_tokens=6)
+        peer.add("pk:packed", prompt=pack_token_ids(ids), max_tokens=6)
+        peer.add("pk:long", prompt=pack_token_ids([1] * 3_000_000))
+        peer.add("pk:bad", prompt=pack_token_ids([1, 2, 1 << 31]))
+        peer.add("pk:torn", prompt=b"\x01\x02\x03")
+        ended = peer.outcomes({"pk:list", "pk:packed", "pk:long", "pk:bad", "pk:torn"})
+        assert peer.welcome is not None and FEATURE in peer.welcome["features"]
+        assert {rid: ended[rid] for rid in ("pk:list", "pk:packed", "pk:long", "pk:bad")} == {
+            "pk:list": "length", "pk:packed": "length", "pk:long": "context_length_exceeded",
+            "pk:bad": "invalid_value"}
+        assert ended["pk:torn"] not in ("length", "stop"), ended
+        assert len(peer.tokens["pk:packed"]) == 6 and peer.tokens["pk:packed"] == peer.tokens["pk:list"]
+        after = call_engine(engine.endpoint, "stats")
+        assert after["prompts_refused_off_thread"] - before["prompts_refused_off_thread"] == 2  # by the pool
     finally:
         peer.close()
 

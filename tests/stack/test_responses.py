@@ -215,7 +215,7 @@ def test_bad_fields_are_400s_naming_the_param(frontend: Frontend, model_id: str)
     # An integer msgpack cannot carry to the engine is refused up front (as the body is read), not a 500.
     response = httpx.post(f"{frontend.base_url}/v1/responses", json={**base, "metadata": {"n": 10**30}}, timeout=30)
     assert response.status_code == 400, response.text
-    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("invalid_value", "metadata")
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("invalid_value", "metadata.n")
 
 
 def test_json_schema_output(frontend: Frontend, model_id: str) -> None:

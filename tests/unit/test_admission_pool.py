@@ -17,6 +17,7 @@ from engine_daemon.errors import RequestError
 from engine_daemon.request import preprocess
 from engine_daemon.request.preprocess import Preprocessor, check_token_prompt
 from engine_daemon.request.state import PreparedPrompt
+from protocol.token_ids import pack_token_ids
 
 A, B = b"front-a", b"front-b"
 
@@ -156,6 +157,20 @@ def test_a_token_prompt_is_refused_by_its_length_before_its_ids_are_walked() -> 
             check_token_prompt(bad, fake_model())
         assert refused.value.code == "invalid_value"
     check_token_prompt([0, 999], fake_model())
+
+
+def test_a_packed_token_prompt_is_refused_by_its_byte_count_and_checked_once_unpacked() -> None:
+    class Unreadable(bytes):
+        def __iter__(self):
+            raise AssertionError("read")
+
+    with pytest.raises(RequestError) as refused:
+        check_token_prompt(Unreadable(pack_token_ids([1] * 100)), fake_model(window=100))
+    assert refused.value.code == "context_length_exceeded" and "has 100 tokens" in str(refused.value)
+    with pytest.raises(RequestError) as refused:
+        check_token_prompt(pack_token_ids([1, 1000]), fake_model())
+    assert refused.value.code == "invalid_value"
+    assert check_token_prompt(pack_token_ids([0, 999]), fake_model()) == [0, 999]
 
 
 def test_close_answers_every_job_it_holds_once_and_renders_nothing_more(monkeypatch: pytest.MonkeyPatch) -> None:
