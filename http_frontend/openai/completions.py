@@ -2,9 +2,12 @@
 
 The completion route shares validation, submission and relaying with the chat route
 (`parse_sampling`, `serve_generation`); only the prompt and the response shapes
-differ. Fields this server cannot honour (`echo`, `suffix`, `best_of` > 1,
-`logprobs`, several prompts) are refused with a 400 naming the param, never silently
-dropped: a client relying on them would otherwise get a plausible but wrong answer.
+differ. `logprobs` (an integer here: how many alternatives per token) comes back in the
+legacy shape (`LegacyLogprobs`), `echo` puts the prompt's text before the completion.
+Fields this server cannot honour (`suffix`, `best_of` > 1, `echo` with `logprobs`, which
+asks for the prompt's own log probabilities, several prompts) are refused with a 400
+naming the param, never silently dropped: a client relying on them would otherwise get
+a plausible but wrong answer.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import falcon.asgi
 from falcon.asgi import SSEvent
 
+from http_frontend.engine.calls import call_engine
 from http_frontend.engine.client import RequestStream, Update
 from http_frontend.errors import bad_request
 from http_frontend.openai.tokenize import PROMPT_TOKEN_IDS, is_token_ids
@@ -22,10 +26,15 @@ from http_frontend.parsing.body import get_field, off_loop, read_json_object
 from http_frontend.parsing.generation_fields import parse_response_format
 from http_frontend.parsing.sampling import check_max_tokens, check_unsupported, parse_sampling
 from http_frontend.relay.generation import GenerationRoute, relay, serve_generation, usage_object
+from http_frontend.relay.legacy_logprobs import LegacyLogprobs
 from http_frontend.service.metrics import TokenTimer
+from protocol import CallMethod
 
 # OpenAI's legacy completions default: a request without max_tokens gets 16 tokens, not the chat default.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# `logprobs`: alternatives per token. OpenAI's own cap is 5; chat's `top_logprobs` goes to 20 here, and so does this.
+MAX_COMPLETION_LOGPROBS = 20
+DETOKENIZE_TIMEOUT = 30.0  # `echo` of a token prompt: the engine's tokenizer turns it back into text
 # A token prompt longer than this is checked in the body parser's thread: 7 M ids walked on the event loop held
 # every stream of the worker for a second (the engine refuses it by its length, without a walk, anyway).
 OFF_LOOP_TOKEN_IDS = 100_000
@@ -59,16 +68,25 @@ def parse_prompt(body: dict[str, Any]) -> str | list[int]:
 
 def check_completion_unsupported(body: dict[str, Any]) -> None:
     """The chat route's refusals plus the completion-only fields this server does not implement."""
-    # `logprobs` is an integer here (a boolean in chat): checked below, not by check_unsupported.
+    # `logprobs` is an integer here (a boolean in chat): read by `parse_completion_logprobs`, not check_unsupported.
     check_unsupported({k: v for k, v in body.items() if k != "logprobs"})
-    if get_field(body, "echo", (bool,)):
-        raise bad_request("'echo' is not supported yet", param="echo", code="unsupported_parameter")
     if get_field(body, "suffix", (str,)):
         raise bad_request("'suffix' (insertion) is not supported", param="suffix", code="unsupported_parameter")
     if get_field(body, "best_of", (int,), default=1) != 1:
         raise bad_request("Only best_of=1 is supported", param="best_of", code="unsupported_parameter")
-    if get_field(body, "logprobs", (int,), minimum=0) is not None:
-        raise bad_request("'logprobs' is not supported yet", param="logprobs", code="unsupported_parameter")
+
+
+def parse_completion_logprobs(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """(the engine's logprobs params, `echo`): `logprobs` is how many alternatives each token lists (0: only the
+    token's own), `echo` whether the prompt's text comes first. Both together ask for the prompt tokens' own
+    log probabilities (what evaluation harnesses score), which the engine does not compute: a 400, not a reply
+    whose prompt part has none."""
+    count = get_field(body, "logprobs", (int,), minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+    echo = get_field(body, "echo", (bool,), default=False)
+    if echo and count is not None:
+        raise bad_request("'echo' with 'logprobs' asks for the prompt tokens' log probabilities, which this server "
+                          "does not compute; send either one alone", param="echo", code="unsupported_parameter")
+    return ({} if count is None else {"logprobs": True, "top_logprobs": count}), echo
 
 
 class Completions(GenerationRoute):
@@ -78,13 +96,15 @@ class Completions(GenerationRoute):
         body = await read_json_object(req, self.settings.max_body_bytes)
         prompt = await off_loop(parse_prompt, body) if token_count(body) > OFF_LOOP_TOKEN_IDS else parse_prompt(body)
         check_completion_unsupported(body)
-        params = parse_sampling(body, self.settings.max_stop_strings, self.settings.max_stop_length)
+        logprobs, echo = parse_completion_logprobs(body)
+        params = {**parse_sampling(body, self.settings.max_stop_strings, self.settings.max_stop_length), **logprobs}
         params.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
         check_max_tokens(body, params, self.settings.max_tokens_limit)
         model = get_field(body, "model", (str,))
         stream_requested = get_field(body, "stream", (bool,), default=False)
         stream_options = get_field(body, "stream_options", (dict,), default={})
         include_usage = bool(stream_options.get("include_usage"))
+        echoed = await echoed_prompt(self.client, model, prompt) if echo else None
 
         await serve_generation(
             req, resp, self.client, self.request_timeout, self.metrics,
@@ -92,38 +112,55 @@ class Completions(GenerationRoute):
              **({"response_format": fmt} if (fmt := parse_response_format(body)) else {}),
              **({"adapter": adapter} if (adapter := get_field(body, "adapter_path", (str,))) else {})},
             "cmpl", model, stream_requested,
-            events=lambda stream, meta, timer: self._events(stream, meta, include_usage, timer),
-            complete=self._complete, n=get_field(body, "n", (int,), default=1), include_usage=include_usage)
+            events=lambda stream, meta, timer: self._events(stream, meta, include_usage, timer, logprobs, echoed),
+            complete=lambda stream, meta, timer: self._complete(stream, meta, timer, logprobs, echoed),
+            n=get_field(body, "n", (int,), default=1), include_usage=include_usage)
 
-    async def _complete(self, stream: RequestStream, meta: dict[str, Any], timer: TokenTimer) -> dict[str, Any]:
-        text, finish_reason, usage = [], None, None
+    async def _complete(self, stream: RequestStream, meta: dict[str, Any], timer: TokenTimer,
+                        logprobs: dict[str, Any], echoed: str | None) -> dict[str, Any]:
+        text, entries, finish_reason, usage = [echoed or ""], [], None, None
         async for update in relay(stream, self.request_timeout):
             if update is None:
                 continue
             timer.on_update(update)
             text.append(update.text)
+            entries.extend(update.logprobs)
             finish_reason, usage = update.finish_reason or finish_reason, update.usage or usage
+        legacy = LegacyLogprobs().render(entries) if logprobs else None
         return {**meta, "object": "text_completion", "system_fingerprint": None,
-                "choices": [{"index": 0, "text": "".join(text), "logprobs": None, "finish_reason": finish_reason}],
+                "choices": [{"index": 0, "text": "".join(text), "logprobs": legacy, "finish_reason": finish_reason}],
                 "usage": usage_object(usage)}
 
-    def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool,
-                timer: TokenTimer) -> AsyncIterator[SSEvent | None]:
-        def chunk(text: str, finish_reason: str | None = None) -> SSEvent:
+    def _events(self, stream: RequestStream, meta: dict[str, Any], include_usage: bool, timer: TokenTimer,
+                logprobs: dict[str, Any], echoed: str | None) -> AsyncIterator[SSEvent | None]:
+        legacy = LegacyLogprobs() if logprobs else None
+
+        def chunk(text: str, finish_reason: str | None = None, entries: list[dict[str, Any]] | None = None) -> SSEvent:
+            rendered = legacy.render(entries) if legacy is not None and entries else None
             payload = {**meta, "object": "text_completion", "system_fingerprint": None,
-                       "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+                       "choices": [{"index": 0, "text": text, "logprobs": rendered, "finish_reason": finish_reason}]}
             if include_usage:
                 payload["usage"] = None
             return SSEvent(json=payload)
 
         def render(update: Update) -> list[SSEvent]:
             events = []
-            if update.text or update.finish_reason:
+            if update.text or update.finish_reason or update.logprobs:
                 # The finish reason rides on the chunk with the last text, as OpenAI sends it.
-                events.append(chunk(update.text, update.finish_reason))
+                events.append(chunk(update.text, update.finish_reason, update.logprobs))
             if update.finish_reason and include_usage:
                 events.append(SSEvent(json={**meta, "object": "text_completion", "system_fingerprint": None,
                                             "choices": [], "usage": usage_object(update.usage)}))
             return events
 
-        return self.sse(stream, timer, render)
+        # `echo`: the prompt's text first, as OpenAI streams it.
+        return self.sse(stream, timer, render, first=chunk(echoed) if echoed else None)
+
+
+async def echoed_prompt(client: Any, model: str | None, prompt: str | list[int]) -> str:
+    """The prompt's text for `echo`: as sent, or token ids as the tokenizer of an engine serving `model` reads them
+    (asked before the request is submitted: a failure then leaves nothing running)."""
+    if isinstance(prompt, str):
+        return prompt
+    result = await call_engine(client, CallMethod.DETOKENIZE, DETOKENIZE_TIMEOUT, {"model": model, "tokens": prompt})
+    return result["prompt"]

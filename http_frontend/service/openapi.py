@@ -112,11 +112,11 @@ COMPLETION_REQUEST = obj({
     **SAMPLING,
     "prompt": {"oneOf": [{"type": "string", "minLength": 1}, arr({"type": "integer", "minimum": 0}, minItems=1),
                          arr(STRING, minItems=1, maxItems=1)]},
-    "echo": nullable({"type": "boolean", "enum": [False]}),
+    "echo": nullable(BOOLEAN),
     "adapter_path": nullable(STRING),
     "suffix": nullable({"type": "string", "maxLength": 0}),
     "best_of": nullable({"type": "integer", "minimum": 1, "maximum": 1}),
-    "logprobs": {"type": "integer", "nullable": True, "minimum": 0, "maximum": 0},
+    "logprobs": {"type": "integer", "nullable": True, "minimum": 0, "maximum": 20},
 }, ("prompt",))
 
 USAGE = nullable(obj({"prompt_tokens": INTEGER, "completion_tokens": INTEGER, "total_tokens": INTEGER,

@@ -50,6 +50,34 @@ def test_completion_stream_and_non_stream_agree_and_equal_mlx_lm(frontend: Front
     assert by_ids.usage.prompt_tokens == len(ids)
 
 
+def test_completion_logprobs_in_the_legacy_shape_and_echo(frontend: Frontend, tiny_model: Path, model_id: str) -> None:
+    """Greedy: each token's logprob is the top one of its alternatives; the tokens spell the text; `echo` puts the
+    prompt (token ids read back by the engine's tokenizer) before the same completion."""
+    from mlx_lm.tokenizer_utils import load
+
+    client = client_for(frontend)
+    result = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, temperature=0, logprobs=3)
+    choice, logprobs = result.choices[0], result.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == result.usage.completion_tokens
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert len(top) == 3 and logprob <= 0 and top[token] == logprob == max(top.values())
+    streamed = list(client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, temperature=0,
+                                              logprobs=3, stream=True))
+    tokens = [t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
+
+    ids = load(tiny_model).encode(PROMPT)
+    read_back = httpx.post(f"{frontend.base_url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    echoed = client.completions.create(model=model_id, prompt=ids, max_tokens=12, temperature=0, echo=True)
+    assert echoed.choices[0].text == read_back + choice.text
+    streamed = list(client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12, temperature=0, echo=True,
+                                              stream=True))
+    assert streamed[0].choices[0].text == PROMPT
+    assert "".join(c.choices[0].text for c in streamed) == PROMPT + choice.text
+
+
 def test_completion_keeps_the_first_tokens_leading_space(frontend: Frontend, tiny_model: Path, model_id: str) -> None:
     """ "Once upon a time" + "Ġthere": the client's prompt + text must read "Once upon a time there"."""
     from mlx_lm.tokenizer_utils import load
@@ -106,11 +134,11 @@ def test_sse_framing_ends_with_done(frontend: Frontend, model_id: str) -> None:
 def test_unsupported_and_invalid_fields_get_400_naming_the_param(frontend: Frontend, model_id: str) -> None:
     url = f"{frontend.base_url}/v1/completions"
     cases = [
-        ({"echo": True}, "echo"),
+        ({"echo": True, "logprobs": 1}, "echo"),  # asks for the prompt's own logprobs
         ({"suffix": "end"}, "suffix"),
         ({"n": 17}, "n"),
         ({"best_of": 3}, "best_of"),
-        ({"logprobs": 2}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"prompt": ["one", "two"]}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, "x"]}, "prompt"),

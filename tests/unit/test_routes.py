@@ -182,8 +182,10 @@ def test_unknown_route_and_wrong_method_in_openai_shape(engine: FakeEngine) -> N
 @pytest.mark.parametrize(("body", "code", "param"), [
     ({"prompt": ["one", "two"]}, "unsupported_parameter", "prompt"),
     ({"prompt": [1, -2]}, "invalid_value", "prompt"),
-    ({"prompt": "hi", "echo": True}, "unsupported_parameter", "echo"),
-    ({"prompt": "hi", "logprobs": 2}, "unsupported_parameter", "logprobs"),
+    ({"prompt": "hi", "echo": True, "logprobs": 1}, "unsupported_parameter", "echo"),  # the prompt's logprobs
+    ({"prompt": "hi", "logprobs": 21}, "invalid_value", "logprobs"),
+    ({"prompt": "hi", "logprobs": True}, "invalid_type", "logprobs"),
+    ({"prompt": "hi", "echo": "yes"}, "invalid_type", "echo"),
     ({}, "missing_required_parameter", "prompt"),
 ])
 def test_invalid_completions_are_400(engine: FakeEngine, body: dict, code: str, param: str) -> None:
