@@ -10,7 +10,6 @@ from engine_daemon.models.loaded import LoadedModel
 from engine_daemon.request import client_template
 from engine_daemon.request.template_kwargs import checked_template_kwargs
 from engine_daemon.sampling.tool_choice import allowed_tools, narrowed
-from protocol.token_ids import unpack_token_ids
 
 
 def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
@@ -36,11 +35,11 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
             tokens = tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
                                                    **kwargs)
         except Exception as exc:  # jinja raises its own exception types for template errors
-            folded = fold_late_system_turns(messages)
             if isinstance(exc, RecursionError):  # the front-ends bound nesting (`MAX_NESTING`): a last guard
                 raise RequestError(400, "invalid_messages", "The chat template could not render the messages: "
                                    "values in them (tool-call arguments, tool schemas) are nested too deeply",
                                    param="messages") from None
+            folded = fold_late_system_turns(messages)
             if folded is None:
                 raise RequestError(400, "invalid_messages", "The chat template rejected the messages: "
                                    f"{describe(exc)}", param="messages") from None
@@ -49,8 +48,6 @@ def build_prompt(loaded: LoadedModel, body: dict[str, Any]) -> list[int]:
     prompt = body["prompt"]
     if isinstance(prompt, list):
         return prompt
-    if isinstance(prompt, bytes):  # packed (`protocol.token_ids`); `check_token_prompt` unpacks it before this
-        return unpack_token_ids(prompt)
     return list(tokenizer.encode(prompt))
 
 
