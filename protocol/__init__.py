@@ -6,6 +6,7 @@ A frame is ``[type: 1 byte][msgpack body]``; the ROUTER adds the identity frame.
 
 from protocol.codec import ProtocolError, decode, encode
 from protocol.messages import (
+    PROMPT_LOGPROBS,
     PROTOCOL_VERSION,
     CallMethod,
     MsgType,
@@ -14,6 +15,7 @@ from protocol.messages import (
 )
 
 __all__ = [
+    "PROMPT_LOGPROBS",
     "PROTOCOL_VERSION",
     "CallMethod",
     "MsgType",

@@ -228,6 +228,8 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
     "top_logprobs": (int, NONE),
     "thinking_budget": (int, NONE),
     "min_tokens": (int, NONE),  # no EOS before this many tokens (vLLM's)
+    # The prompt's own logprobs, with this many alternatives per token (`PROMPT_LOGPROBS`); then max_tokens may be 0
+    "prompt_logprobs": (int, NONE),
 }
 
 # One item of a DELTAS message (documented here; the front-end reads these keys).
@@ -238,8 +240,13 @@ PARAM_TYPES: dict[str, tuple[type, ...]] = {
 # piece of a call with its "id" and "name"; its complete `tool_calls` entry (same index and id) comes
 # later, its arguments starting with the pieces. A reader that ignores the key still gets every call whole.
 # `stop_sequence` on the last item names the stop string that ended the request, if one did.
+# `prompt_logprobs` (a request that asked for them): the next prompt tokens' entries, in order, before any text;
+# the prompt's first token has a null `logprob` and `top_logprobs` (nothing predicts it).
 DELTA_ITEM_KEYS = ("rid", "seq", "text", "reasoning", "tool_calls", "tool_call_deltas", "token_ids", "logprobs",
-                   "finish_reason", "stop_sequence", "usage")
+                   "finish_reason", "stop_sequence", "usage", "prompt_logprobs")
+
+# In WELCOME `features`: the engine reads the `prompt_logprobs` param (a front-end asks no engine without it).
+PROMPT_LOGPROBS = "prompt_logprobs"
 
 # Engine states reported in WELCOME / PONG.
 ENGINE_STATES = ("idle", "loading", "ready", "stalled", "draining")

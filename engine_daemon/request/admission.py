@@ -27,13 +27,15 @@ from engine_daemon.sampling.thinking import prompt_in_thinking
 
 log = logging.getLogger(__name__)
 
-def settle_max_tokens(loaded: LoadedModel, prompt_len: int, requested: int | None, default: int) -> int:
-    """max_tokens for a request, or RequestError when the context window cannot hold it."""
+def settle_max_tokens(loaded: LoadedModel, prompt_len: int, requested: int | None, default: int,
+                      minimum: int = 1) -> int:
+    """max_tokens for a request, or RequestError when the context window cannot hold it; `minimum` 0 for a
+    request that scores its prompt (`prompt_logprobs`) and may generate nothing."""
     window = loaded.context_window
     if prompt_len == 0:
         raise RequestError(400, "empty_prompt", "The prompt is empty", param="messages")
-    if requested is not None and requested < 1:
-        raise RequestError(400, "invalid_value", "max_tokens must be at least 1", param="max_tokens")
+    if requested is not None and requested < minimum:
+        raise RequestError(400, "invalid_value", f"max_tokens must be at least {minimum}", param="max_tokens")
     if window is None:
         return requested or default
     if prompt_len >= window:
@@ -122,7 +124,8 @@ def prepare(request: EngineRequest, loaded: LoadedModel, default_max_tokens: int
     fit_context(request, loaded, default_max_tokens)
     try:
         request.max_tokens = settle_max_tokens(loaded, len(request.prompt_tokens),
-                                               request.params.get("max_tokens"), default_max_tokens)
+                                               request.params.get("max_tokens"), default_max_tokens,
+                                               0 if request.params.get("prompt_logprobs") is not None else 1)
     except RequestError as exc:
         if exc.param == "messages" and request.body.get("messages") is None:
             exc.param = "prompt"  # a raw-prompt request (/v1/completions): name the field it sent

@@ -22,9 +22,10 @@ PARAM_RANGES: dict[str, tuple[float, float]] = {
     "top_k": (-1, 2**31 - 1),
     "repetition_penalty": (1e-6, 100.0),
     "seed": (0, 2**63 - 1),
-    "max_tokens": (1, 2**31 - 1),
+    "max_tokens": (0, 2**31 - 1),  # 0 only with prompt_logprobs (`settle_max_tokens`)
     "min_tokens": (0, 2**31 - 1),
     "top_logprobs": (0, 20),
+    "prompt_logprobs": (0, 20),
     "presence_penalty": (-2.0, 2.0),
     "frequency_penalty": (-2.0, 2.0),
     "thinking_budget": (0, 2**31 - 1),

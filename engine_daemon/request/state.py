@@ -65,6 +65,7 @@ class EngineRequest:
     # Its sampler, made once: a seeded one's key chain goes on after a pause (`engine_daemon.scheduling.preemption`).
     sampler: Any = None
     preempted: Any = None  # while paused for another client: the KV it resumes from (`Preempted`)
+    prompt_scored: bool = False  # its prompt's own logprobs were sent (`PromptScoring`)
 
     @property
     def client(self) -> str:

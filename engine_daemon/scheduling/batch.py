@@ -34,14 +34,16 @@ from engine_daemon.request.state import EngineRequest
 from engine_daemon.sampling.samplers import make_request_processors, make_request_sampler, recover_random_state
 from engine_daemon.scheduling import coalesce, fair_slots
 from engine_daemon.scheduling.base import BaseScheduler, Event, error_event
+from engine_daemon.scheduling.model_switch import ModelSwitchAdmission
 from engine_daemon.scheduling.prefill_pacer import ROW_TILE, PrefillPacer, StepPeriods
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
 from engine_daemon.scheduling.prompt_progress import PromptProgress
+from engine_daemon.scheduling.prompt_scoring import PromptScoring, check_scoring, wants_scoring
 
 log = logging.getLogger(__name__)
 
 
-class BatchScheduler(BaseScheduler):
+class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
     batching = True
     batching_note = "continuous batching"
 
@@ -66,6 +68,7 @@ class BatchScheduler(BaseScheduler):
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()
         self._ended_prefills: list[Any] = []  # the last step's progress, shared in `after_publish`
+        self.scoring = PromptScoring(config.max_gap_ratio, config.prefill_step_size, config.max_kv_size)
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)
         # Rank 0 of a group broadcasts each generator call (Lockstep; no prefill sharing there, GroupLeader.attach).
@@ -73,27 +76,29 @@ class BatchScheduler(BaseScheduler):
 
     # -- counts ---------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.by_uid) or bool(self.waiting) or bool(self.pending)
+        return bool(self.by_uid) or bool(self.waiting) or bool(self.pending) or bool(self.scoring)
 
     def decoding(self) -> int:
         return sum(1 for request in self.by_uid.values() if request.seq > 0)
 
     def queued(self) -> int:
-        return len(self.waiting) + len(self.pending) + len(self.by_uid) - self.decoding()
+        return len(self.waiting) + len(self.pending) + len(self.scoring.jobs) + len(self.by_uid) - self.decoding()
 
     def running(self) -> int:
         return self.decoding()
 
     def all_requests(self) -> list[EngineRequest]:
-        return [r for r, _ in self.waiting] + list(self.pending) + list(self.by_uid.values())
+        return self.queued_requests() + list(self.by_uid.values())
 
     def queued_requests(self) -> list[EngineRequest]:
-        return sorted([r for r, _ in self.waiting] + list(self.pending), key=lambda request: request.arrived)
+        queued = [r for r, _ in self.waiting] + list(self.pending) + self.scoring.requests()
+        return sorted(queued, key=lambda request: request.arrived)
 
     def unqueue(self, requests: list[EngineRequest]) -> None:
         super().unqueue(requests)
         gone = {id(request) for request in requests}
         self.pending = deque(other for other in self.pending if id(other) not in gone)
+        self.scoring.remove(gone)
         for request in requests:
             self.sharing.admitted(request.rid)  # no longer waiting for anyone's prefill
 
@@ -110,7 +115,7 @@ class BatchScheduler(BaseScheduler):
     def prompt_cache_stats(self) -> dict[str, int]:
         vision_kv = getattr(self.generator, "prefix_cache_stats", dict)()  # VisionBatchGenerator's KV blocks
         return {**self.prompt_cache.stats(), **self.sharing.stats(), **vision_cache_stats(self.models.current),
-                **vision_kv}
+                **vision_kv, **self.scoring.stats()}
 
     # -- admission ------------------------------------------------------------------
     def accept(self, request: EngineRequest) -> None:
@@ -127,6 +132,7 @@ class BatchScheduler(BaseScheduler):
             raise
         if self.lockstep is not None:
             check_replayable(request)
+        check_scoring(request, self.models.current.kind, self.lockstep is not None)
 
     def resolve_model(self, name: str | None, download: bool = True) -> ModelRef:
         """An engine group serves the one model it was started with: no switch (every rank would reload)."""
@@ -159,7 +165,12 @@ class BatchScheduler(BaseScheduler):
             if request is None:
                 break  # every waiting client is at its --max-slots-per-key ceiling
             self.sharing.admitted(request.rid)
-            resumed = request.preempted is not None
+            resumed = request.preempted is not None or request.prompt_scored
+            if wants_scoring(request):  # its prompt's logprobs first, then it joins with that KV (`PromptScoring`)
+                current = self.models.current
+                self.scoring.add(request, self.adapters.bind(current, request.body.get("adapter")), current.tokenizer)
+                events.append(self.accepted_event(request))
+                continue
             try:
                 self._ensure_generator()
                 self._insert(request)
@@ -261,6 +272,7 @@ class BatchScheduler(BaseScheduler):
     def reset(self) -> None:
         super().reset()
         self.pending.clear()
+        self.scoring.clear()
         self.by_uid.clear()
         self.uid_of.clear()
         self._prefill_progress.clear()
@@ -275,48 +287,6 @@ class BatchScheduler(BaseScheduler):
     def on_shutdown(self) -> None:
         """A clean stop: the hot prefixes go to disk for the next start (--prompt-cache-dir)."""
         self.prompt_cache.spill_all()
-
-    def _start_waiting(self) -> list[Event]:
-        """Admits queued requests, switching models once the batch of the old one drained."""
-        events: list[Event] = []
-        while self.waiting:
-            request, ref = self.waiting[0]
-            current = self.models.current
-            if current is None or current.ref != ref:
-                if current is not None and (self.by_uid or self.pending) and self.switch_can_wait():
-                    # Within the switch delay the loaded model's own waiters still join its batch.
-                    events += self._admit_waiting_for(current.ref)
-                    break
-                if self.by_uid or self.pending:
-                    break  # the running batch finishes on the current model first
-                self.on_unload()
-                try:
-                    self.models.ensure(ref)
-                except RequestError as exc:  # a model that cannot serve generation (an audio model): a 400
-                    self.waiting.popleft()
-                    events.append(self.refuse(request, exc))
-                    continue
-                except Exception as exc:
-                    log.exception("could not load %s", ref.id)
-                    self.waiting.popleft()
-                    events.append(error_event(request, engine_failure(exc)))
-                    continue
-            self.waiting.popleft()
-            events += self._accept_and_admit(request)
-        return events
-
-    def _accept_and_admit(self, request: EngineRequest) -> list[Event]:
-        try:
-            self.accept(request)
-            return self._admit(request)
-        except RequestError as exc:
-            return [self.refuse(request, exc)]
-
-    def _admit_waiting_for(self, ref: ModelRef) -> list[Event]:
-        """Admits the waiting requests for `ref` (the loaded model) from anywhere in the queue, in order."""
-        mine = [item for item in self.waiting if item[1] == ref]
-        self.waiting = deque(item for item in self.waiting if item[1] != ref)
-        return [event for request, _ in mine for event in self._accept_and_admit(request)]
 
     # -- stepping -------------------------------------------------------------------
     def abort(self, rids: set[str]) -> int:
@@ -337,7 +307,7 @@ class BatchScheduler(BaseScheduler):
         return found
 
     def step(self) -> list[Event]:
-        events = self._start_waiting() + self._fill_slots()
+        events = self._start_waiting() + self._fill_slots() + self._score_prompts()
         if not self.by_uid:
             return events
         generator = self.generator
@@ -424,6 +394,17 @@ class BatchScheduler(BaseScheduler):
                 cache, tokens = tokens_cache
                 self._remember(tokens, cache, stopped_early[uid])
         return events
+
+    def _score_prompts(self) -> list[Event]:
+        """A slice of the head scored prompt (`PromptScoring`); one through joins the batch, or ends at max_tokens 0."""
+        decode_seconds = self.pacer.decode_seconds if self.decoding() else None
+        events, through = self.scoring.tick(decode_seconds, self.models.current.vocab_size)
+        for request in through:
+            if request.max_tokens:
+                self.pending.appendleft(request)
+            else:
+                events.append(self.token_event(request, None))
+        return events + (self._fill_slots() if through else [])
 
     def after_publish(self) -> None:
         """Shares the KV of the prompts whose prefill ended in the last step (`PrefillSharing.publish`).

@@ -39,6 +39,9 @@ class SerialScheduler(BaseScheduler):
             raise RequestError(400, "unsupported_content",
                                f"Model '{self.models.current.ref.id}' takes text only; images and audio need a "
                                "vision model", param="messages")
+        if request.params.get("prompt_logprobs") is not None:  # `PromptScoring` is the batch scheduler's
+            raise RequestError(400, "unsupported_parameter", "Prompt logprobs are not available while the engine "
+                               "runs with --kv-bits (one request at a time)", param="prompt_logprobs")
         super().accept(request)
 
     def __init__(self, models: ModelManager, config: SchedulerConfig, stream: Any = None):

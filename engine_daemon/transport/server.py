@@ -42,7 +42,7 @@ from engine_daemon.transport.handshake_log import HandshakeLog, QuietLog, folded
 from engine_daemon.transport.outbox import forward_outbox
 from engine_daemon.transport.security import SocketSecurity, ThreadAuthenticator, secure_router
 from engine_daemon.transport.wind_down import wind_down
-from protocol import PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
+from protocol import PROMPT_LOGPROBS, PROTOCOL_VERSION, MsgType, ProtocolError, decode, encode
 from protocol.token_ids import FEATURE as PACKED_TOKEN_IDS
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,7 @@ class EngineServer:
         self._reply(router, peer, MsgType.WELCOME, {
             "version": PROTOCOL_VERSION, "epoch": self.epoch, "state": (status := self.worker.status).state,
             "model": status.model, "adapter": self.worker.scheduler.adapters.registry.default,
-            "started_at": self.started_at, "pid": os.getpid(), "features": [PACKED_TOKEN_IDS],
+            "started_at": self.started_at, "pid": os.getpid(), "features": [PACKED_TOKEN_IDS, PROMPT_LOGPROBS],
             **({"group": self.worker.group.describe()} if self.worker.group is not None else {})})
 
     def state(self) -> str:

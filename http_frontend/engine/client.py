@@ -30,7 +30,7 @@ from http_frontend.engine.handshake_watch import VERSION_MISMATCH, handshake_mon
 from http_frontend.engine.loop_time import wait_free_time
 from http_frontend.engine.request_stream import EngineError, EngineUnavailable, RequestStream, Update
 from protocol import PROTOCOL_VERSION, CallMethod, MsgType, ProtocolError, decode, encode, new_request_id
-from protocol.messages import MAX_FRAME_BYTES
+from protocol.messages import MAX_FRAME_BYTES, PROMPT_LOGPROBS
 from protocol.token_ids import FEATURE as PACKED_TOKEN_IDS
 from protocol.token_ids import pack_token_ids
 
@@ -203,8 +203,14 @@ class EngineClient:
         if not await self.wait_ready(2.0):
             raise self._unreachable()
         rid = new_request_id(self.frontend_id)
-        frame = packed_frame(MsgType.ADD, {**self._packed(request), "rid": rid, "epoch": self.epoch})
         stream = RequestStream(rid, self.max_pending_bytes)
+        if (request.get("params") or {}).get(PROMPT_LOGPROBS) is not None and PROMPT_LOGPROBS not in self.features:
+            # An engine from before prompt logprobs would ignore the param and answer without them.
+            stream.on_error({"rid": rid, "status": 400, "code": "unsupported_parameter", "param": "logprobs",
+                             "type": "invalid_request_error", "message": "The engine serving this request does not "
+                             "compute prompt logprobs (it predates them): upgrade it to use 'echo' with 'logprobs'"})
+            return stream
+        frame = packed_frame(MsgType.ADD, {**self._packed(request), "rid": rid, "epoch": self.epoch})
         self.streams[rid] = stream
         if not self._send_frame(frame):
             del self.streams[rid]

@@ -85,7 +85,7 @@ def delta_bytes(item: dict[str, Any]) -> int:
         size += 256 + sum(len(value) for value in call.values() if isinstance(value, str))
     for piece in item.get("tool_call_deltas") or ():  # merged into the call's last piece while unread
         size += sum(len(value) for value in piece.values() if isinstance(value, str))
-    for entry in item.get("logprobs") or ():
+    for entry in (*(item.get("logprobs") or ()), *(item.get("prompt_logprobs") or ())):
         for alternative in (entry, *(entry.get("top_logprobs") or ())):
             size += LOGPROB_ENTRY_BYTES + LOGPROB_CHAR_BYTES * len(alternative.get("token") or "")
     return size

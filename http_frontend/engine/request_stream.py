@@ -43,6 +43,8 @@ class Update:
     tool_parts: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    # The prompt tokens' own entries (a request with `prompt_logprobs`), in order; they come before any text.
+    prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     stop_sequence: str | None = None  # the stop string that ended the request, if one did
@@ -94,6 +96,7 @@ class RequestStream:
         _add_tool_parts(pending.tool_parts, item)
         pending.token_ids.extend(item.get("token_ids") or ())
         pending.logprobs.extend(item.get("logprobs") or ())
+        pending.prompt_logprobs.extend(item.get("prompt_logprobs") or ())
         if item.get("finish_reason"):
             pending.finish_reason = item["finish_reason"]
             pending.usage = item.get("usage")
@@ -144,7 +147,7 @@ class RequestStream:
     def _has_output(self) -> bool:
         p = self._pending
         return bool(self._ready or p.text or p.reasoning or p.tool_parts or p.token_ids or p.finish_reason
-                    or self.error is not None)
+                    or p.prompt_logprobs or self.error is not None)
 
 
 def _starts_new_update(pending: Update, item: dict[str, Any]) -> bool:

@@ -4,10 +4,12 @@ The completion route shares validation, submission and relaying with the chat ro
 (`parse_sampling`, `serve_generation`); only the prompt and the response shapes
 differ. `logprobs` (an integer here: how many alternatives per token) comes back in the
 legacy shape (`LegacyLogprobs`), `echo` puts the prompt's text before the completion.
-Fields this server cannot honour (`suffix`, `best_of` > 1, `echo` with `logprobs`, which
-asks for the prompt's own log probabilities, several prompts) are refused with a 400
-naming the param, never silently dropped: a client relying on them would otherwise get
-a plausible but wrong answer.
+Both together ask for the prompt tokens' own log probabilities, what evaluation harnesses
+score (lm-evaluation-harness's loglikelihood tasks): the engine computes them before it
+generates (`PromptScoring`), and `max_tokens` 0 then asks for nothing else.
+Fields this server cannot honour (`suffix`, `best_of` > 1, several prompts) are refused
+with a 400 naming the param, never silently dropped: a client relying on them would
+otherwise get a plausible but wrong answer.
 """
 
 from __future__ import annotations
@@ -79,14 +81,23 @@ def check_completion_unsupported(body: dict[str, Any]) -> None:
 def parse_completion_logprobs(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     """(the engine's logprobs params, `echo`): `logprobs` is how many alternatives each token lists (0: only the
     token's own), `echo` whether the prompt's text comes first. Both together ask for the prompt tokens' own
-    log probabilities (what evaluation harnesses score), which the engine does not compute: a 400, not a reply
-    whose prompt part has none."""
+    log probabilities too (`prompt_logprobs`, with as many alternatives)."""
     count = get_field(body, "logprobs", (int,), minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
     echo = get_field(body, "echo", (bool,), default=False)
-    if echo and count is not None:
-        raise bad_request("'echo' with 'logprobs' asks for the prompt tokens' log probabilities, which this server "
-                          "does not compute; send either one alone", param="echo", code="unsupported_parameter")
-    return ({} if count is None else {"logprobs": True, "top_logprobs": count}), echo
+    if count is None:
+        return {}, echo
+    return {"logprobs": True, "top_logprobs": count, **({"prompt_logprobs": count} if echo else {})}, echo
+
+
+def parse_completion_sampling(body: dict[str, Any], settings: Any, scoring: bool) -> dict[str, Any]:
+    """The sampling params; `max_tokens` 0 is taken from a request that scores its prompt (`echo` with `logprobs`):
+    the prompt's logprobs and nothing generated, as evaluation scripts ask of OpenAI's legacy models."""
+    zero = scoring and body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    params = parse_sampling({k: v for k, v in body.items() if k != "max_tokens"} if zero else body,
+                            settings.max_stop_strings, settings.max_stop_length)
+    if zero:
+        params["max_tokens"] = 0
+    return params
 
 
 class Completions(GenerationRoute):
@@ -97,8 +108,9 @@ class Completions(GenerationRoute):
         prompt = await off_loop(parse_prompt, body) if token_count(body) > OFF_LOOP_TOKEN_IDS else parse_prompt(body)
         check_completion_unsupported(body)
         logprobs, echo = parse_completion_logprobs(body)
-        params = {**parse_sampling(body, self.settings.max_stop_strings, self.settings.max_stop_length), **logprobs}
-        params.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        params = {**parse_completion_sampling(body, self.settings, "prompt_logprobs" in logprobs), **logprobs}
+        if params.get("max_tokens") is None:
+            params["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS
         check_max_tokens(body, params, self.settings.max_tokens_limit)
         model = get_field(body, "model", (str,))
         stream_requested = get_field(body, "stream", (bool,), default=False)
@@ -124,6 +136,7 @@ class Completions(GenerationRoute):
                 continue
             timer.on_update(update)
             text.append(update.text)
+            entries.extend(update.prompt_logprobs)  # the prompt's, before any generated token's
             entries.extend(update.logprobs)
             finish_reason, usage = update.finish_reason or finish_reason, update.usage or usage
         legacy = LegacyLogprobs().render(entries) if logprobs else None
@@ -143,8 +156,14 @@ class Completions(GenerationRoute):
                 payload["usage"] = None
             return SSEvent(json=payload)
 
+        echo_pending = echoed is not None and "prompt_logprobs" in logprobs
+
         def render(update: Update) -> list[SSEvent]:
+            nonlocal echo_pending
             events = []
+            if update.prompt_logprobs:  # the echo comes with the first of the prompt's entries, the rest with ""
+                events.append(chunk(echoed if echo_pending else "", entries=update.prompt_logprobs))
+                echo_pending = False
             if update.text or update.finish_reason or update.logprobs:
                 # The finish reason rides on the chunk with the last text, as OpenAI sends it.
                 events.append(chunk(update.text, update.finish_reason, update.logprobs))
@@ -153,8 +172,8 @@ class Completions(GenerationRoute):
                                             "choices": [], "usage": usage_object(update.usage)}))
             return events
 
-        # `echo`: the prompt's text first, as OpenAI streams it.
-        return self.sse(stream, timer, render, first=chunk(echoed) if echoed else None)
+        # `echo`: the prompt's text first, as OpenAI streams it (with its logprobs, when those were asked for).
+        return self.sse(stream, timer, render, first=chunk(echoed) if echoed and not echo_pending else None)
 
 
 async def echoed_prompt(client: Any, model: str | None, prompt: str | list[int]) -> str:

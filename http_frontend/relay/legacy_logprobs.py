@@ -27,7 +27,10 @@ class LegacyLogprobs:
             token = str(entry.get("token", ""))
             tokens.append(token)
             logprobs.append(entry.get("logprob"))
-            tops.append({str(top.get("token", "")): top.get("logprob") for top in entry.get("top_logprobs") or ()})
+            alternatives = entry.get("top_logprobs")
+            # null for a prompt's first token, as OpenAI answers `echo`: nothing predicts it
+            tops.append(None if alternatives is None and entry.get("logprob") is None else
+                        {str(top.get("token", "")): top.get("logprob") for top in alternatives or ()})
             offsets.append(self.offset)
             if not token.startswith(PARTIAL_TOKEN_PREFIX):
                 self.offset += len(token)

@@ -113,6 +113,7 @@ COMPLETION_REQUEST = obj({
     "prompt": {"oneOf": [{"type": "string", "minLength": 1}, arr({"type": "integer", "minimum": 0}, minItems=1),
                          arr(STRING, minItems=1, maxItems=1)]},
     "echo": nullable(BOOLEAN),
+    "max_tokens": nullable({"type": "integer", "minimum": 0}),  # 0: with `echo` and `logprobs`, the prompt's only
     "adapter_path": nullable(STRING),
     "suffix": nullable({"type": "string", "maxLength": 0}),
     "best_of": nullable({"type": "integer", "minimum": 1, "maximum": 1}),

@@ -64,3 +64,83 @@ def test_echo_puts_the_prompt_first_and_reads_token_ids_back_through_the_engine(
                                                                           "stream": True})
     texts = [json.loads(data)["choices"][0]["text"] for _, data in sse_events(streamed.text) if data != "[DONE]"]
     assert texts[0] == "Say: " and "".join(texts) == "Say: Hello"
+
+
+def first_entry(token: str) -> dict[str, Any]:
+    """A prompt's first token as the engine sends it: nothing predicts it."""
+    return {"token": token, "logprob": None, "bytes": list(token.encode()), "top_logprobs": None}
+
+
+PROMPT_SCRIPT = [{"text": "", "prompt_logprobs": [first_entry("Say")]},
+                 {"text": "", "prompt_logprobs": [entry(":", -2.0, (" so", -1.0)), entry(" ", -3.0, ("x", -0.5))]},
+                 *SCRIPT]
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_and_puts_them_first() -> None:
+    """What lm-evaluation-harness's loglikelihood sends: `echo`, `logprobs`, and reads token_logprobs[ctxlen:-1]."""
+    engine = FakeEngine(script=lambda request: list(PROMPT_SCRIPT))
+    result = client_for(engine).simulate_post("/v1/completions", json={"prompt": "Say: ", "echo": True,
+                                                                        "logprobs": 1, "max_tokens": 2})
+    assert result.status_code == 200, result.text
+    assert engine.added[0]["params"]["prompt_logprobs"] == 1 and engine.added[0]["params"]["top_logprobs"] == 1
+    choice = result.json["choices"][0]
+    assert choice["text"] == "Say: Hello"
+    assert choice["logprobs"] == {
+        "tokens": ["Say", ":", " ", "Hel", "lo"], "token_logprobs": [None, -2.0, -3.0, -0.5, -0.25],
+        "top_logprobs": [None, {" so": -1.0}, {"x": -0.5}, {"Hel": -0.5, "He": -1.5}, {"lo": -0.25, "p": -2.0}],
+        "text_offset": [0, 3, 4, 5, 8]}
+    # Without `echo` nothing asks for the prompt's.
+    client_for(engine).simulate_post("/v1/completions", json={"prompt": "Say: ", "logprobs": 1})
+    assert "prompt_logprobs" not in engine.added[1]["params"]
+
+
+def test_scoring_only_takes_max_tokens_0_and_streams_the_echo_with_the_prompts_logprobs() -> None:
+    scored = [*PROMPT_SCRIPT[:2], {"finish_reason": "length", "usage": usage(0)}]
+    engine = FakeEngine(script=lambda request: list(scored))
+    result = client_for(engine).simulate_post("/v1/completions", json={"prompt": "Say: ", "echo": True,
+                                                                        "logprobs": 0, "max_tokens": 0})
+    assert result.status_code == 200, result.text
+    assert engine.added[0]["params"]["max_tokens"] == 0
+    assert result.json["choices"][0]["text"] == "Say: " and result.json["choices"][0]["finish_reason"] == "length"
+    assert result.json["choices"][0]["logprobs"]["token_logprobs"] == [None, -2.0, -3.0]
+    streamed = client_for(FakeEngine(script=lambda request: list(scored))).simulate_post(
+        "/v1/completions", json={"prompt": "Say: ", "echo": True, "logprobs": 0, "max_tokens": 0, "stream": True})
+    chunks = [json.loads(data)["choices"][0] for _, data in sse_events(streamed.text) if data != "[DONE]"]
+    # The echo rides on the first prompt entries (not sent ahead of them); later entries come with no text.
+    assert [c["text"] for c in chunks] == ["Say: ", "", ""]
+    assert [c["logprobs"]["tokens"] if c["logprobs"] else None for c in chunks] == [["Say"], [":", " "], None]
+    assert [c["logprobs"]["text_offset"] if c["logprobs"] else None for c in chunks] == [[0], [3, 4], None]
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_an_engine_without_prompt_logprobs_is_not_asked_for_them() -> None:
+    """An engine from before `PROMPT_LOGPROBS` would ignore the param and answer without the prompt's entries."""
+    import asyncio
+
+    from http_frontend.engine.client import EngineClient
+    from http_frontend.engine.request_stream import EngineError
+    from protocol.messages import PROMPT_LOGPROBS
+
+    async def scenario(features: frozenset[str]) -> tuple[list[bytes], Any]:
+        client = EngineClient("ipc:///nonexistent")
+        sent: list[bytes] = []
+
+        async def ready(timeout: float) -> bool:
+            return True
+
+        client.wait_ready = ready  # type: ignore[method-assign]
+        client._send_frame = lambda frame: sent.append(frame) or True  # type: ignore[method-assign]
+        client.features = features
+        stream = await client.submit({"model": "m", "prompt": "x", "params": {"prompt_logprobs": 1}})
+        try:
+            await stream.wait_accepted(0.01)
+        except EngineError as exc:
+            return sent, exc
+        except asyncio.TimeoutError:
+            return sent, None
+        return sent, None
+
+    sent, error = asyncio.run(scenario(frozenset()))
+    assert not sent and error is not None and error.body["status"] == 400 and error.body["param"] == "logprobs"
+    sent, error = asyncio.run(scenario(frozenset({PROMPT_LOGPROBS})))
+    assert len(sent) == 1 and error is None

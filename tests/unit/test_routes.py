@@ -182,7 +182,8 @@ def test_unknown_route_and_wrong_method_in_openai_shape(engine: FakeEngine) -> N
 @pytest.mark.parametrize(("body", "code", "param"), [
     ({"prompt": ["one", "two"]}, "unsupported_parameter", "prompt"),
     ({"prompt": [1, -2]}, "invalid_value", "prompt"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, "unsupported_parameter", "echo"),  # the prompt's logprobs
+    ({"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),  # 0 only when scoring the prompt
+    ({"prompt": "hi", "echo": True, "max_tokens": 0}, "invalid_value", "max_tokens"),
     ({"prompt": "hi", "logprobs": 21}, "invalid_value", "logprobs"),
     ({"prompt": "hi", "logprobs": True}, "invalid_type", "logprobs"),
     ({"prompt": "hi", "echo": "yes"}, "invalid_type", "echo"),

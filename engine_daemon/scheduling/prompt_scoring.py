@@ -1,0 +1,211 @@
+"""A prompt's own log probabilities (`prompt_logprobs`), computed in bounded slices before it generates.
+
+Why a pass of its own: the batch's prefill keeps the logits of a prompt's last position only
+(mlx-lm's generators compute the others and drop them), while evaluation harnesses score
+prompts: lm-evaluation-harness's loglikelihood tasks send `/v1/completions` with `echo` and
+`logprobs` and sum the logprobs of the prompt's continuation tokens. So a request that asks
+is taken aside when it would join the batch: its prompt goes through the model here, a slice
+of positions per scheduler step (as long as the streams' gap target allows, like a paced
+prefill), each slice's logprobs sent at once as DELTAS items. The KV this builds is the
+prefill the request needs anyway: when the prompt is through, the request joins the batch as
+a paused one resumes (`Preempted`), its last token fed there for the first new token. So the
+prompt is computed once, and a request with `max_tokens` 0 (scoring only) never joins.
+
+One job runs at a time, in arrival order; only the running one holds KV. Text models outside an
+engine group only: a vision model's prompt is built by mlx-vlm, a group's by every rank in lockstep.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine_daemon.cpu.prefill_scope import prefilling
+from engine_daemon.errors import RequestError, engine_failure
+from engine_daemon.output.token_text import token_bytes, token_label
+from engine_daemon.request.state import EngineRequest
+from engine_daemon.scheduling.base import Event, error_event
+from engine_daemon.scheduling.fair_slots import Preempted
+from protocol import MsgType
+
+log = logging.getLogger(__name__)
+
+PARAM = "prompt_logprobs"  # the ADD param: how many alternatives each prompt token lists (0: its own only)
+LOGIT_BYTES = 64 << 20  # float32 logits of one slice's positions: the slice's rows are capped by the vocabulary
+MIN_SLICE = 16
+FIRST_SLICE = 64  # while streams decode and nothing has been measured yet
+# A slice runs between two batch steps: the streams' gap becomes a decode step plus the slice, kept at this
+# share of what `--max-gap-ratio` leaves past the decode step.
+GAP_SHARE = 0.8
+
+
+def wants_scoring(request: EngineRequest) -> bool:
+    """A request that asked for its prompt's logprobs and has not had them yet."""
+    return request.params.get(PARAM) is not None and not request.prompt_scored
+
+
+def check_scoring(request: EngineRequest, kind: str, grouped: bool) -> None:
+    """Refuses prompt logprobs where this pass cannot compute them (see the module's docstring)."""
+    if not wants_scoring(request):
+        return
+    if kind != "text" or request.body.get("media"):
+        raise RequestError(400, "unsupported_parameter", "Prompt logprobs are computed for text models and text "
+                           "prompts only", param=PARAM)
+    if grouped:
+        raise RequestError(400, "unsupported_parameter", "Prompt logprobs are not available in an engine group",
+                           param=PARAM)
+
+
+@dataclass
+class ScoringJob:
+    """One request's prompt on its way through the model: `done` positions are in `cache`."""
+
+    request: EngineRequest
+    model: Any  # the model bound to the request's adapter (`AdapterManager.bind`)
+    tokenizer: Any
+    max_kv_size: int | None = None  # the generator's own cache layout (`--max-kv-size`): the KV joins its batch
+    cache: list[Any] | None = None
+    done: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.request.prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= len(self.tokens) - 1  # the last token is fed in the batch: its logits are a new token's
+
+    def step(self, budget: int) -> list[dict[str, Any] | None]:
+        """Feeds the next `budget` positions; the log probability entries of the tokens they predict."""
+        entries: list[dict[str, Any] | None] = []
+        if self.done == 0:
+            self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+            entries.append(self._entry(self.tokens[0], None, None, None))  # nothing predicts the first token
+        end = min(len(self.tokens) - 1, self.done + budget)
+        if end <= self.done:
+            return entries
+        top = int(self.request.params.get(PARAM) or 0)
+        chosen, ids, values = score_positions(self.model, self.cache, self.tokens[self.done:end],
+                                              self.tokens[self.done + 1:end + 1], top)
+        for i, token in enumerate(self.tokens[self.done + 1:end + 1]):
+            entries.append(self._entry(token, chosen[i], ids[i] if top else None, values[i] if top else None))
+        self.done = end
+        return entries
+
+    def _entry(self, token: int, logprob: float | None, ids: list[int] | None,
+               values: list[float] | None) -> dict[str, Any]:
+        """The chat logprobs entry shape (`logprob_entries`): None logprob and alternatives for the first token."""
+        entry = self._describe(token, logprob)
+        if ids is None or values is None:
+            entry["top_logprobs"] = None if logprob is None else []
+        else:
+            pairs = sorted(zip(ids, values), key=lambda pair: -pair[1])
+            entry["top_logprobs"] = [self._describe(i, v) for i, v in pairs]
+        return entry
+
+    def _describe(self, token: int, logprob: float | None) -> dict[str, Any]:
+        raw = token_bytes(self.tokenizer, token)
+        return {"token": token_label(raw), "logprob": None if logprob is None else max(logprob, -9999.0),
+                "bytes": list(raw)}
+
+
+def score_positions(model: Any, cache: list[Any], inputs: list[int], targets: list[int],
+                    top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Feeds `inputs` after what `cache` holds; for each position, the log probability of `targets`' token
+    there and the `top` most likely tokens with theirs. Computed as a prompt's prefill is (`prefilling`),
+    so the KV left in `cache` is the one a batch prefill of the same tokens would hold."""
+    with prefilling():
+        logits = model(mx.array(inputs)[None], cache=cache)
+    rows = logits[0, :len(targets)].astype(mx.float32)
+    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
+    arrays = [chosen]
+    if top:
+        ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
+        arrays += [ids, mx.take_along_axis(logprobs, ids, axis=-1)]
+    mx.eval(*arrays, [c.state for c in cache])
+    lists = [array.tolist() for array in arrays]
+    return lists[0], (lists[1] if top else []), (lists[2] if top else [])
+
+
+@dataclass
+class PromptScoring:
+    """Requests whose prompts are being scored, in arrival order; the head one gets a slice per step."""
+
+    max_gap_ratio: float = 3.0
+    idle_tokens: int = 2048  # a slice while nothing decodes (--prefill-step-size), capped by `LOGIT_BYTES`
+    max_kv_size: int | None = None
+    jobs: deque[ScoringJob] = field(default_factory=deque)
+    seconds_per_token: float | None = None  # measured on the slices, smoothed
+    scored_tokens: int = 0  # for /stats
+    scored_requests: int = 0
+    slices: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs)
+
+    def add(self, request: EngineRequest, model: Any, tokenizer: Any) -> None:
+        self.jobs.append(ScoringJob(request, model, tokenizer, self.max_kv_size))
+
+    def requests(self) -> list[EngineRequest]:
+        return [job.request for job in self.jobs]
+
+    def remove(self, gone: set[int]) -> None:
+        """Drops the jobs of these requests (`id()`s: aborted or failed); their KV goes with them."""
+        self.jobs = deque(job for job in self.jobs if id(job.request) not in gone)
+
+    def clear(self) -> None:
+        self.jobs.clear()
+
+    def budget(self, decode_seconds: float | None, vocab_size: int) -> int:
+        """Positions for the next slice: as many as the streams' gap target leaves past a decode step."""
+        rows = max(MIN_SLICE, LOGIT_BYTES // (4 * max(1, vocab_size)))
+        if decode_seconds is None:
+            return min(rows, self.idle_tokens)
+        if self.seconds_per_token is None:
+            return min(rows, FIRST_SLICE)
+        room = GAP_SHARE * max(0.1, self.max_gap_ratio - 1.0) * decode_seconds
+        return int(min(rows, max(MIN_SLICE, room / self.seconds_per_token)))
+
+    def tick(self, decode_seconds: float | None, vocab_size: int) -> tuple[list[Event], list[EngineRequest]]:
+        """One slice of the head job: its DELTAS item, and the requests whose prompts are now through
+        (each with its KV on `preempted`, to join the batch as a paused request resumes)."""
+        if not self.jobs:
+            return [], []
+        job = self.jobs[0]
+        request = job.request
+        started, before = time.perf_counter(), job.done
+        try:
+            entries = job.step(self.budget(decode_seconds, vocab_size))
+        except Exception as exc:  # this request fails, never the batch beside it
+            log.exception("rid=%s: scoring its prompt failed", request.rid)
+            self.jobs.popleft()
+            return [error_event(request, engine_failure(exc))], []
+        fed = job.done - before
+        if fed:
+            sample = (time.perf_counter() - started) / fed
+            previous = self.seconds_per_token
+            self.seconds_per_token = sample if previous is None else 0.7 * previous + 0.3 * sample
+        self.scored_tokens += fed
+        self.slices += 1
+        events: list[Event] = [(request.peer, MsgType.DELTAS, {"rid": request.rid, "seq": request.seq, "text": "",
+                                                                 PARAM: entries})]
+        if not job.finished:
+            return events, []
+        self.jobs.popleft()
+        request.prompt_scored = True
+        self.scored_requests += 1
+        log.info("rid=%s prompt scored: %d tokens", request.rid, len(job.tokens))
+        if job.done:  # a prompt of one token has no KV yet: it joins as any request does
+            request.preempted = Preempted(job.cache, job.tokens[:job.done], job.tokens[job.done:])
+        return events, [request]
+
+    def stats(self) -> dict[str, Any]:
+        return {"prompt_logprob_requests": self.scored_requests, "prompt_logprob_tokens": self.scored_tokens,
+                "prompt_logprob_slices": self.slices, "prompt_logprob_queued": len(self.jobs)}

@@ -1,0 +1,138 @@
+"""A prompt's own logprobs (`echo` with `logprobs` on /v1/completions) through the real stack: openai SDK ->
+gunicorn -> engined, checked against a full forward pass of the same model in this process."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_daemon.scheduling.prompt_scoring import FIRST_SLICE
+from tests.helpers import Frontend, client_for, error_of
+
+TEXT = ("The quick brown fox jumps over the lazy dog while the river runs down to the sea and the town wakes up. "
+        "Evaluation harnesses score the continuation of a context by the sum of its tokens' log probabilities. ")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> Any:
+    """(tokenizer, function: ids -> each token's logprob given the ones before it, and the top alternative's)."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, tokenizer = load(str(tiny_model))
+
+    def logprobs(ids: list[int]) -> tuple[list[float], list[float]]:
+        logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+        table = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(table[:-1], mx.array(ids[1:])[:, None], axis=-1)[:, 0]
+        return chosen.tolist(), table[:-1].max(axis=-1).tolist()
+
+    return tokenizer, logprobs
+
+
+def engine_stats(frontend: Frontend) -> dict[str, Any]:
+    return httpx.get(f"{frontend.base_url}/stats", timeout=30).json()
+
+
+def test_prompt_logprobs_equal_a_full_forward_pass_and_the_completion_is_unchanged(
+        frontend: Frontend, model_id: str, reference: Any) -> None:
+    tokenizer, logprobs = reference
+    ids = tokenizer.encode(TEXT * 3)
+    expected, best = logprobs(ids)
+    client = client_for(frontend)
+    before = engine_stats(frontend)
+    plain = client.completions.create(model=model_id, prompt=ids, max_tokens=8, temperature=0)
+    scored = client.completions.create(model=model_id, prompt=ids, max_tokens=8, temperature=0, echo=True, logprobs=2)
+    choice, legacy = scored.choices[0], scored.choices[0].logprobs
+    read_back = httpx.post(f"{frontend.base_url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
+    # The KV the scoring pass built is the prefill the completion continues from: the same greedy text.
+    assert choice.text == read_back + plain.choices[0].text
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == plain.usage.completion_tokens
+    n = len(ids)
+    assert len(legacy.tokens) == n + plain.usage.completion_tokens
+    assert legacy.token_logprobs[0] is None and legacy.top_logprobs[0] is None
+    assert legacy.token_logprobs[1:n] == pytest.approx(expected, abs=2e-4)
+    for i in range(1, n):
+        assert len(legacy.top_logprobs[i]) == 2
+        assert max(legacy.top_logprobs[i].values()) == pytest.approx(best[i - 1], abs=2e-4)
+        assert legacy.token_logprobs[i] <= max(legacy.top_logprobs[i].values()) + 1e-6
+    assert "".join(legacy.tokens[:n]) == tokenizer.decode(ids)
+    after = engine_stats(frontend)
+    assert after["prompt_logprob_tokens"] - before["prompt_logprob_tokens"] == n - 1
+    assert after["prompt_logprob_requests"] - before["prompt_logprob_requests"] == 1
+
+
+def test_lm_eval_loglikelihood_request_and_scoring_only(frontend: Frontend, model_id: str, reference: Any) -> None:
+    """lm-evaluation-harness's `local-completions` loglikelihood payload (a batch of one token prompt, `max_tokens`
+    1, `logprobs` 1, `echo`), read as it reads it: token_logprobs[ctxlen:-1] summed, greedy if each equals its
+    top alternative. Then `max_tokens` 0: the prompt's logprobs and nothing generated, streamed and not."""
+    tokenizer, logprobs = reference
+    context, continuation = tokenizer.encode(TEXT), tokenizer.encode(" the lazy dog")
+    ids = context + continuation
+    expected, best = logprobs(ids)
+    payload = {"model": model_id, "prompt": [ids], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+               "echo": True}
+    out = httpx.post(f"{frontend.base_url}/v1/completions", json=payload, timeout=60).json()
+    choice = out["choices"][0]
+    ctxlen = len(context)
+    assert sum(choice["logprobs"]["token_logprobs"][ctxlen:-1]) == pytest.approx(sum(expected[ctxlen - 1:]), abs=1e-3)
+    greedy = all(token == max(top.values()) for token, top in zip(choice["logprobs"]["token_logprobs"][ctxlen:-1],
+                                                                 choice["logprobs"]["top_logprobs"][ctxlen:-1]))
+    assert greedy == all(e >= b - 1e-6 for e, b in zip(expected[ctxlen - 1:], best[ctxlen - 1:]))
+
+    client = client_for(frontend)
+    only = client.completions.create(model=model_id, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].finish_reason == "length" and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected, abs=2e-4)
+    assert only.choices[0].logprobs.top_logprobs[1:] == [{}] * (len(ids) - 1)
+    chunks = list(client.completions.create(model=model_id, prompt=ids, max_tokens=0, echo=True, logprobs=0,
+                                            stream=True))
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs
+                for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == only.choices[0].logprobs.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == only.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_scoring_beside_a_running_stream_is_sliced_and_exact(frontend: Frontend, model_id: str,
+                                                             reference: Any) -> None:
+    """While a stream decodes, the prompt goes through in slices sized from the stream's step (the first one of
+    `FIRST_SLICE` positions): the logprobs are still those of one full pass, and the stream is not hurt."""
+    tokenizer, logprobs = reference
+    ids = tokenizer.encode(TEXT * 6)
+    expected, _ = logprobs(ids)
+    client = client_for(frontend)
+    streamed: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        for chunk in client.completions.create(model=model_id, prompt="Count:", max_tokens=1500, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True}):
+            started.set()
+            streamed.append(chunk.choices[0].text)
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    assert started.wait(60)
+    before = engine_stats(frontend)
+    scored = client.completions.create(model=model_id, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    after = engine_stats(frontend)
+    runner.join(120)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected, abs=2e-4)
+    assert len(ids) - 1 > FIRST_SLICE and after["prompt_logprob_slices"] - before["prompt_logprob_slices"] >= 2
+    assert not runner.is_alive()
+    alone = client.completions.create(model=model_id, prompt="Count:", max_tokens=1500, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert "".join(streamed) == alone.choices[0].text
+
+
+def test_prompt_logprobs_refusals(frontend: Frontend, model_id: str) -> None:
+    base = f"{frontend.base_url}/v1/completions"
+    response = httpx.post(base, json={"model": model_id, "prompt": "hi", "max_tokens": 0}, timeout=30)
+    assert response.status_code == 400 and error_of(response)["param"] == "max_tokens"
+    response = httpx.post(base, json={"model": model_id, "prompt": "hi", "echo": True, "logprobs": 21}, timeout=30)
+    assert response.status_code == 400 and error_of(response)["param"] == "logprobs"

@@ -1,0 +1,113 @@
+"""`PromptScoring` on a real tiny model in process: slices add up to one pass, and the KV it leaves is a prefill's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from engine_daemon.request.state import EngineRequest
+from engine_daemon.scheduling.prompt_scoring import FIRST_SLICE, LOGIT_BYTES, MIN_SLICE, PromptScoring, ScoringJob
+from protocol import MsgType
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    from mlx_lm import load
+
+    from model_builders.text import build_model
+
+    path: Path = build_model(tmp_path_factory.mktemp("scoring") / "tiny", size="tiny", seed=0)
+    return load(str(path))
+
+
+def request_for(tokens: list[int], top: int | None = 2, rid: str = "r1") -> EngineRequest:
+    request = EngineRequest(rid, b"peer", {"params": {"prompt_logprobs": top}})
+    request.prompt_tokens = tokens
+    return request
+
+
+def test_slices_give_the_logprobs_and_kv_of_one_pass(loaded: tuple[Any, Any]) -> None:
+    model, tokenizer = loaded
+    tokens = tokenizer.encode("Scoring a prompt in slices must not change a single number of it. " * 4)
+    whole, sliced = ScoringJob(request_for(tokens), model, tokenizer), ScoringJob(request_for(tokens), model, tokenizer)
+    entries_whole = whole.step(10_000)
+    entries_sliced = [entry for _ in range(len(tokens)) if not sliced.finished for entry in sliced.step(7)]
+    assert whole.finished and sliced.finished and whole.done == sliced.done == len(tokens) - 1
+    assert len(entries_whole) == len(entries_sliced) == len(tokens)
+    assert entries_whole[0]["logprob"] is None and entries_whole[0]["top_logprobs"] is None
+    for a, b in zip(entries_whole[1:], entries_sliced[1:], strict=True):
+        assert a["token"] == b["token"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-5)
+        assert [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in b["top_logprobs"]]
+        assert a["top_logprobs"][0]["logprob"] >= a["top_logprobs"][1]["logprob"]  # most likely first
+    # The KV holds every position but the last, as a batch prefill of the same tokens leaves it.
+    assert whole.cache[0].offset == sliced.cache[0].offset == len(tokens) - 1
+    keys_whole, keys_sliced = (job.cache[0].keys[..., :len(tokens) - 1, :] for job in (whole, sliced))
+    assert mx.allclose(keys_whole, keys_sliced, atol=1e-5).item()
+    # A token's logprob is the one a forward pass over the whole prompt gives.
+    logits = model(mx.array(tokens)[None])[0].astype(mx.float32)
+    table = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    assert entries_whole[5]["logprob"] == pytest.approx(table[4, tokens[5]].item(), abs=1e-4)
+
+
+def test_tick_sends_each_slice_and_hands_the_kv_over(loaded: tuple[Any, Any]) -> None:
+    model, tokenizer = loaded
+    tokens = tokenizer.encode("one two three four five six seven eight nine ten " * 3)
+    scoring = PromptScoring(max_gap_ratio=3.0, idle_tokens=10)
+    request = request_for(tokens, top=0)
+    scoring.add(request, model, tokenizer)
+    sent, through = [], []
+    while scoring:
+        events, done = scoring.tick(None, 2048)
+        sent += [body["prompt_logprobs"] for _, kind, body in events if kind == MsgType.DELTAS]
+        through += done
+    assert [len(entries) for entries in sent][:2] == [11, 10]  # the first token's entry, then 10 a slice
+    assert sum(map(len, sent)) == len(tokens) and scoring.slices == len(sent)
+    assert through == [request] and request.prompt_scored
+    assert request.preempted.context == tokens[:-1] and request.preempted.rest == tokens[-1:]
+    assert all(entry["top_logprobs"] == [] for entries in sent for entry in entries[1:])
+    single = request_for(tokens[:1], rid="r2")
+    scoring.add(single, model, tokenizer)
+    events, done = scoring.tick(None, 2048)
+    assert done == [single] and single.prompt_scored and single.preempted is None  # no KV: it prefills as any
+    assert events[0][2]["prompt_logprobs"][0]["logprob"] is None
+
+
+def test_budget_follows_the_gap_target_and_the_vocabulary(loaded: tuple[Any, Any]) -> None:
+    scoring = PromptScoring(max_gap_ratio=3.0, idle_tokens=2048)
+    assert scoring.budget(None, 32_000) == min(2048, LOGIT_BYTES // (4 * 32_000))
+    assert scoring.budget(None, 1_000_000) == MIN_SLICE
+    assert scoring.budget(0.05, 32_000) == FIRST_SLICE  # nothing measured yet
+    scoring.seconds_per_token = 0.001
+    assert scoring.budget(0.05, 32_000) == int(0.8 * 2.0 * 0.05 / 0.001)
+    model, tokenizer = loaded
+    a, b = request_for([1, 2, 3]), request_for([4, 5, 6], rid="r2")
+    scoring.add(a, model, tokenizer)
+    scoring.add(b, model, tokenizer)
+    scoring.remove({id(a)})
+    assert scoring.requests() == [b]
+
+
+def test_a_failing_pass_fails_its_request_only(loaded: tuple[Any, Any]) -> None:
+    model, tokenizer = loaded
+
+    class Broken:
+        """The model, whose forward pass fails (memory, a bug) after its cache was made."""
+
+        layers = model.layers
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("out of memory")
+
+    broken = Broken()
+    scoring = PromptScoring()
+    bad, good = request_for([1, 2, 3, 4]), request_for([5, 6, 7, 8], rid="r2")
+    scoring.add(bad, broken, tokenizer)
+    scoring.add(good, model, tokenizer)
+    events, done = scoring.tick(None, 2048)
+    assert done == [] and events[0][1] == MsgType.ERROR and events[0][2]["rid"] == "r1"
+    assert scoring.requests() == [good]
+    events, done = scoring.tick(None, 2048)
+    assert done == [good] and events[0][1] == MsgType.DELTAS
