@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine_daemon.cpu.prefill_scope import prefilling
@@ -81,9 +82,9 @@ class ScoringJob:
     def finished(self) -> bool:
         return self.done >= len(self.tokens) - 1  # the last token is fed in the batch: its logits are a new token's
 
-    def step(self, budget: int) -> list[dict[str, Any] | None]:
+    def step(self, budget: int) -> list[dict[str, Any]]:
         """Feeds the next `budget` positions; the log probability entries of the tokens they predict."""
-        entries: list[dict[str, Any] | None] = []
+        entries: list[dict[str, Any]] = []
         if self.done == 0:
             self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
             entries.append(self._entry(self.tokens[0], None, None, None))  # nothing predicts the first token
@@ -123,6 +124,9 @@ def score_positions(model: Any, cache: list[Any], inputs: list[int], targets: li
     with prefilling():
         logits = model(mx.array(inputs)[None], cache=cache)
     rows = logits[0, :len(targets)].astype(mx.float32)
+    if mx.default_device() == mx.cpu:
+        mx.eval(rows, [c.state for c in cache])
+        return _numpy_logprobs(np.array(rows), targets, top)
     logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
     chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
     arrays = [chosen]
@@ -134,6 +138,23 @@ def score_positions(model: Any, cache: list[Any], inputs: list[int], targets: li
     return lists[0], (lists[1] if top else []), (lists[2] if top else [])
 
 
+def _numpy_logprobs(logits: np.ndarray, targets: list[int],
+                    top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """`score_positions`' log-softmax on the CPU in NumPy: MLX's x86 build takes `exp` one element at a time
+    (~12-16 ns; NumPy's vectorised one ~1 ns), and a slice has an `exp` per vocabulary entry per position:
+    128 positions of a 32k vocabulary took 60 ms in MLX, 13 ms here (`prefill_attention` has the same reason)."""
+    peak = logits.max(axis=1, keepdims=True)
+    shifted = logits - peak
+    np.exp(shifted, out=shifted)
+    normaliser = np.log(shifted.sum(axis=1, keepdims=True)) + peak  # log of the sum of exp(logits)
+    rows = np.arange(len(targets))
+    chosen = (logits[rows, np.asarray(targets)] - normaliser[:, 0]).tolist()
+    if not top:
+        return chosen, [], []
+    ids = np.argpartition(-logits, top - 1, axis=1)[:, :top]
+    return chosen, ids.tolist(), (np.take_along_axis(logits, ids, axis=1) - normaliser).tolist()
+
+
 @dataclass
 class PromptScoring:
     """Requests whose prompts are being scored, in arrival order; the head one gets a slice per step."""
@@ -142,7 +163,7 @@ class PromptScoring:
     idle_tokens: int = 2048  # a slice while nothing decodes (--prefill-step-size), capped by `LOGIT_BYTES`
     max_kv_size: int | None = None
     jobs: deque[ScoringJob] = field(default_factory=deque)
-    seconds_per_token: float | None = None  # measured on the slices, smoothed
+    last_slice: tuple[int, float] | None = None  # (positions, seconds) of the latest slice
     scored_tokens: int = 0  # for /stats
     scored_requests: int = 0
     slices: int = 0
@@ -164,14 +185,21 @@ class PromptScoring:
         self.jobs.clear()
 
     def budget(self, decode_seconds: float | None, vocab_size: int) -> int:
-        """Positions for the next slice: as many as the streams' gap target leaves past a decode step."""
+        """Positions for the next slice: as many as the streams' gap target leaves past a decode step.
+
+        Scaled from the latest slice (positions times room over its seconds), not from a cost per token:
+        a slice's fixed cost (a read of every weight, the step's Python) would make a per-token rate learnt
+        on small slices overshoot on large ones and the reverse, and a position costs more the later it is
+        in the prompt. At most twice the last slice: one fast slice on a noisy machine must not size the next.
+        """
         rows = max(MIN_SLICE, LOGIT_BYTES // (4 * max(1, vocab_size)))
         if decode_seconds is None:
             return min(rows, self.idle_tokens)
-        if self.seconds_per_token is None:
+        if self.last_slice is None:
             return min(rows, FIRST_SLICE)
+        positions, seconds = self.last_slice
         room = GAP_SHARE * max(0.1, self.max_gap_ratio - 1.0) * decode_seconds
-        return int(min(rows, max(MIN_SLICE, room / self.seconds_per_token)))
+        return int(min(rows, 2 * positions, max(MIN_SLICE, positions * room / max(seconds, 1e-6))))
 
     def tick(self, decode_seconds: float | None, vocab_size: int) -> tuple[list[Event], list[EngineRequest]]:
         """One slice of the head job: its DELTAS item, and the requests whose prompts are now through
@@ -187,11 +215,11 @@ class PromptScoring:
             log.exception("rid=%s: scoring its prompt failed", request.rid)
             self.jobs.popleft()
             return [error_event(request, engine_failure(exc))], []
-        fed = job.done - before
+        fed, seconds = job.done - before, time.perf_counter() - started
+        log.debug("rid=%s prompt scoring slice %.1f ms: %d positions (at %d of %d)", request.rid, seconds * 1000, fed,
+                  job.done, len(job.tokens))
         if fed:
-            sample = (time.perf_counter() - started) / fed
-            previous = self.seconds_per_token
-            self.seconds_per_token = sample if previous is None else 0.7 * previous + 0.3 * sample
+            self.last_slice = (fed, seconds)
         self.scored_tokens += fed
         self.slices += 1
         events: list[Event] = [(request.peer, MsgType.DELTAS, {"rid": request.rid, "seq": request.seq, "text": "",

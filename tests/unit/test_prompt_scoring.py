@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from engine_daemon.request.state import EngineRequest
@@ -80,8 +81,12 @@ def test_budget_follows_the_gap_target_and_the_vocabulary(loaded: tuple[Any, Any
     assert scoring.budget(None, 32_000) == min(2048, LOGIT_BYTES // (4 * 32_000))
     assert scoring.budget(None, 1_000_000) == MIN_SLICE
     assert scoring.budget(0.05, 32_000) == FIRST_SLICE  # nothing measured yet
-    scoring.seconds_per_token = 0.001
-    assert scoring.budget(0.05, 32_000) == int(0.8 * 2.0 * 0.05 / 0.001)
+    scoring.last_slice = (100, 0.1)  # 100 positions took 0.1 s: the room of 0.08 s holds 80
+    assert scoring.budget(0.05, 32_000) == 80
+    scoring.last_slice = (100, 0.01)  # ten times too fast: at most twice the last slice
+    assert scoring.budget(0.05, 32_000) == 200
+    scoring.last_slice = (20, 1.0)
+    assert scoring.budget(0.05, 32_000) == MIN_SLICE
     model, tokenizer = loaded
     a, b = request_for([1, 2, 3]), request_for([4, 5, 6], rid="r2")
     scoring.add(a, model, tokenizer)
@@ -111,3 +116,17 @@ def test_a_failing_pass_fails_its_request_only(loaded: tuple[Any, Any]) -> None:
     assert scoring.requests() == [good]
     events, done = scoring.tick(None, 2048)
     assert done == [good] and events[0][1] == MsgType.DELTAS
+
+
+def test_the_cpu_log_softmax_equals_mlx() -> None:
+    from engine_daemon.scheduling.prompt_scoring import _numpy_logprobs
+
+    logits = mx.random.normal((6, 300), key=mx.random.key(3)) * 4
+    table = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    targets = [5, 0, 299, 17, 42, 100]
+    chosen, ids, values = _numpy_logprobs(np.array(logits), targets, 3)
+    assert chosen == pytest.approx([table[i, t].item() for i, t in enumerate(targets)], abs=1e-5)
+    best = mx.sort(table, axis=-1)[:, ::-1][:, :3].tolist()
+    for row, expected in zip(values, best, strict=True):
+        assert sorted(row, reverse=True) == pytest.approx(expected, abs=1e-5)
+    assert all(table[i, ids[i][j]].item() == pytest.approx(values[i][j], abs=1e-5) for i in range(6) for j in range(3))
