@@ -27,7 +27,7 @@ from http_frontend.openai.chat import ChatCompletions
 from http_frontend.openai.completions import Completions
 from http_frontend.openai.embeddings import Embeddings
 from http_frontend.openai.responses import ResponseById, Responses
-from http_frontend.openai.tokenize import Detokenize, Tokenize
+from http_frontend.openai.tokenize import Detokenize, Tokenize, TokenizerInfo
 from http_frontend.playground.resource import add_playground
 from http_frontend.service.adapters import AdapterByName, Adapters
 from http_frontend.service.admin import Stats, Unload
@@ -118,6 +118,7 @@ def create_app(endpoint: str | None = None, *, settings: FrontendSettings | None
     add_route(app, "/v1/embeddings", Embeddings(client, settings))
     add_route(app, "/v1/tokenize", Tokenize(client, settings))
     add_route(app, "/v1/detokenize", Detokenize(client, settings))
+    add_route(app, "/v1/tokenizer_info", TokenizerInfo(client))
     add_route(app, "/v1/models", Models(client))
     add_route(app, "/v1/adapters", Adapters(client, settings))
     add_route(app, "/v1/adapters/{name}", AdapterByName(client))

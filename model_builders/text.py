@@ -57,6 +57,7 @@ from model_builders.tokenizer import (
     token_ids,
     tokenizer_config,
     train_tokenizer_json,
+    with_bos_token,
 )
 
 logger = logging.getLogger(__name__)
@@ -332,19 +333,27 @@ def build_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, arch: st
     return out_dir
 
 
-def derive_model(src: str | Path, dst: str | Path, chat_template: str) -> Path:
-    """A copy of a built model (weights hard-linked) with another chat template.
+def derive_model(src: str | Path, dst: str | Path, chat_template: str | None = None,
+                 bos_token: str | None = None) -> Path:
+    """A copy of a built model (weights hard-linked) with another chat template, or a tokenizer adding a BOS.
 
-    Tests use it for model variants that differ only in their template, such as a
-    thinking model, without building (or storing) a second set of weights.
+    Tests use it for model variants that differ only in their template (a thinking model) or in
+    what `add_special_tokens` adds (`bos_token`: one of the added tokens, put before every encoding),
+    without building (or storing) a second set of weights.
     """
     src, dst = Path(src).resolve(), Path(dst).expanduser().resolve()
     dst.mkdir(parents=True, exist_ok=True)
+    rewritten = {"tokenizer_config.json"} | ({"tokenizer.json"} if bos_token else set())
     for path in src.iterdir():
-        if path.is_file() and not path.name.startswith(".") and path.name != "tokenizer_config.json":
+        if path.is_file() and not path.name.startswith(".") and path.name not in rewritten:
             link_or_copy(path, dst / path.name)
     config = read_json(src / "tokenizer_config.json") or {}
-    config["chat_template"] = chat_template
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    if bos_token:
+        config["bos_token"] = bos_token
+        tokenizer_json = with_bos_token((src / "tokenizer.json").read_text(encoding="utf-8"), bos_token)
+        atomic_write_bytes(dst / "tokenizer.json", tokenizer_json.encode())
     atomic_write_json(dst / "tokenizer_config.json", config)
     return dst
 

@@ -253,6 +253,24 @@ def tokenizer_config(vocab_size: int, max_len: int) -> dict:
     }
 
 
+def with_bos_token(tokenizer_json: str, bos: str) -> str:
+    """The tokenizer.json text with a post-processor that puts `bos` (an added token) before every encoding.
+
+    Why: the trained tokenizer adds no BOS, as Qwen's do not; Llama-style tokenizers add one whenever
+    special tokens are asked for, and tests of `add_special_tokens` need a tokenizer where it matters.
+    """
+    data = json.loads(tokenizer_json)
+    bos_id = next(entry["id"] for entry in data["added_tokens"] if entry["content"] == bos)
+    special = {"SpecialToken": {"id": bos, "type_id": 0}}
+    data["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [special, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [special, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+    return json.dumps(data, ensure_ascii=False, indent=2)
+
+
 def special_tokens_map() -> dict:
     def tok(content: str) -> dict:
         return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}

@@ -3,6 +3,9 @@
 `/tokenize` counts a prompt or a chat (rendered by the chat template with its tools,
 as the chat route would send it) and reports the context window, so a client can
 size a request before sending it. Anthropic's count_tokens route is `CountTokens`.
+
+`GET /tokenizer_info` with `/tokenize` and `/detokenize` is what lm-evaluation-harness's
+remote tokenizer asks of a server (vLLM's routes), so an evaluation never downloads one.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ class Tokenize:
             args["tools"] = parse_tools(body)  # counted as the chat route would render them
         else:
             args["prompt"] = get_field(body, "prompt", (str,), required=True)
+        add_special_tokens = get_field(body, "add_special_tokens", (bool,))
+        if add_special_tokens is not None:  # absent: the tokenizer's own rules, as a completion's prompt gets
+            args["add_special_tokens"] = add_special_tokens
         result = await call_engine(self.client, CallMethod.TOKENIZE, TOKENIZE_TIMEOUT, args)
         resp.media = {"tokens": result["tokens"], "count": result["count"],
                       "max_model_len": result["max_model_len"]}
@@ -84,3 +90,29 @@ class Detokenize:
         check_model_name(args["model"])
         result = await call_engine(self.client, CallMethod.DETOKENIZE, TOKENIZE_TIMEOUT, args)
         resp.media = {"prompt": result["prompt"]}
+
+
+# What `GET /tokenizer_info` answers: the engine's fields by name, so nothing else it may send is passed on.
+TOKENIZER_INFO_FIELDS = (
+    "eos_token", "bos_token", "pad_token", "unk_token", "eos_token_id", "bos_token_id", "pad_token_id",
+    "add_bos_token", "add_eos_token", "chat_template", "model_max_length", "vocab_size", "tokenizer_class",
+)
+
+
+class TokenizerInfo:
+    """`GET /tokenizer_info[?model=name]` -> the loaded tokenizer's special tokens, chat template and limits.
+
+    vLLM's route of the same name: lm-evaluation-harness reads `eos_token` (and `bos_token`,
+    `pad_token`, `chat_template`) from it, then their ids through `/tokenize`. The engine answers it
+    on the TOKENIZE CALL, so `model` resolves as there: unknown -> 404, another model's -> 400.
+    """
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        model = req.get_param("model")
+        check_model_name(model)
+        args = {"model": model, "tokenizer_info": True}
+        result = await call_engine(self.client, CallMethod.TOKENIZE, TOKENIZE_TIMEOUT, args)
+        resp.media = {name: result.get(name) for name in TOKENIZER_INFO_FIELDS}

@@ -2,7 +2,8 @@
 
 Written by hand from the validators' limits and kept true by `tests.test_openapi` (every route described;
 Schemathesis against a live server: no 5xx, every response as written here). Each /v1 route also answers
-without the prefix; only the /v1 spelling is listed. Auxiliary routes (embeddings, audio): `openapi_auxiliary`.
+without the prefix; only the /v1 spelling is listed. Auxiliary routes (embeddings, audio): `openapi_auxiliary`;
+the tokenizer routes: `openapi_tokens`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from http_frontend.service.openapi_schema import (
     obj,
     ref,
 )
+from http_frontend.service.openapi_tokens import TOKEN_SCHEMAS, token_paths
 
 ERROR = obj({"error": obj({"message": STRING, "type": STRING, "param": nullable(STRING),
                            "code": nullable(STRING)}, ("message", "type"))}, ("error",))
@@ -257,11 +259,7 @@ ADAPTER_REGISTRATION = obj({"name": ADAPTER_NAME_SCHEMA, "path": {"type": "strin
                            ("name", "path"))
 ADAPTER_DELETED = obj({"id": STRING, "object": STRING, "deleted": BOOLEAN}, ("id", "deleted"))
 TOKENIZE_REQUEST = obj({"model": STRING, "prompt": STRING, "messages": arr(MESSAGE, minItems=1),
-                        "chat_template_kwargs": TEMPLATE_KWARGS, "tools": arr(TOOL)})
-TOKENIZE_RESULT = obj({"tokens": arr(INTEGER), "count": INTEGER, "max_model_len": nullable(INTEGER)},
-                      ("tokens", "count"))
-DETOKENIZE_REQUEST = obj({"model": STRING, "tokens": arr({"type": "integer", "minimum": 0})}, ("tokens",))
-DETOKENIZE_RESULT = obj({"prompt": STRING}, ("prompt",))
+                        "chat_template_kwargs": TEMPLATE_KWARGS, "tools": arr(TOOL), "add_special_tokens": BOOLEAN})
 
 SCHEMAS: dict[str, Schema] = {
     "Error": ERROR, "AnthropicError": ANTHROPIC_ERROR,
@@ -272,8 +270,7 @@ SCHEMAS: dict[str, Schema] = {
     "CountTokensRequest": ANTHROPIC_COUNT_REQUEST,
     "Model": MODEL, "Health": HEALTH, **AUXILIARY_SCHEMAS, **AUDIO_SCHEMAS,
     "Adapter": ADAPTER, "AdapterRegistration": ADAPTER_REGISTRATION, "AdapterDeleted": ADAPTER_DELETED,
-    "TokenizeRequest": TOKENIZE_REQUEST, "TokenizeResult": TOKENIZE_RESULT,
-    "DetokenizeRequest": DETOKENIZE_REQUEST, "DetokenizeResult": DETOKENIZE_RESULT,
+    "TokenizeRequest": TOKENIZE_REQUEST, **TOKEN_SCHEMAS,
 }
 
 CHAT_CHUNK = obj({
@@ -395,10 +392,7 @@ def openapi_document() -> dict[str, Any]:
             "Anthropic token counting", "CountTokensRequest",
             _ok(obj({"input_tokens": INTEGER}, ("input_tokens",))), (400, 401, 404, 413, 503, 504), anthropic=True)},
         **auxiliary_paths(_operation, _ok, ref),  # /v1/embeddings and the other auxiliary models' routes
-        "/v1/tokenize": {"post": _operation("Token ids of a prompt or of templated chat messages", "TokenizeRequest",
-                                            _ok(ref("TokenizeResult")), CALL_ERRORS + (404, 413))},
-        "/v1/detokenize": {"post": _operation("Text of token ids", "DetokenizeRequest",
-                                              _ok(ref("DetokenizeResult")), CALL_ERRORS + (404, 413))},
+        **token_paths(_operation, _ok, ref, CALL_ERRORS),  # /v1/tokenize, /v1/detokenize, /v1/tokenizer_info
         "/v1/models": {"get": _operation("MLX models this engine can serve", None,
                                          _ok(obj({"object": {"type": "string", "enum": ["list"]},
                                                   "data": arr(ref("Model"))}, ("object", "data"))), CALL_ERRORS)},
