@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from engine_daemon.request.state import EngineRequest
-from engine_daemon.scheduling.prompt_scoring import FIRST_SLICE, LOGIT_BYTES, MIN_SLICE, PromptScoring, ScoringJob
+from engine_daemon.scheduling.prompt_scoring import (
+    FIRST_SLICE,
+    GAP_SHARE,
+    LOGIT_BYTES,
+    MIN_SLICE,
+    PromptScoring,
+    ScoringJob,
+)
 from protocol import MsgType
 
 
@@ -81,8 +88,8 @@ def test_budget_follows_the_gap_target_and_the_vocabulary(loaded: tuple[Any, Any
     assert scoring.budget(None, 32_000) == min(2048, LOGIT_BYTES // (4 * 32_000))
     assert scoring.budget(None, 1_000_000) == MIN_SLICE
     assert scoring.budget(0.05, 32_000) == FIRST_SLICE  # nothing measured yet
-    scoring.last_slice = (100, 0.1)  # 100 positions took 0.1 s: the room of 0.08 s holds 80
-    assert scoring.budget(0.05, 32_000) == 80
+    scoring.last_slice = (100, 0.1)  # 100 positions took 0.1 s: the room past a 0.05 s decode step holds this many
+    assert scoring.budget(0.05, 32_000) == int(100 * GAP_SHARE * 2.0 * 0.05 / 0.1)
     scoring.last_slice = (100, 0.01)  # ten times too fast: at most twice the last slice
     assert scoring.budget(0.05, 32_000) == 200
     scoring.last_slice = (20, 1.0)
