@@ -20,7 +20,7 @@ import pytest
 
 from model_builders.text import derive_model
 from model_builders.tokenizer import ENDOFTEXT
-from tests.helpers import Engine, Frontend, error_of
+from tests.helpers import Frontend, error_of, running_stack
 
 TEXT = "Once upon a time, a fox met <|im_end|> twice."
 
@@ -119,18 +119,8 @@ def bos_stack(tiny_model: Path, ipc_dir: Path, tmp_path_factory: pytest.TempPath
                                                                                                            Path]]:
     """An engine serving a model whose tokenizer adds a BOS when asked to add special tokens, and its front-end."""
     model = derive_model(tiny_model, tiny_model.parent / "tiny-with-bos", bos_token=ENDOFTEXT)
-    logs = tmp_path_factory.mktemp("logs")
-    engine = Engine(f"ipc://{ipc_dir}/bos.sock", logs / "engined.log", model=str(model))
-    frontend = None
-    try:
-        engine.wait_ready()
-        frontend = Frontend(engine.endpoint, logs / "frontend.log", workers=1)
-        frontend.wait_healthy()
+    with running_stack(f"ipc://{ipc_dir}/bos.sock", tmp_path_factory.mktemp("logs"), model=str(model)) as (_, frontend):
         yield frontend, model
-    finally:
-        if frontend is not None:
-            frontend.stop()
-        engine.stop()
 
 
 def test_add_special_tokens_differs_exactly_by_the_bos(bos_stack: tuple[Frontend, Path]) -> None:
