@@ -396,7 +396,10 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         return events
 
     def _score_prompts(self) -> list[Event]:
-        """A slice of the head scored prompt (`PromptScoring`); one through joins the batch, or ends at max_tokens 0."""
+        """A slice of the head scored prompt (`PromptScoring`); one through joins the batch, or ends at max_tokens 0.
+        Only while a slot is free: a prompt through holds its KV until it joins, so they must not pile up."""
+        if not self.scoring or len(self.by_uid) >= self.config.decode_concurrency:
+            return []
         decode_seconds = self.pacer.decode_seconds if self.decoding() else None
         events, through = self.scoring.tick(decode_seconds, self.models.current.vocab_size)
         for request in through:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engine_daemon.scheduling.prompt_scoring import FIRST_SLICE
-from tests.helpers import Frontend, client_for, error_of
+from tests.helpers import Frontend, client_for, error_of, running_stack, stream_running
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the river runs down to the sea and the town wakes up. "
         "Evaluation harnesses score the continuation of a context by the sum of its tokens' log probabilities. ")
@@ -136,3 +136,29 @@ def test_prompt_logprobs_refusals(frontend: Frontend, model_id: str) -> None:
     assert response.status_code == 400 and error_of(response)["param"] == "max_tokens"
     response = httpx.post(base, json={"model": model_id, "prompt": "hi", "echo": True, "logprobs": 21}, timeout=30)
     assert response.status_code == 400 and error_of(response)["param"] == "logprobs"
+
+
+def test_a_prompt_is_scored_only_while_a_slot_is_free(tiny_model: Path, ipc_dir: Path, tmp_path: Path,
+                                                      reference: Any) -> None:
+    """A scored prompt holds its KV until it joins the batch: with every decode slot taken, none is scored; it
+    waits, and is scored and answered once the slot is free."""
+    tokenizer, logprobs = reference
+    ids = tokenizer.encode(TEXT)
+    with running_stack(f"ipc://{ipc_dir}/one-slot.sock", tmp_path, model=str(tiny_model),
+                       engine_args=["--decode-concurrency", "1"]) as (_, frontend):
+        answers: list[Any] = []
+        scorer = threading.Thread(target=lambda: answers.append(client_for(frontend).completions.create(
+            model=str(tiny_model), prompt=ids, max_tokens=2, echo=True, logprobs=0)))
+        with stream_running(f"{frontend.base_url}/v1/chat/completions", str(tiny_model), 100_000):
+            scorer.start()
+            seen = []
+            for _ in range(20):
+                stats = engine_stats(frontend)
+                seen.append((stats["prompt_logprob_queued"], stats["prompt_logprob_slices"]))
+                threading.Event().wait(0.05)
+            assert all(slices == 0 for _, slices in seen), seen
+            assert engine_stats(frontend)["queued"] == 1
+        scorer.join(120)
+        assert answers and answers[0].choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(
+            logprobs(ids)[0], abs=2e-4)
+        assert engine_stats(frontend)["prompt_logprob_slices"] >= 1

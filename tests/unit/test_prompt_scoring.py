@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,25 @@ def test_the_cpu_log_softmax_equals_mlx() -> None:
     for row, expected in zip(values, best, strict=True):
         assert sorted(row, reverse=True) == pytest.approx(expected, abs=1e-5)
     assert all(table[i, ids[i][j]].item() == pytest.approx(values[i][j], abs=1e-5) for i in range(6) for j in range(3))
+
+
+def test_the_batch_scores_only_while_a_slot_is_free(loaded: tuple[Any, Any]) -> None:
+    """`BatchScheduler._score_prompts`: a prompt through holds its KV until it joins, so none goes through while
+    every decode slot is taken; with one free, the slice runs and the request joins the queue's front."""
+    from types import SimpleNamespace
+
+    from engine_daemon.scheduling.batch import BatchScheduler
+
+    model, tokenizer = loaded
+    scoring = PromptScoring()
+    request = request_for(tokenizer.encode("a few words to score"))
+    request.max_tokens = 4
+    scoring.add(request, model, tokenizer)
+    scheduler = SimpleNamespace(scoring=scoring, by_uid={1: object()}, config=SimpleNamespace(decode_concurrency=1),
+                                pending=deque(), decoding=lambda: 0,
+                                models=SimpleNamespace(current=SimpleNamespace(vocab_size=2048)),
+                                _fill_slots=lambda: [])
+    assert BatchScheduler._score_prompts(scheduler) == [] and scoring.slices == 0  # type: ignore[arg-type]
+    scheduler.by_uid = {}
+    events = BatchScheduler._score_prompts(scheduler)  # type: ignore[arg-type]
+    assert events[0][1] == MsgType.DELTAS and list(scheduler.pending) == [request] and request.prompt_scored
