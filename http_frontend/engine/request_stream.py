@@ -60,6 +60,7 @@ class RequestStream:
     def __init__(self, rid: str, max_pending_bytes: int | None = None):
         self.rid = rid
         self.engine_id: str | None = None  # set by `EnginePool.submit`: the engine that runs it
+        self.prompt_index = 0  # which of a request's prompts it answers (`serve_generation`: /v1/completions batches)
         self.passed_over: frozenset[str] = frozenset()  # engines `EnginePool.submit` found unable to take it
         self.accepted: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None

@@ -42,30 +42,43 @@ DETOKENIZE_TIMEOUT = 30.0  # `echo` of a token prompt: the engine's tokenizer tu
 OFF_LOOP_TOKEN_IDS = 100_000
 
 
+# Most prompts one request may batch, and most choices in all (prompts times `n`): each is an engine request.
+MAX_PROMPTS = 64
+MAX_BATCH_CHOICES = 128
+
+
 def token_count(body: dict[str, Any]) -> int:
-    """How many token ids `prompt` holds, without reading them (a batch of one prompt: its first)."""
+    """How many token ids the prompts hold, without reading them (a walk over millions of ids is what
+    `OFF_LOOP_TOKEN_IDS` keeps off the event loop)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    return len(prompt) if isinstance(prompt, list) else 0
+    if not isinstance(prompt, list):
+        return 0
+    if prompt and isinstance(prompt[0], list):  # a batch of token prompts
+        return sum(len(p) for p in prompt[:MAX_PROMPTS + 1] if isinstance(p, list))
+    return len(prompt)
 
 
-def parse_prompt(body: dict[str, Any]) -> str | list[int]:
-    """A string or a list of token ids; a batch of one prompt is unwrapped, larger batches refused."""
+def parse_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The prompts: a string or a list of token ids, or a batch of those (OpenAI's array of prompts: choice
+    `p * n + i` is prompt p's i-th); lm-evaluation-harness sends its batches as arrays of token arrays."""
     prompt = get_field(body, "prompt", (str, list), required=True)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise bad_request(f"Only one prompt per request is supported, got {len(prompt)}", param="prompt",
-                              code="unsupported_parameter")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not is_token_ids(prompt, PROMPT_TOKEN_IDS):  # one pass in C when it is fine
-        if not is_token_ids(prompt):
-            raise bad_request("Invalid 'prompt': expected a string or an array of token ids", param="prompt",
-                              code="invalid_type")
-        raise bad_request("Invalid 'prompt': token ids cannot be negative", param="prompt")
-    if not prompt:
-        raise bad_request("'prompt' must not be empty", param="prompt")
-    return prompt
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    prompts = prompt if batch else [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"At most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
+    if batch and not all(isinstance(p, (str, list)) for p in prompts):
+        raise bad_request("Invalid 'prompt': an array of prompts holds strings or arrays of token ids",
+                          param="prompt", code="invalid_type")
+    for index, one in enumerate(prompts):
+        where = f"prompt[{index}]" if batch else "prompt"
+        if isinstance(one, list) and not is_token_ids(one, PROMPT_TOKEN_IDS):  # one pass in C when it is fine
+            if not is_token_ids(one):
+                raise bad_request(f"Invalid '{where}': expected a string or an array of token ids", param="prompt",
+                                  code="invalid_type")
+            raise bad_request(f"Invalid '{where}': token ids cannot be negative", param="prompt")
+        if not one:
+            raise bad_request(f"'{where}' must not be empty", param="prompt")
+    return prompts
 
 
 def check_completion_unsupported(body: dict[str, Any]) -> None:
@@ -105,7 +118,8 @@ class Completions(GenerationRoute):
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         body = await read_json_object(req, self.settings.max_body_bytes)
-        prompt = await off_loop(parse_prompt, body) if token_count(body) > OFF_LOOP_TOKEN_IDS else parse_prompt(body)
+        prompts = (await off_loop(parse_prompts, body) if token_count(body) > OFF_LOOP_TOKEN_IDS
+                   else parse_prompts(body))
         check_completion_unsupported(body)
         logprobs, echo = parse_completion_logprobs(body)
         params = {**parse_completion_sampling(body, self.settings, "prompt_logprobs" in logprobs), **logprobs}
@@ -116,17 +130,25 @@ class Completions(GenerationRoute):
         stream_requested = get_field(body, "stream", (bool,), default=False)
         stream_options = get_field(body, "stream_options", (dict,), default={})
         include_usage = bool(stream_options.get("include_usage"))
-        echoed = await echoed_prompt(self.client, model, prompt) if echo else None
+        n = get_field(body, "n", (int,), default=1)
+        if n * len(prompts) > MAX_BATCH_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts with n={n} ask for {n * len(prompts)} choices; at most "
+                              f"{MAX_BATCH_CHOICES} are allowed", param="n")
+        echoed = [await echoed_prompt(self.client, model, prompt) for prompt in prompts] if echo else None
+        extra = {**({"response_format": fmt} if (fmt := parse_response_format(body)) else {}),
+                 **({"adapter": adapter} if (adapter := get_field(body, "adapter_path", (str,))) else {})}
+        requests = [{"model": model, "prompt": prompt, "params": params, **extra} for prompt in prompts]
+
+        def echo_of(stream: RequestStream) -> str | None:
+            return echoed[stream.prompt_index] if echoed is not None else None
 
         await serve_generation(
-            req, resp, self.client, self.request_timeout, self.metrics,
-            {"model": model, "prompt": prompt, "params": params,
-             **({"response_format": fmt} if (fmt := parse_response_format(body)) else {}),
-             **({"adapter": adapter} if (adapter := get_field(body, "adapter_path", (str,))) else {})},
+            req, resp, self.client, self.request_timeout, self.metrics, requests if len(requests) > 1 else requests[0],
             "cmpl", model, stream_requested,
-            events=lambda stream, meta, timer: self._events(stream, meta, include_usage, timer, logprobs, echoed),
-            complete=lambda stream, meta, timer: self._complete(stream, meta, timer, logprobs, echoed),
-            n=get_field(body, "n", (int,), default=1), include_usage=include_usage)
+            events=lambda stream, meta, timer: self._events(stream, meta, include_usage, timer, logprobs,
+                                                            echo_of(stream)),
+            complete=lambda stream, meta, timer: self._complete(stream, meta, timer, logprobs, echo_of(stream)),
+            n=n, include_usage=include_usage)
 
     async def _complete(self, stream: RequestStream, meta: dict[str, Any], timer: TokenTimer,
                         logprobs: dict[str, Any], echoed: str | None) -> dict[str, Any]:

@@ -1,8 +1,10 @@
-"""`n` > 1: several choices for one request, as n engine requests answered as one.
+"""`n` > 1 (or several prompts on /v1/completions): several choices, as engine requests answered as one.
 
 The engine batches the n requests together (they share the prompt, so the prefix
 cache serves all but the first prefill). A seeded request gives choice i the seed
-`seed + i`, so the choices differ from each other and stay reproducible.
+`seed + i`, so the choices differ from each other and stay reproducible. With several
+prompts, choice `p * n + i` is prompt p's i-th (OpenAI's order) and usage counts each
+prompt once.
 """
 
 from __future__ import annotations
@@ -29,12 +31,19 @@ def choice_requests(engine_request: dict[str, Any], n: int) -> list[dict[str, An
     return [{**engine_request, "params": {**engine_request["params"], "seed": seed + i}} for i in range(n)]
 
 
-def merge_usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """One prompt, n completions: prompt tokens counted once, completion tokens summed."""
+def merge_usage(usages: list[dict[str, Any] | None], n: int | None = None) -> dict[str, Any] | None:
+    """Choices in prompt order, `n` a prompt (None: all of one prompt): each prompt's tokens counted once, completion
+    tokens summed."""
     present = [u for u in usages if u]
     if not present:
         return None
     merged = dict(present[0])
+    if n is not None:  # the first present usage of each prompt's choices
+        firsts = [next((u for u in usages[p:p + n] if u), None) for p in range(0, len(usages), n)]
+        merged["prompt_tokens"] = sum(u["prompt_tokens"] for u in firsts if u)
+        details = [(u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in firsts if u]
+        if "prompt_tokens_details" in merged:
+            merged["prompt_tokens_details"] = {**merged["prompt_tokens_details"], "cached_tokens": sum(details)}
     merged["completion_tokens"] = sum(u["completion_tokens"] for u in present)
     merged["total_tokens"] = merged["prompt_tokens"] + merged["completion_tokens"]
     if "completion_tokens_details" in merged:
@@ -43,16 +52,16 @@ def merge_usage(usages: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     return merged
 
 
-def merge_results(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """n single-choice JSON answers as one answer with choices 0..n-1."""
+def merge_results(results: list[dict[str, Any]], n: int | None = None) -> dict[str, Any]:
+    """Single-choice JSON answers as one answer with choices 0..k-1 (`n` per prompt: `merge_usage`)."""
     merged = dict(results[0])
     merged["choices"] = [{**result["choices"][0], "index": i} for i, result in enumerate(results)]
-    merged["usage"] = merge_usage([result.get("usage") for result in results])
+    merged["usage"] = merge_usage([result.get("usage") for result in results], n)
     return merged
 
 
-async def merge_event_streams(streams: list[AsyncIterator[SSEvent | None]],
-                              include_usage: bool) -> AsyncIterator[SSEvent | None]:
+async def merge_event_streams(streams: list[AsyncIterator[SSEvent | None]], include_usage: bool,
+                              n: int | None = None) -> AsyncIterator[SSEvent | None]:
     """Interleaves n single-choice SSE bodies into one: choice indexes rewritten, one usage chunk, one [DONE].
 
     The hand-over queue is bounded (`MERGE_QUEUE_PER_CHOICE` events a choice): a client that
@@ -72,7 +81,7 @@ async def merge_event_streams(streams: list[AsyncIterator[SSEvent | None]],
         await queue.put((index, _END))
 
     tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
-    usages: list[dict[str, Any] | None] = []
+    usages: list[dict[str, Any] | None] = [None] * len(streams)
     usage_template: dict[str, Any] | None = None
     live = len(streams)
     try:
@@ -87,14 +96,14 @@ async def merge_event_streams(streams: list[AsyncIterator[SSEvent | None]],
             elif payload is None:
                 continue  # one choice's [DONE]: the merged stream sends its own at the end
             elif "choices" in payload and not payload["choices"]:
-                usages.append(payload.get("usage"))  # one choice's usage chunk
+                usages[index] = payload.get("usage")  # one choice's usage chunk
                 usage_template = payload
             else:
                 for choice in payload.get("choices", ()):
                     choice["index"] = index
                 yield event
         if include_usage and usage_template is not None:
-            yield SSEvent(json={**usage_template, "usage": merge_usage(usages)})
+            yield SSEvent(json={**usage_template, "usage": merge_usage(usages, n)})
         yield SSEvent(data=b"[DONE]")
     finally:
         for task in tasks:

@@ -94,27 +94,29 @@ class GenerationRoute:
 
 async def serve_generation(
         req: falcon.asgi.Request, resp: falcon.asgi.Response, client: EngineClient, request_timeout: float,
-        metrics: FrontendMetrics, engine_request: dict[str, Any], id_prefix: str, model: str | None,
-        stream_requested: bool,
+        metrics: FrontendMetrics, engine_request: dict[str, Any] | list[dict[str, Any]], id_prefix: str,
+        model: str | None, stream_requested: bool,
         events: Callable[[RequestStream, dict[str, Any], TokenTimer], AsyncIterator[SSEvent | None]],
         complete: Callable[[RequestStream, dict[str, Any], TokenTimer], Awaitable[dict[str, Any]]],
         n: int = 1, include_usage: bool = False) -> None:
     """Submit, wait for ACCEPTED, then answer SSE (`events`) or JSON (`complete`).
 
     Shared by every generation route. With `n` > 1 the n engine requests' answers
-    are merged into one (`merge_results`, `merge_event_streams`). Each request is released
-    (ABORTed unless it finished) on every path: here for JSON answers and refusals,
+    are merged into one (`merge_results`, `merge_event_streams`); `engine_request` may be a list
+    (/v1/completions' prompts), each with its n choices, whose streams say which (`prompt_index`).
+    Each request is released (ABORTed unless it finished) on every path: here for JSON answers and refusals,
     by `events`' own `finally` once the SSE generator has been handed to falcon.
     """
     streams: list[RequestStream] = []
     handed_over, reason = False, "request_ended"
     # Whose share of the engine's decode slots this is: the key's digest, else the named end user.
     client_id = caller_of(req).client or getattr(req.context, "end_user", None)
+    requests = engine_request if isinstance(engine_request, list) else [engine_request]
     if client_id:
-        engine_request = {**engine_request, "client": client_id}
-    hint = route_hint(req, engine_request)
+        requests = [{**request, "client": client_id} for request in requests]
+    hint = route_hint(req, requests[0])
     try:
-        bodies = choice_requests(engine_request, n)
+        bodies = [body for request in requests for body in choice_requests(request, n)]
         for body in bodies:
             streams.append(await submit_or_503(client, body, hint))
             hint = RouteHint(hint.key, hint.model, streams[0].engine_id)  # n choices share one engine's cache
@@ -124,6 +126,8 @@ async def serve_generation(
         accepted = [await accepted_somewhere(req, client, streams, index, body, hint, request_timeout)
                     for index, body in enumerate(bodies)]
         req.scope[RID_KEY] = streams[0].rid  # a request passed to another engine has a new rid
+        for index, stream in enumerate(streams):
+            stream.prompt_index = index // n
         resp.set_header("X-Request-Id", streams[0].rid)
         resp.set_header("Request-Id", streams[0].rid)  # where Anthropic's SDKs read it (`_request_id`)
         if streams[0].engine_id:
@@ -134,7 +138,7 @@ async def serve_generation(
             resp.content_type = "text/event-stream"
             resp.set_header("Cache-Control", "no-cache")
             bodies = [events(stream, meta, timer) for stream in streams]
-            resp.sse = bodies[0] if n == 1 else merge_event_streams(bodies, include_usage)
+            resp.sse = bodies[0] if len(bodies) == 1 else merge_event_streams(bodies, include_usage, n)
             handed_over = True
         else:
             async def complete_all() -> list[dict[str, Any]]:
@@ -143,7 +147,7 @@ async def serve_generation(
                 return list(await asyncio.gather(*(complete(s, meta, timer) for s in streams)))
 
             results = await until_disconnect(req, complete_all())
-            resp.media = results[0] if n == 1 else merge_results(results)
+            resp.media = results[0] if len(results) == 1 else merge_results(results, n)
         report_context_overflow(resp, accepted[0])  # header, and usage.context_overflow in JSON answers
     except APIError as exc:
         if exc.code == "client_disconnected":

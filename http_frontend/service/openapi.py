@@ -113,7 +113,8 @@ CHAT_REQUEST = obj({
 COMPLETION_REQUEST = obj({
     **SAMPLING,
     "prompt": {"oneOf": [{"type": "string", "minLength": 1}, arr({"type": "integer", "minimum": 0}, minItems=1),
-                         arr(STRING, minItems=1, maxItems=1)]},
+                         arr({"type": "string", "minLength": 1}, minItems=1, maxItems=64),
+                         arr(arr({"type": "integer", "minimum": 0}, minItems=1), minItems=1, maxItems=64)]},
     "echo": nullable(BOOLEAN),
     "max_tokens": nullable({"type": "integer", "minimum": 0}),  # 0: with `echo` and `logprobs`, the prompt's only
     "adapter_path": nullable(STRING),

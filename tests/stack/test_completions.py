@@ -139,7 +139,7 @@ def test_unsupported_and_invalid_fields_get_400_naming_the_param(frontend: Front
         ({"n": 17}, "n"),
         ({"best_of": 3}, "best_of"),
         ({"logprobs": 21}, "logprobs"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one", 2]}, "prompt"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, "x"]}, "prompt"),
         ({"prompt": 5}, "prompt"),
@@ -231,3 +231,20 @@ def test_tokenize_without_a_loaded_model_is_a_clear_400(ipc_dir: Path, tmp_path:
         assert "No model is loaded" in body["message"]
     finally:
         engine.stop()
+
+
+def test_an_array_of_prompts_gets_each_prompts_own_completions(frontend: Frontend, model_id: str) -> None:
+    client = client_for(frontend)
+    prompts = [PROMPT, "The river runs down to the sea and", "Numbers: one two three"]
+    alone = [client.completions.create(model=model_id, prompt=p, max_tokens=6, temperature=0) for p in prompts]
+    batch = client.completions.create(model=model_id, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=model_id, prompt=prompts, max_tokens=6, temperature=0,
+                                           stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {i: a.choices[0].text for i, a in enumerate(alone)}

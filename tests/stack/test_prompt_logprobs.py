@@ -162,3 +162,16 @@ def test_a_prompt_is_scored_only_while_a_slot_is_free(tiny_model: Path, ipc_dir:
         assert answers and answers[0].choices[0].logprobs.token_logprobs[1:len(ids)] == pytest.approx(
             logprobs(ids)[0], abs=2e-4)
         assert engine_stats(frontend)["prompt_logprob_slices"] >= 1
+
+
+def test_a_batch_of_token_prompts_is_scored_prompt_by_prompt(frontend: Frontend, model_id: str,
+                                                             reference: Any) -> None:
+    """lm-eval's `--batch_size` > 1: an array of token prompts, each choice the prompt at its index."""
+    tokenizer, logprobs = reference
+    batch = [tokenizer.encode(TEXT), tokenizer.encode("A short one."), tokenizer.encode(TEXT[:60])]
+    out = httpx.post(f"{frontend.base_url}/v1/completions", timeout=60, json={
+        "model": model_id, "prompt": batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True}).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for ids, choice in zip(batch, out["choices"], strict=True):
+        assert choice["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(logprobs(ids)[0], abs=2e-4)
+    assert out["usage"]["prompt_tokens"] == sum(map(len, batch))

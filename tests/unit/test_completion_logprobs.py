@@ -144,3 +144,34 @@ def test_an_engine_without_prompt_logprobs_is_not_asked_for_them() -> None:
     assert not sent and error is not None and error.body["status"] == 400 and error.body["param"] == "logprobs"
     sent, error = asyncio.run(scenario(frozenset({PROMPT_LOGPROBS})))
     assert len(sent) == 1 and error is None
+
+
+def test_an_array_of_prompts_answers_each_prompts_choices_in_order() -> None:
+    """OpenAI's prompt arrays (and lm-eval's batches): choice p * n + i is prompt p's i-th, each echo its own,
+    usage counting each prompt once."""
+    def script(request: dict[str, Any]) -> list[dict[str, Any]]:
+        words = len(request["prompt"].split())
+        return [{"text": f"<{request['prompt']}>", "token_ids": [1]},
+                {"finish_reason": "length", "usage": usage(1, prompt_tokens=words)}]
+
+    engine = FakeEngine(script=script)
+    body = {"prompt": ["one", "two words", "three more words"], "n": 2, "echo": True, "max_tokens": 1}
+    result = client_for(engine).simulate_post("/v1/completions", json=body)
+    assert result.status_code == 200, result.text
+    assert [c["index"] for c in result.json["choices"]] == list(range(6))
+    assert [c["text"] for c in result.json["choices"]] == [
+        "one<one>", "one<one>", "two words<two words>", "two words<two words>",
+        "three more words<three more words>", "three more words<three more words>"]
+    assert [request["prompt"] for request in engine.added] == ["one", "one", "two words", "two words",
+                                                               "three more words", "three more words"]
+    assert result.json["usage"]["prompt_tokens"] == 1 + 2 + 3 and result.json["usage"]["completion_tokens"] == 6
+
+    streamed = client_for(FakeEngine(script=script)).simulate_post(
+        "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(data) for _, data in sse_events(streamed.text) if data != "[DONE]"]
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {i: c["text"] for i, c in enumerate(result.json["choices"])}
+    assert chunks[-1]["usage"]["prompt_tokens"] == 6 and chunks[-1]["usage"]["completion_tokens"] == 6

@@ -180,7 +180,10 @@ def test_unknown_route_and_wrong_method_in_openai_shape(engine: FakeEngine) -> N
 
 # -- completions and responses ----------------------------------------------------------------
 @pytest.mark.parametrize(("body", "code", "param"), [
-    ({"prompt": ["one", "two"]}, "unsupported_parameter", "prompt"),
+    ({"prompt": ["one", 2]}, "invalid_type", "prompt"),
+    ({"prompt": [[1], [-2]]}, "invalid_value", "prompt"),
+    ({"prompt": ["x"] * 65}, "invalid_value", "prompt"),
+    ({"prompt": ["x"] * 9, "n": 16}, "invalid_value", "n"),
     ({"prompt": [1, -2]}, "invalid_value", "prompt"),
     ({"prompt": "hi", "max_tokens": 0}, "invalid_value", "max_tokens"),  # 0 only when scoring the prompt
     ({"prompt": "hi", "echo": True, "max_tokens": 0}, "invalid_value", "max_tokens"),

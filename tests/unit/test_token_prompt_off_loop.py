@@ -9,7 +9,7 @@ import pytest
 
 from http_frontend.errors import APIError
 from http_frontend.openai import completions
-from http_frontend.openai.completions import OFF_LOOP_TOKEN_IDS, parse_prompt, token_count
+from http_frontend.openai.completions import OFF_LOOP_TOKEN_IDS, parse_prompts, token_count
 from http_frontend.parsing.body import off_loop
 
 
@@ -17,7 +17,8 @@ def test_token_count_reads_lengths_only() -> None:
     assert token_count({"prompt": [1, 2, 3]}) == 3
     assert token_count({"prompt": [[1, 2, 3, 4]]}) == 4  # a batch of one prompt
     assert token_count({"prompt": "text"}) == 0
-    assert token_count({"prompt": ["a", "b"]}) == 2  # refused by parse_prompt, whichever thread
+    assert token_count({"prompt": ["a", "b"]}) == 2  # two text prompts: nothing to walk
+    assert token_count({"prompt": [[1, 2], [3, 4, 5]]}) == 5  # a batch of token prompts
     assert OFF_LOOP_TOKEN_IDS < 1_000_000
 
 
@@ -26,10 +27,10 @@ def test_the_check_runs_in_the_parser_thread_and_refuses_there(monkeypatch: pyte
 
     def recording(body: dict) -> object:
         threads.append(threading.current_thread().name)
-        return parse_prompt(body)
+        return parse_prompts(body)
 
-    monkeypatch.setattr(completions, "parse_prompt", recording)
-    assert asyncio.run(off_loop(completions.parse_prompt, {"prompt": [1, 2]})) == [1, 2]
+    monkeypatch.setattr(completions, "parse_prompts", recording)
+    assert asyncio.run(off_loop(completions.parse_prompts, {"prompt": [1, 2]})) == [[1, 2]]
     with pytest.raises(APIError):
-        asyncio.run(off_loop(completions.parse_prompt, {"prompt": [1, True]}))
+        asyncio.run(off_loop(completions.parse_prompts, {"prompt": [1, True]}))
     assert threads and all(name.startswith("json-body") for name in threads)
