@@ -81,7 +81,8 @@ def reference(tiny_model: Path) -> Any:
     return greedy, loglikelihood
 
 
-def run_lm_eval(frontend: Frontend, model_id: str, tasks: Path, task: str, out: Path) -> list[dict[str, Any]]:
+def run_lm_eval(frontend: Frontend, model_id: str, tasks: Path, task: str, out: Path,
+                batch_size: int = 1) -> list[dict[str, Any]]:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(out / "hf"),
            "TOKENIZERS_PARALLELISM": "false"}
     env.pop("LD_PRELOAD", None)  # the client computes nothing
@@ -89,7 +90,7 @@ def run_lm_eval(frontend: Frontend, model_id: str, tasks: Path, task: str, out: 
     done = subprocess.run(
         [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
          f"base_url={frontend.base_url}/v1/completions,model={model_id},num_concurrent=2", "--tasks", task,
-         "--include_path", str(tasks), "--output_path", str(out), "--log_samples"],
+         "--include_path", str(tasks), "--output_path", str(out), "--log_samples", "--batch_size", str(batch_size)],
         cwd=out, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Using remote tokenizer backend" in done.stderr + done.stdout  # found ours: nothing downloaded
@@ -105,7 +106,8 @@ def test_multiple_choice_loglikelihoods_equal_a_forward_pass(frontend: Frontend,
     rows = [{"question": c, "choices": [greedy(c, 3), " blue", " engine room"], "answer": 0} for c in CONTEXTS]
     (tmp_path / "mc.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     (tmp_path / "mc.yaml").write_text(MC_TASK.format(data=tmp_path / "mc.jsonl"))
-    samples = run_lm_eval(frontend, model_id, tmp_path, "engined_mc", tmp_path / "out")
+    # Batches of 4 requests: arrays of token prompts, each choice answering the prompt at its index.
+    samples = run_lm_eval(frontend, model_id, tmp_path, "engined_mc", tmp_path / "out", batch_size=4)
     assert len(samples) == len(rows)
     checked = 0
     for sample in samples:
