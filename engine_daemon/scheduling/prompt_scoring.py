@@ -43,7 +43,7 @@ MIN_SLICE = 16
 FIRST_SLICE = 64  # while streams decode and nothing has been measured yet
 # A slice runs between two batch steps: the streams' gap becomes a decode step plus the slice, kept at this
 # share of what `--max-gap-ratio` leaves past the decode step. On the ~85M CPU bench model a slice's time
-# varies +-40% at one size, and at 0.8 the worst gaps reached 3.05-3.36x (`bench/prompt_scoring.py`).
+# varies +-40% at one size, and at 0.8 the worst gaps reached 3.05-3.36x (the prompt-scoring benchmark).
 GAP_SHARE = 0.65
 
 
