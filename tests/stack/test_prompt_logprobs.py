@@ -3,6 +3,7 @@ gunicorn -> engined, checked against a full forward pass of the same model in th
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,28 @@ def test_a_batch_of_token_prompts_is_scored_prompt_by_prompt(frontend: Frontend,
     for ids, choice in zip(batch, out["choices"], strict=True):
         assert choice["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(logprobs(ids)[0], abs=2e-4)
     assert out["usage"]["prompt_tokens"] == sum(map(len, batch))
+
+
+def test_a_client_leaving_mid_scoring_aborts_it(tiny_model: Path, ipc_dir: Path, tmp_path: Path,
+                                                 reference: Any) -> None:
+    """Slices of 16 positions (`--prefill-step-size 16`): a client that reads the first chunk and leaves takes its
+    prompt out of the scoring queue (its KV freed), and the engine goes on serving."""
+    tokenizer, logprobs = reference
+    ids = tokenizer.encode(TEXT * 80)  # ~400 slices: the client is gone long before the last
+    with running_stack(f"ipc://{ipc_dir}/abort-scoring.sock", tmp_path, model=str(tiny_model),
+                       engine_args=["--prefill-step-size", "16"]) as (_, frontend):
+        body = {"model": str(tiny_model), "prompt": ids, "echo": True, "logprobs": 5, "max_tokens": 0,
+                "stream": True}
+        with httpx.stream("POST", f"{frontend.base_url}/v1/completions", json=body, timeout=60) as response:
+            first = next(line for line in response.iter_lines() if line.startswith("data: "))
+        assert len(json.loads(first[6:])["choices"][0]["logprobs"]["tokens"]) >= 1
+        for _ in range(200):
+            stats = engine_stats(frontend)
+            if stats["prompt_logprob_queued"] == 0:
+                break
+            threading.Event().wait(0.05)
+        assert stats["prompt_logprob_queued"] == 0
+        assert stats["prompt_logprob_tokens"] < len(ids) - 1 and stats["prompt_logprob_requests"] == 0
+        again = client_for(frontend).completions.create(model=str(tiny_model), prompt=ids[:50], max_tokens=0,
+                                                        echo=True, logprobs=0)
+        assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs(ids[:50])[0], abs=2e-4)
