@@ -1,4 +1,4 @@
-"""Token-id prompts are checked in C (`is_token_ids`, `parse_prompt`): the answers of the Python walk they replace."""
+"""Token-id prompts are checked in C (`is_token_ids`, `parse_prompts`): the answers of the Python walk they replace."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from http_frontend.errors import APIError
-from http_frontend.openai.completions import parse_prompt
+from http_frontend.openai.completions import parse_prompts
 from http_frontend.openai.tokenize import is_token_ids
 
 
@@ -33,11 +33,12 @@ def test_is_token_ids_agrees_with_the_walk(value: Any) -> None:
 ])
 def test_bad_token_prompts_are_refused(prompt: Any, message: str) -> None:
     with pytest.raises(APIError) as caught:
-        parse_prompt({"prompt": prompt})
+        parse_prompts({"prompt": prompt})
     assert caught.value.status == 400 and message in caught.value.message and caught.value.param == "prompt"
 
 
 def test_token_prompts_pass_unchanged() -> None:
     ids = list(range(100_000))
-    assert parse_prompt({"prompt": ids}) is ids
-    assert parse_prompt({"prompt": [[5, 6]]}) == [5, 6]
+    assert parse_prompts({"prompt": ids})[0] is ids
+    assert parse_prompts({"prompt": [[5, 6]]}) == [[5, 6]]
+    assert parse_prompts({"prompt": [[5, 6], [7]]}) == [[5, 6], [7]]
