@@ -267,6 +267,11 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
         "vision_kv_disk_writes")
     one("mlx_engine_vision_prompt_cache_disk_corrupt_total", "counter",
         "Damaged cache files a vision model skipped and deleted.", "vision_kv_disk_corrupt")
+    one("mlx_engine_prompt_logprob_requests_total", "counter",
+        "Requests whose prompts' own logprobs were computed (/v1/completions echo with logprobs).",
+        "prompt_logprob_requests")
+    one("mlx_engine_prompt_logprob_tokens_total", "counter", "Prompt positions scored for their logprobs.",
+        "prompt_logprob_tokens")
     one("mlx_engine_requests_preempted_total", "counter",
         "Requests paused so a client holding fewer decode slots got one (--fair-preemption).", "requests_preempted")
     one("mlx_engine_tool_parses_timed_out_total", "counter",

@@ -65,6 +65,9 @@ def test_prompt_logprobs_equal_a_full_forward_pass_and_the_completion_is_unchang
     after = engine_stats(frontend)
     assert after["prompt_logprob_tokens"] - before["prompt_logprob_tokens"] == n - 1
     assert after["prompt_logprob_requests"] - before["prompt_logprob_requests"] == 1
+    metrics = httpx.get(f"{frontend.base_url}/metrics", timeout=30).text
+    scored = [line for line in metrics.splitlines() if line.startswith("mlx_engine_prompt_logprob_tokens_total")]
+    assert scored and float(scored[0].split()[-1]) >= n - 1
 
 
 def test_lm_eval_loglikelihood_request_and_scoring_only(frontend: Frontend, model_id: str, reference: Any) -> None:
