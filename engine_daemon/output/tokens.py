@@ -69,22 +69,23 @@ def _parsed(request: EngineRequest, text: str) -> ParsedDelta:
     return delta
 
 
+def describe_token(tokenizer: Any, token_id: int, logprob: float | None) -> dict[str, Any]:
+    """One token of a logprobs entry: its text (or `bytes:` form), logprob and bytes (None: nothing predicts it)."""
+    raw = token_bytes(tokenizer, token_id)  # the token's own bytes, also for part of a character
+    # A token masked out (grammar constraint) has logprob -inf, which JSON cannot carry: clamp it as vLLM does.
+    return {"token": token_label(raw), "logprob": None if logprob is None else max(logprob, -9999.0),
+            "bytes": list(raw)}
+
+
 def logprob_entries(tokenizer: Any, logprobs: Any, token: int, top: int) -> list[dict[str, Any]]:
     """OpenAI's per-token logprobs entry: the sampled token and the `top` most likely ones."""
     row = logprobs.reshape(-1)
-
-    def describe(token_id: int, logprob: float) -> dict[str, Any]:
-        raw = token_bytes(tokenizer, token_id)  # the token's own bytes, also for part of a character
-        # A token masked out (grammar constraint) has logprob -inf, which JSON cannot carry: clamp
-        # it as vLLM does.
-        return {"token": token_label(raw), "logprob": max(logprob, -9999.0), "bytes": list(raw)}
-
-    entry = describe(token, row[token].item())
+    entry = describe_token(tokenizer, token, row[token].item())
     entry["top_logprobs"] = []
     if top:
         ids = mx.argpartition(-row, kth=top - 1)[:top]
         pairs = sorted(zip(ids.tolist(), row[ids].tolist()), key=lambda pair: -pair[1])
-        entry["top_logprobs"] = [describe(i, v) for i, v in pairs]
+        entry["top_logprobs"] = [describe_token(tokenizer, i, v) for i, v in pairs]
     return [entry]
 
 

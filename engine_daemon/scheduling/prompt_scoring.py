@@ -29,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine_daemon.cpu.prefill_scope import prefilling
 from engine_daemon.errors import RequestError, engine_failure
-from engine_daemon.output.token_text import token_bytes, token_label
+from engine_daemon.output.tokens import describe_token
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.scheduling.base import Event, error_event
 from engine_daemon.scheduling.fair_slots import Preempted
@@ -112,9 +112,7 @@ class ScoringJob:
         return entry
 
     def _describe(self, token: int, logprob: float | None) -> dict[str, Any]:
-        raw = token_bytes(self.tokenizer, token)
-        return {"token": token_label(raw), "logprob": None if logprob is None else max(logprob, -9999.0),
-                "bytes": list(raw)}
+        return describe_token(self.tokenizer, token, logprob)
 
 
 def score_positions(model: Any, cache: list[Any], inputs: list[int], targets: list[int],
