@@ -68,7 +68,9 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()
         self._ended_prefills: list[Any] = []  # the last step's progress, shared in `after_publish`
-        self.scoring = PromptScoring(config.max_gap_ratio, config.prefill_step_size, config.max_kv_size)
+        self.scoring = PromptScoring(config.max_gap_ratio, config.prefill_step_size, config.max_kv_size,
+                                     fetch=lambda key, tokens: self.prompt_cache.fetch(key, tokens),
+                                     remember=lambda key, tokens, cache: self.prompt_cache.insert(key, tokens, cache))
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)
         # Rank 0 of a group broadcasts each generator call (Lockstep; no prefill sharing there, GroupLeader.attach).
@@ -168,7 +170,9 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
             resumed = request.preempted is not None or request.prompt_scored
             if wants_scoring(request):  # its prompt's logprobs first, then it joins with that KV (`PromptScoring`)
                 current = self.models.current
-                self.scoring.add(request, self.adapters.bind(current, request.body.get("adapter")), current.tokenizer)
+                adapter = request.body.get("adapter")
+                self.scoring.add(request, self.adapters.bind(current, adapter), current.tokenizer,
+                                 self._cache_key(adapter))
                 events.append(self.accepted_event(request))
                 continue
             try:
@@ -283,6 +287,7 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         self._close_generator()
         self.prompt_cache.spill_all()  # with --prompt-cache-dir, a switch back finds the prefixes on disk
         self.prompt_cache = self._new_prefix_cache()
+        self.scoring.store.clear()
 
     def on_shutdown(self) -> None:
         """A clean stop: the hot prefixes go to disk for the next start (--prompt-cache-dir)."""

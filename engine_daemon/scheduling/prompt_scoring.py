@@ -11,15 +11,21 @@ prefill the request needs anyway: when the prompt is through, the request joins 
 a paused one resumes (`Preempted`), its last token fed there for the first new token. So the
 prompt is computed once, and a request with `max_tokens` 0 (scoring only) never joins.
 
+A scored prompt's rows stay behind (`ScoredPrefixes`) and its KV goes to the prefix cache, so a
+later prompt starting with the same tokens (the next choice of a multiple-choice question, the
+next question after the same few-shot examples) is scored from where they part.
+
 One job runs at a time, in arrival order; only the running one holds KV. Text models outside an
 engine group only: a vision model's prompt is built by mlx-vlm, a group's by every rank in lockstep.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +39,7 @@ from engine_daemon.output.tokens import describe_token
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.scheduling.base import Event, error_event
 from engine_daemon.scheduling.fair_slots import Preempted
+from engine_daemon.scheduling.scored_prefixes import ScoredPrefix, ScoredPrefixes
 from protocol import MsgType
 
 log = logging.getLogger(__name__)
@@ -66,38 +73,71 @@ def check_scoring(request: EngineRequest, kind: str, grouped: bool) -> None:
 
 @dataclass
 class ScoringJob:
-    """One request's prompt on its way through the model: `done` positions are in `cache`."""
+    """One request's prompt on its way through the model: `done` positions are in `cache`, each with its row."""
 
     request: EngineRequest
     model: Any  # the model bound to the request's adapter (`AdapterManager.bind`)
     tokenizer: Any
     max_kv_size: int | None = None  # the generator's own cache layout (`--max-kv-size`): the KV joins its batch
+    key: Hashable | None = None  # the prefix cache's key for this model and adapter (None: nothing reused or kept)
     cache: list[Any] | None = None
     done: int = 0
+    reused: int = 0  # leading positions whose KV and rows came from an earlier prompt (`ScoredPrefixes`)
+    emitted: int = 0  # entries sent so far, the first token's included
+    # Row i: what the model gave `tokens[i + 1]` (its logprob, the `top` most likely tokens and theirs).
+    chosen: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_values: list[list[float]] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
         return self.request.prompt_tokens
 
     @property
+    def top(self) -> int:
+        return int(self.request.params.get(PARAM) or 0)
+
+    @property
     def finished(self) -> bool:
         return self.done >= len(self.tokens) - 1  # the last token is fed in the batch: its logits are a new token's
 
+    def resume(self, cache: list[Any], cached: int, prefix: ScoredPrefix) -> None:
+        """Starts after `cached` positions whose KV is `cache` and whose rows `prefix` holds."""
+        top = self.top
+        self.cache, self.done, self.reused = cache, cached, cached
+        self.chosen = prefix.chosen[:cached].tolist()
+        self.top_ids = prefix.top_ids[:cached, :top].tolist()
+        self.top_values = prefix.top_values[:cached, :top].tolist()
+
     def step(self, budget: int) -> list[dict[str, Any]]:
-        """Feeds the next `budget` positions; the log probability entries of the tokens they predict."""
-        entries: list[dict[str, Any]] = []
-        if self.done == 0:
+        """Feeds the next `budget` positions; the log probability entries not sent yet."""
+        if self.cache is None:
             self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
-            entries.append(self._entry(self.tokens[0], None, None, None))  # nothing predicts the first token
         end = min(len(self.tokens) - 1, self.done + budget)
-        if end <= self.done:
-            return entries
-        top = int(self.request.params.get(PARAM) or 0)
-        chosen, ids, values = score_positions(self.model, self.cache, self.tokens[self.done:end],
-                                              self.tokens[self.done + 1:end + 1], top)
-        for i, token in enumerate(self.tokens[self.done + 1:end + 1]):
-            entries.append(self._entry(token, chosen[i], ids[i] if top else None, values[i] if top else None))
-        self.done = end
+        if end > self.done:
+            top = self.top
+            chosen, ids, values = score_positions(self.model, self.cache, self.tokens[self.done:end],
+                                                  self.tokens[self.done + 1:end + 1], top)
+            self.chosen += chosen
+            self.top_ids += ids if top else [[] for _ in chosen]
+            self.top_values += values if top else [[] for _ in chosen]
+            self.done = end
+        return self._unsent()
+
+    def scored(self) -> ScoredPrefix:
+        """What this prompt's rows give a later prompt sharing its start (`ScoredPrefixes`)."""
+        return ScoredPrefix.of(self.key, self.tokens, self.chosen, self.top_ids, self.top_values, self.top)
+
+    def _unsent(self) -> list[dict[str, Any]]:
+        entries: list[dict[str, Any]] = []
+        if self.emitted == 0:
+            entries.append(self._entry(self.tokens[0], None, None, None))  # nothing predicts the first token
+            self.emitted = 1
+        top = self.top
+        for row in range(self.emitted - 1, self.done):
+            entries.append(self._entry(self.tokens[row + 1], self.chosen[row], self.top_ids[row] if top else None,
+                                       self.top_values[row] if top else None))
+        self.emitted = self.done + 1
         return entries
 
     def _entry(self, token: int, logprob: float | None, ids: list[int] | None,
@@ -163,17 +203,23 @@ class PromptScoring:
     max_gap_ratio: float = 3.0
     idle_tokens: int = 2048  # a slice while nothing decodes (--prefill-step-size), capped by `LOGIT_BYTES`
     max_kv_size: int | None = None
+    # The prefix cache's lookup and insert, by its key: a prompt reuses the KV of the longest prefix scored before
+    # (its rows from `store`), and a scored prompt's KV is kept there for later prompts, scored or not.
+    fetch: Callable[[Hashable, list[int]], tuple[list[Any] | None, int]] | None = None
+    remember: Callable[[Hashable, list[int], list[Any]], None] | None = None
+    store: ScoredPrefixes = field(default_factory=ScoredPrefixes)
     jobs: deque[ScoringJob] = field(default_factory=deque)
     last_slice: tuple[int, float] | None = None  # (positions, seconds) of the latest slice
     scored_tokens: int = 0  # for /stats
+    reused_tokens: int = 0
     scored_requests: int = 0
     slices: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.jobs)
 
-    def add(self, request: EngineRequest, model: Any, tokenizer: Any) -> None:
-        self.jobs.append(ScoringJob(request, model, tokenizer, self.max_kv_size))
+    def add(self, request: EngineRequest, model: Any, tokenizer: Any, key: Hashable | None = None) -> None:
+        self.jobs.append(ScoringJob(request, model, tokenizer, self.max_kv_size, key))
 
     def requests(self) -> list[EngineRequest]:
         return [job.request for job in self.jobs]
@@ -209,8 +255,10 @@ class PromptScoring:
             return [], []
         job = self.jobs[0]
         request = job.request
-        started, before = time.perf_counter(), job.done
         try:
+            if job.cache is None:
+                self._reuse(job)
+            started, before = time.perf_counter(), job.done
             entries = job.step(self.budget(decode_seconds, vocab_size))
         except Exception as exc:  # this request fails, never the batch beside it
             log.exception("rid=%s: scoring its prompt failed", request.rid)
@@ -230,11 +278,43 @@ class PromptScoring:
         self.jobs.popleft()
         request.prompt_scored = True
         self.scored_requests += 1
-        log.info("rid=%s prompt scored: %d tokens", request.rid, len(job.tokens))
+        log.info("rid=%s prompt scored: %d tokens, %d reused", request.rid, len(job.tokens), job.reused)
+        self._keep(job)
         if job.done:  # a prompt of one token has no KV yet: it joins as any request does
             request.preempted = Preempted(job.cache, job.tokens[:job.done], job.tokens[job.done:])
         return events, [request]
 
+    def _reuse(self, job: ScoringJob) -> None:
+        """Starts `job` after the longest prefix scored before whose KV the prefix cache still holds.
+
+        Looked up when the job starts, not when it is queued: the choices of a multiple-choice question
+        arrive together, and the first one's context is scored (and kept, `_keep`) before the next starts.
+        """
+        found = None if job.key is None or self.fetch is None else self.store.longest(job.key, job.tokens, job.top)
+        if found is None:
+            return
+        prefix, shared = found
+        # The prefix cache leaves the last token it is given to compute: at most `shared - 1` positions, each of
+        # which has its row in `prefix` (the row of position i is the logprob of token i + 1).
+        cache, cached = self.fetch(job.key, job.tokens[:shared])
+        if cache is None or cached < 1:
+            return
+        job.resume(cache, cached, prefix)
+        job.request.cached_tokens = cached
+        self.reused_tokens += cached
+
+    def _keep(self, job: ScoringJob) -> None:
+        """A scored prompt's rows for later prompts (`ScoredPrefixes`), its KV in the prefix cache. A request
+        that goes on generates from that KV, so the prefix cache gets a copy."""
+        if job.key is None or not job.done:
+            return
+        if self.fetch is not None:  # rows are reused only with the KV of their prefix
+            self.store.insert(job.scored())
+        if self.remember is not None:
+            kept = copy.deepcopy(job.cache) if job.request.max_tokens else job.cache
+            self.remember(job.key, job.tokens[:job.done], kept)
+
     def stats(self) -> dict[str, Any]:
         return {"prompt_logprob_requests": self.scored_requests, "prompt_logprob_tokens": self.scored_tokens,
+                "prompt_logprob_reused_tokens": self.reused_tokens,
                 "prompt_logprob_slices": self.slices, "prompt_logprob_queued": len(self.jobs)}

@@ -272,6 +272,9 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
         "prompt_logprob_requests")
     one("mlx_engine_prompt_logprob_tokens_total", "counter", "Prompt positions scored for their logprobs.",
         "prompt_logprob_tokens")
+    one("mlx_engine_prompt_logprob_reused_tokens_total", "counter",
+        "Prompt positions whose logprobs and KV came from an earlier prompt sharing them.",
+        "prompt_logprob_reused_tokens")
     one("mlx_engine_requests_preempted_total", "counter",
         "Requests paused so a client holding fewer decode slots got one (--fair-preemption).", "requests_preempted")
     one("mlx_engine_tool_parses_timed_out_total", "counter",

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.helpers import Frontend
@@ -106,8 +107,15 @@ def test_multiple_choice_loglikelihoods_equal_a_forward_pass(frontend: Frontend,
     rows = [{"question": c, "choices": [greedy(c, 3), " blue", " engine room"], "answer": 0} for c in CONTEXTS]
     (tmp_path / "mc.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     (tmp_path / "mc.yaml").write_text(MC_TASK.format(data=tmp_path / "mc.jsonl"))
+    before = httpx.get(f"{frontend.base_url}/stats", timeout=30).json()["prompt_logprob_reused_tokens"]
     # Batches of 4 requests: arrays of token prompts, each choice answering the prompt at its index.
     samples = run_lm_eval(frontend, model_id, tmp_path, "engined_mc", tmp_path / "out", batch_size=4)
+    # A question's context is computed for one of its choices: the other two start after it (`ScoredPrefixes`).
+    reused = httpx.get(f"{frontend.base_url}/stats", timeout=30).json()["prompt_logprob_reused_tokens"] - before
+    contexts = [httpx.post(f"{frontend.base_url}/tokenize", json={"model": model_id, "prompt": context,
+                                                                 "add_special_tokens": False}, timeout=30).json()
+                for context in CONTEXTS]
+    assert reused >= sum(2 * (len(tokens["tokens"]) - 1) for tokens in contexts), reused
     assert len(samples) == len(rows)
     checked = 0
     for sample in samples:

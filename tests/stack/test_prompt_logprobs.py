@@ -204,3 +204,34 @@ def test_a_client_leaving_mid_scoring_aborts_it(tiny_model: Path, ipc_dir: Path,
         again = client_for(frontend).completions.create(model=str(tiny_model), prompt=ids[:50], max_tokens=0,
                                                         echo=True, logprobs=0)
         assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs(ids[:50])[0], abs=2e-4)
+
+
+def test_choices_sharing_a_context_are_scored_from_where_they_part(frontend: Frontend, model_id: str,
+                                                                   reference: Any) -> None:
+    """lm-evaluation-harness's multiple choice: one request per choice, the same context before each, sent
+    together. The context is computed once: the other choices compute only their own tokens (`ScoredPrefixes`
+    and the prefix cache), and every logprob is still a full forward pass's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer, logprobs = reference
+    context = tokenizer.encode("Choices share this context, a question long enough to be worth keeping. " + TEXT)
+    choices = [tokenizer.encode(text) for text in (" red", " a green leaf", " the blue sky", " yellow")]
+
+    def ask(choice: list[int]) -> dict[str, Any]:
+        payload = {"model": model_id, "prompt": [context + choice], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+                   "echo": True}
+        return httpx.post(f"{frontend.base_url}/v1/completions", json=payload, timeout=120).json()
+
+    before = engine_stats(frontend)
+    with ThreadPoolExecutor(len(choices)) as pool:
+        answers = list(pool.map(ask, choices))
+    after = engine_stats(frontend)
+    for choice, answer in zip(choices, answers, strict=True):
+        ids = context + choice
+        expected, _ = logprobs(ids)
+        assert answer["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(expected, abs=2e-4)
+    reused = after["prompt_logprob_reused_tokens"] - before["prompt_logprob_reused_tokens"]
+    computed = after["prompt_logprob_tokens"] - before["prompt_logprob_tokens"]
+    assert reused >= (len(choices) - 1) * (len(context) - 1)  # every choice but the first reused the context
+    assert computed + reused == sum(len(context) + len(choice) - 1 for choice in choices)
+    assert sum(answer["usage"]["prompt_tokens_details"]["cached_tokens"] for answer in answers) == reused
