@@ -27,20 +27,21 @@ class FusedDecode:
     """
 
     def __init__(self, model: Any, chunk: list[int], chunk_cache: list[Any], ends_prompt: bool = False,
-                 carry: LayerCarry | None = None, leaving: Callable[[int], Leaving] | None = None):
+                 carry: LayerCarry | None = None, leaving: Callable[[int], Leaving] | None = None,
+                 all_logits: bool = False):
         self.model, self.chunk, self.chunk_cache = model, chunk, chunk_cache
-        self.ends_prompt = ends_prompt
+        self.ends_prompt, self.all_logits = ends_prompt, all_logits  # all_logits: every chunk row's (`SideSlice`)
         self.carry, self.leaving = carry, leaving
         self.carried: LayerCarry | None = None
-        self.prompt_logits: mx.array | None = None  # the chunk's last token's, when it ends its prompt
+        self.prompt_logits: mx.array | None = None  # the chunk's last token's when it ends its prompt, or all of them
         self.used = False
 
     def __call__(self, inputs: mx.array, cache: list[Any]) -> mx.array:
         self.used = True
         logits, self.carried = fused_forward_carried(
             self.model, inputs, cache, mx.array([self.chunk]), self.chunk_cache, chunk_last_logits=self.ends_prompt,
-            carry=self.carry, leaving=self.leaving, chunk_tokens=self.chunk)
-        if not self.ends_prompt:
+            carry=self.carry, leaving=self.leaving, chunk_tokens=self.chunk, chunk_all_logits=self.all_logits)
+        if not (self.ends_prompt or self.all_logits):
             return logits
         rows = inputs.shape[0]
         self.prompt_logits = logits[rows:]

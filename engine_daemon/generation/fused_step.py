@@ -123,8 +123,12 @@ def fused_forward(model: Any, decode_inputs: mx.array, decode_cache: list[Any],
 def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: list[Any], chunk_inputs: mx.array,
                           chunk_cache: list[Any], chunk_last_logits: bool = False, carry: LayerCarry | None = None,
                           leaving: Callable[[int], Leaving] | None = None,
-                          chunk_tokens: list[int] | None = None) -> tuple[mx.array, LayerCarry | None]:
+                          chunk_tokens: list[int] | None = None,
+                          chunk_all_logits: bool = False) -> tuple[mx.array, LayerCarry | None]:
     """`fused_forward` that takes in a carried chunk and may cut its own chunk between layers (`LayerCarry`).
+
+    `chunk_all_logits`: the logits of every chunk row follow the decode rows' (B + C rows), for a prompt
+    scored for its own logprobs (`SideSlice`); such a chunk is never cut.
 
     `carry`: rows of an earlier chunk that stopped before layer `carry.start`; they rejoin there,
     before this chunk's rows (they are the positions just before them). `leaving(index)`, asked
@@ -149,7 +153,7 @@ def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: lis
         if carry is not None and index == carry.start:  # the carried rows rejoin, before this chunk's
             stacked = mx.concatenate([stacked[:rows], carry.hidden, stacked[rows:]], axis=0)
         what = Leaving.NOTHING
-        if cut is None and leaving is not None and not chunk_last_logits and index >= 1:
+        if cut is None and leaving is not None and not (chunk_last_logits or chunk_all_logits) and index >= 1:
             what = leaving(index)
         if what:
             with_carry = what == Leaving.ALL and carry is not None and index > carry.start
@@ -176,6 +180,9 @@ def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: lis
             if chunk_last_logits:
                 kept = mx.concatenate([kept, stacked[-1:]], axis=0)
                 outputs = mx.concatenate([outputs, chunk_out.reshape(chunk_len, -1)[-1:]], axis=0)
+            elif chunk_all_logits and chunk_len:
+                kept = stacked
+                outputs = mx.concatenate([outputs, chunk_out.reshape(chunk_len, -1)], axis=0)
             decode_h = kept + attn.o_proj(outputs)
             decode_h = decode_h + layer.mlp(layer.post_attention_layernorm(decode_h))
             break

@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 from mlx_lm.generate import StopSequences
 
+from engine_daemon.generation.side_slice import SideSlice, rides, riding
 from engine_daemon.generation.speculative import SpeculativeDecoder, SpeculativeLane
 from engine_daemon.generation.stall_free import StallFreeBatchGenerator
 from engine_daemon.lora.adapters import AdapterManager
@@ -57,6 +59,7 @@ class GroupedGenerator:
         self._ending_chunk: int | None = None  # `StallFreeBatchGenerator.ending_chunk`, set each step
         self._layer_deadline: tuple[float, float] | None = None
         self.lane: SpeculativeLane | None = None
+        self._side: SideSlice | None = None  # a scored prompt's slice for the next step's decode pass (`offer_side`)
         self.fused_steps = 0  # steps whose prefill chunk rode in the decode pass (StallFreeBatchGenerator)
         self.first_tokens_at_prefill_end = 0  # first tokens handed back by their prompt's last chunk (ditto)
         # The base group first, and closed last: BatchGenerator restores Metal's wired limit on close,
@@ -129,6 +132,16 @@ class GroupedGenerator:
             uids.append(uid)
         return uids
 
+    def can_ride(self, adapter: str | None) -> bool:
+        """Whether a slice of a prompt with this adapter can ride in the next step's decode pass (`SideSlice`):
+        only that adapter's batch steps, no speculative lane, and its step would only decode."""
+        live = [key for key in self._groups if self._live.get(key)]
+        return self.lane is None and live == [adapter] and rides(self._groups[adapter])
+
+    def offer_side(self, side: SideSlice) -> None:
+        """Puts `side` in the next step's decode pass (`can_ride` must hold); `side.logits` is set once it did."""
+        self._side = side
+
     def preemptible(self, uid: int) -> bool:
         """Whether `uid` can be paused and resumed from its KV: a batch's sequence, not the speculative lane's."""
         where = self._where.get(uid)
@@ -182,7 +195,9 @@ class GroupedGenerator:
             if not self._live.get(key):
                 continue
             fused_before, early_before = generator.fused_steps, generator.first_tokens_at_prefill_end
-            group_progress, group_responses = generator.next()
+            side = self._side if self._side is not None and self._side.adapter == key and rides(generator) else None
+            with riding(generator, side) if side is not None else nullcontext():
+                group_progress, group_responses = generator.next()
             self.fused_steps += generator.fused_steps - fused_before
             self.first_tokens_at_prefill_end += generator.first_tokens_at_prefill_end - early_before
             progress += [dataclasses.replace(p, uid=self._global[(key, p.uid)]) for p in group_progress
@@ -196,6 +211,7 @@ class GroupedGenerator:
                     del self._where[uid]
                     self._live[key].discard(uid)
                 responses.append(dataclasses.replace(response, uid=uid))
+        self._side = None  # offered for this step only
         self._drop_idle_groups()
         return progress, responses
 

@@ -39,6 +39,7 @@ from engine_daemon.scheduling.prefill_pacer import ROW_TILE, PrefillPacer, StepP
 from engine_daemon.scheduling.prefix_sharing import PrefillSharing
 from engine_daemon.scheduling.prompt_progress import PromptProgress
 from engine_daemon.scheduling.prompt_scoring import PromptScoring, check_scoring, wants_scoring
+from engine_daemon.scheduling.scoring_budget import SliceBudget
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         # Prompts' KV shared while they run: published at the end of prefill, waited for (PrefillSharing).
         self.sharing = PrefillSharing()
         self._ended_prefills: list[Any] = []  # the last step's progress, shared in `after_publish`
-        self.scoring = PromptScoring(config.max_gap_ratio, config.prefill_step_size, config.max_kv_size,
+        self.scoring = PromptScoring(SliceBudget(config.max_gap_ratio, config.prefill_step_size,
+                                                 config.max_stall_seconds or None), config.max_kv_size,
                                      fetch=lambda key, tokens: self.prompt_cache.fetch(key, tokens),
                                      remember=lambda key, tokens, cache: self.prompt_cache.insert(key, tokens, cache))
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
@@ -357,8 +359,10 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         seconds, prompt_done = ended - started, self._prefill_progress.step_tokens(progress)
         early = getattr(generator, "first_tokens_at_prefill_end", 0) - early_before
         cut, work = generator.last_cut() if isinstance(generator, GroupedGenerator) else (None, None)
-        self.pacer.observe(self.periods.measure(started, ended), decoding, prompt_done if work is None else round(work),
-                           prefilling=len(self.by_uid) - decoding, ended=early > 0)
+        period = self.periods.measure(started, ended)
+        if not self.scoring.stepped(seconds, self.pacer.decode_seconds):  # a scored slice's step is no decode step
+            self.pacer.observe(period, decoding, prompt_done if work is None else round(work),
+                               prefilling=len(self.by_uid) - decoding, ended=early > 0)
         if isinstance(generator, GroupedGenerator):  # chunks cut between layers (`LayerCarry`)
             self.stats.prefill_layer_cuts, self.stats.prefill_carry_rollbacks = generator.carry_counts()
         fused = getattr(generator, "fused_steps", 0) - fused_before
@@ -403,10 +407,15 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
     def _score_prompts(self) -> list[Event]:
         """A slice of the head scored prompt (`PromptScoring`); one through joins the batch, or ends at max_tokens 0.
         Only while a slot is free: a prompt through holds its KV until it joins, so they must not pile up."""
+        decoding = self.decoding()
         if not self.scoring or len(self.by_uid) >= self.config.decode_concurrency:
             return []
-        decode_seconds = self.pacer.decode_seconds if self.decoding() else None
-        events, through = self.scoring.tick(decode_seconds, self.models.current.vocab_size)
+        decode_seconds = self.pacer.decode_seconds if decoding else None
+        if decoding and decode_seconds is None:
+            return []  # the streams' step is not measured yet: no room to size a slice by
+        generator = self.generator if isinstance(self.generator, GroupedGenerator) else None
+        events, through = self.scoring.tick(decode_seconds, self.models.current.vocab_size, generator,
+                                            prefilling=len(self.by_uid) > decoding)
         for request in through:
             if request.max_tokens:
                 self.pending.appendleft(request)

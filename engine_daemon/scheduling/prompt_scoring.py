@@ -15,6 +15,11 @@ A scored prompt's rows stay behind (`ScoredPrefixes`) and its KV goes to the pre
 later prompt starting with the same tokens (the next choice of a multiple-choice question, the
 next question after the same few-shot examples) is scored from where they part.
 
+Beside running streams a slice rides in their decode pass (`SideSlice`), sharing its read of every
+weight; where it cannot (a model `fusable` rejects, several adapters' batches), it is a pass of its
+own between two steps; while a prompt is prefilled beside the streams, its chunks have the room and
+no slice runs. Sizes: `SliceBudget`.
+
 One job runs at a time, in arrival order; only the running one holds KV. Text models outside an
 engine group only: a vision model's prompt is built by mlx-vlm, a group's by every rank in lockstep.
 """
@@ -29,29 +34,17 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
-import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
-
-from engine_daemon.cpu.prefill_scope import prefilling
 from engine_daemon.errors import RequestError, engine_failure
-from engine_daemon.output.tokens import describe_token
+from engine_daemon.generation.side_slice import SideSlice
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.scheduling.base import Event, error_event
 from engine_daemon.scheduling.fair_slots import Preempted
-from engine_daemon.scheduling.scored_prefixes import ScoredPrefix, ScoredPrefixes
+from engine_daemon.scheduling.scored_prefixes import ScoredPrefixes
+from engine_daemon.scheduling.scoring_budget import BETWEEN, IDLE, RIDING, SliceBudget
+from engine_daemon.scheduling.scoring_job import PARAM, ScoringJob
 from protocol import MsgType
 
 log = logging.getLogger(__name__)
-
-PARAM = "prompt_logprobs"  # the ADD param: how many alternatives each prompt token lists (0: its own only)
-LOGIT_BYTES = 64 << 20  # float32 logits of one slice's positions: the slice's rows are capped by the vocabulary
-MIN_SLICE = 16
-FIRST_SLICE = 64  # while streams decode and nothing has been measured yet
-# A slice runs between two batch steps: the streams' gap becomes a decode step plus the slice, kept at this
-# share of what `--max-gap-ratio` leaves past the decode step. On the ~85M CPU bench model a slice's time
-# varies +-40% at one size, and at 0.8 the worst gaps reached 3.05-3.36x (the prompt-scoring benchmark).
-GAP_SHARE = 0.65
 
 
 def wants_scoring(request: EngineRequest) -> bool:
@@ -72,136 +65,10 @@ def check_scoring(request: EngineRequest, kind: str, grouped: bool) -> None:
 
 
 @dataclass
-class ScoringJob:
-    """One request's prompt on its way through the model: `done` positions are in `cache`, each with its row."""
-
-    request: EngineRequest
-    model: Any  # the model bound to the request's adapter (`AdapterManager.bind`)
-    tokenizer: Any
-    max_kv_size: int | None = None  # the generator's own cache layout (`--max-kv-size`): the KV joins its batch
-    key: Hashable | None = None  # the prefix cache's key for this model and adapter (None: nothing reused or kept)
-    cache: list[Any] | None = None
-    done: int = 0
-    reused: int = 0  # leading positions whose KV and rows came from an earlier prompt (`ScoredPrefixes`)
-    emitted: int = 0  # entries sent so far, the first token's included
-    # Row i: what the model gave `tokens[i + 1]` (its logprob, the `top` most likely tokens and theirs).
-    chosen: list[float] = field(default_factory=list)
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_values: list[list[float]] = field(default_factory=list)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.request.prompt_tokens
-
-    @property
-    def top(self) -> int:
-        return int(self.request.params.get(PARAM) or 0)
-
-    @property
-    def finished(self) -> bool:
-        return self.done >= len(self.tokens) - 1  # the last token is fed in the batch: its logits are a new token's
-
-    def resume(self, cache: list[Any], cached: int, prefix: ScoredPrefix) -> None:
-        """Starts after `cached` positions whose KV is `cache` and whose rows `prefix` holds."""
-        top = self.top
-        self.cache, self.done, self.reused = cache, cached, cached
-        self.chosen = prefix.chosen[:cached].tolist()
-        self.top_ids = prefix.top_ids[:cached, :top].tolist()
-        self.top_values = prefix.top_values[:cached, :top].tolist()
-
-    def step(self, budget: int) -> list[dict[str, Any]]:
-        """Feeds the next `budget` positions; the log probability entries not sent yet."""
-        if self.cache is None:
-            self.cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
-        end = min(len(self.tokens) - 1, self.done + budget)
-        if end > self.done:
-            top = self.top
-            chosen, ids, values = score_positions(self.model, self.cache, self.tokens[self.done:end],
-                                                  self.tokens[self.done + 1:end + 1], top)
-            self.chosen += chosen
-            self.top_ids += ids if top else [[] for _ in chosen]
-            self.top_values += values if top else [[] for _ in chosen]
-            self.done = end
-        return self._unsent()
-
-    def scored(self) -> ScoredPrefix:
-        """What this prompt's rows give a later prompt sharing its start (`ScoredPrefixes`)."""
-        return ScoredPrefix.of(self.key, self.tokens, self.chosen, self.top_ids, self.top_values, self.top)
-
-    def _unsent(self) -> list[dict[str, Any]]:
-        entries: list[dict[str, Any]] = []
-        if self.emitted == 0:
-            entries.append(self._entry(self.tokens[0], None, None, None))  # nothing predicts the first token
-            self.emitted = 1
-        top = self.top
-        for row in range(self.emitted - 1, self.done):
-            entries.append(self._entry(self.tokens[row + 1], self.chosen[row], self.top_ids[row] if top else None,
-                                       self.top_values[row] if top else None))
-        self.emitted = self.done + 1
-        return entries
-
-    def _entry(self, token: int, logprob: float | None, ids: list[int] | None,
-               values: list[float] | None) -> dict[str, Any]:
-        """The chat logprobs entry shape (`logprob_entries`): None logprob and alternatives for the first token."""
-        entry = self._describe(token, logprob)
-        if ids is None or values is None:
-            entry["top_logprobs"] = None if logprob is None else []
-        else:
-            pairs = sorted(zip(ids, values), key=lambda pair: -pair[1])
-            entry["top_logprobs"] = [self._describe(i, v) for i, v in pairs]
-        return entry
-
-    def _describe(self, token: int, logprob: float | None) -> dict[str, Any]:
-        return describe_token(self.tokenizer, token, logprob)
-
-
-def score_positions(model: Any, cache: list[Any], inputs: list[int], targets: list[int],
-                    top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """Feeds `inputs` after what `cache` holds; for each position, the log probability of `targets`' token
-    there and the `top` most likely tokens with theirs. Computed as a prompt's prefill is (`prefilling`),
-    so the KV left in `cache` is the one a batch prefill of the same tokens would hold."""
-    with prefilling():
-        logits = model(mx.array(inputs)[None], cache=cache)
-    rows = logits[0, :len(targets)].astype(mx.float32)
-    if mx.default_device() == mx.cpu:
-        mx.eval(rows, [c.state for c in cache])
-        return _numpy_logprobs(np.array(rows), targets, top)
-    logprobs = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logprobs, mx.array(targets)[:, None], axis=-1)[:, 0]
-    arrays = [chosen]
-    if top:
-        ids = mx.argpartition(-logprobs, kth=top - 1, axis=-1)[:, :top]
-        arrays += [ids, mx.take_along_axis(logprobs, ids, axis=-1)]
-    mx.eval(*arrays, [c.state for c in cache])
-    lists = [array.tolist() for array in arrays]
-    return lists[0], (lists[1] if top else []), (lists[2] if top else [])
-
-
-def _numpy_logprobs(logits: np.ndarray, targets: list[int],
-                    top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """`score_positions`' log-softmax on the CPU in NumPy: MLX's x86 build takes `exp` one element at a time
-    (~12-16 ns; NumPy's vectorised one ~1 ns), and a slice has an `exp` per vocabulary entry per position:
-    128 positions of a 32k vocabulary took 60 ms in MLX, 13 ms here (`prefill_attention` has the same reason)."""
-    peak = logits.max(axis=1, keepdims=True)
-    shifted = logits - peak
-    np.exp(shifted, out=shifted)
-    normaliser = np.log(shifted.sum(axis=1, keepdims=True)) + peak  # log of the sum of exp(logits)
-    rows = np.arange(len(targets))
-    chosen = (logits[rows, np.asarray(targets)] - normaliser[:, 0]).tolist()
-    if not top:
-        return chosen, [], []
-    # The most likely: an argmax for one (lm-evaluation-harness asks for one), else the top of a partition taken
-    # from the high end (partitioning the negated table at 0 took 5x as long: 340 against 70 ms for 524 rows).
-    ids = np.argmax(logits, axis=1)[:, None] if top == 1 else np.argpartition(logits, -top, axis=1)[:, -top:]
-    return chosen, ids.tolist(), (np.take_along_axis(logits, ids, axis=1) - normaliser).tolist()
-
-
-@dataclass
 class PromptScoring:
     """Requests whose prompts are being scored, in arrival order; the head one gets a slice per step."""
 
-    max_gap_ratio: float = 3.0
-    idle_tokens: int = 2048  # a slice while nothing decodes (--prefill-step-size), capped by `LOGIT_BYTES`
+    budget: SliceBudget = field(default_factory=SliceBudget)
     max_kv_size: int | None = None
     # The prefix cache's lookup and insert, by its key: a prompt reuses the KV of the longest prefix scored before
     # (its rows from `store`), and a scored prompt's KV is kept there for later prompts, scored or not.
@@ -209,11 +76,14 @@ class PromptScoring:
     remember: Callable[[Hashable, list[int], list[Any]], None] | None = None
     store: ScoredPrefixes = field(default_factory=ScoredPrefixes)
     jobs: deque[ScoringJob] = field(default_factory=deque)
-    last_slice: tuple[int, float] | None = None  # (positions, seconds) of the latest slice
+    steps: int = 0  # batch steps seen (`stepped`): a riding slice's rows are read once the step after it returned
+    read_seconds: float = 0.0  # reading a riding slice's rows, per position (the latest read)
     scored_tokens: int = 0  # for /stats
     reused_tokens: int = 0
     scored_requests: int = 0
     slices: int = 0
+    riding_slices: int = 0
+    _offered: tuple[ScoringJob, SideSlice] | None = None
 
     def __bool__(self) -> bool:
         return bool(self.jobs)
@@ -230,27 +100,17 @@ class PromptScoring:
 
     def clear(self) -> None:
         self.jobs.clear()
+        self._offered = None
 
-    def budget(self, decode_seconds: float | None, vocab_size: int) -> int:
-        """Positions for the next slice: as many as the streams' gap target leaves past a decode step.
+    def tick(self, decode_seconds: float | None, vocab_size: int, generator: Any = None,
+             prefilling: bool = False) -> tuple[list[Event], list[EngineRequest]]:
+        """The head job's rows ready and its next slice: its DELTAS item, and the requests whose prompts are now
+        through (each with its KV on `preempted`, to join the batch as a paused request resumes).
 
-        Scaled from the latest slice (positions times room over its seconds), not from a cost per token:
-        a slice's fixed cost (a read of every weight, the step's Python) would make a per-token rate learnt
-        on small slices overshoot on large ones and the reverse, and a position costs more the later it is
-        in the prompt. At most twice the last slice: one fast slice on a noisy machine must not size the next.
+        `decode_seconds`: the streams' decode step (None: nothing decodes). `generator`: the batch's
+        (`GroupedGenerator`), whose next step a slice may ride in. `prefilling`: a prompt is being prefilled
+        beside the streams: its chunks have the gap's room, so no slice goes in this step.
         """
-        rows = max(MIN_SLICE, LOGIT_BYTES // (4 * max(1, vocab_size)))
-        if decode_seconds is None:
-            return min(rows, self.idle_tokens)
-        if self.last_slice is None:
-            return min(rows, FIRST_SLICE)
-        positions, seconds = self.last_slice
-        room = GAP_SHARE * max(0.1, self.max_gap_ratio - 1.0) * decode_seconds
-        return int(min(rows, 2 * positions, max(MIN_SLICE, positions * room / max(seconds, 1e-6))))
-
-    def tick(self, decode_seconds: float | None, vocab_size: int) -> tuple[list[Event], list[EngineRequest]]:
-        """One slice of the head job: its DELTAS item, and the requests whose prompts are now through
-        (each with its KV on `preempted`, to join the batch as a paused request resumes)."""
         if not self.jobs:
             return [], []
         job = self.jobs[0]
@@ -258,21 +118,15 @@ class PromptScoring:
         try:
             if job.cache is None:
                 self._reuse(job)
-            started, before = time.perf_counter(), job.done
-            entries = job.step(self.budget(decode_seconds, vocab_size))
+            entries = self._read(job, self.steps - 1 if decode_seconds is not None else self.steps)
+            if not job.finished:
+                entries += self._next_slice(job, decode_seconds, vocab_size, generator, prefilling)
         except Exception as exc:  # this request fails, never the batch beside it
             log.exception("rid=%s: scoring its prompt failed", request.rid)
             self.jobs.popleft()
             return [error_event(request, engine_failure(exc))], []
-        fed, seconds = job.done - before, time.perf_counter() - started
-        log.debug("rid=%s prompt scoring slice %.1f ms: %d positions (at %d of %d)", request.rid, seconds * 1000, fed,
-                  job.done, len(job.tokens))
-        if fed:
-            self.last_slice = (fed, seconds)
-        self.scored_tokens += fed
-        self.slices += 1
         events: list[Event] = [(request.peer, MsgType.DELTAS, {"rid": request.rid, "seq": request.seq, "text": "",
-                                                                 PARAM: entries})]
+                                                                 PARAM: entries})] if entries else []
         if not job.finished:
             return events, []
         self.jobs.popleft()
@@ -283,6 +137,59 @@ class PromptScoring:
         if job.done:  # a prompt of one token has no KV yet: it joins as any request does
             request.preempted = Preempted(job.cache, job.tokens[:job.done], job.tokens[job.done:])
         return events, [request]
+
+    def stepped(self, seconds: float, decode_seconds: float | None) -> bool:
+        """After a batch step of `seconds`: whether the slice offered for it rode there (that step's time is then
+        not a decode step's, and says what the slice cost)."""
+        self.steps += 1
+        offered, self._offered = self._offered, None
+        if offered is None:
+            return False
+        job, side = offered
+        if side.logits is None or not any(job is queued for queued in self.jobs):
+            return False
+        side.step = self.steps
+        job.rode(side)
+        positions = len(side.inputs)
+        self.scored_tokens += positions
+        self.slices += 1
+        self.riding_slices += 1
+        decode = decode_seconds or 0.0
+        self.budget.observe(RIDING, positions, max(seconds - decode, 0.1 * decode) + self.read_seconds * positions)
+        return True
+
+    def _read(self, job: ScoringJob, through_step: int) -> list[dict[str, Any]]:
+        """The rows of the job's slices that rode in steps up to `through_step`, timed for `SliceBudget`."""
+        started, before = time.perf_counter(), job.done
+        entries = job.read_riding(through_step)
+        if job.done > before:
+            self.read_seconds = (time.perf_counter() - started) / (job.done - before)
+        return entries
+
+    def _next_slice(self, job: ScoringJob, decode_seconds: float | None, vocab_size: int, generator: Any,
+                    prefilling: bool) -> list[dict[str, Any]]:
+        """Offers the next slice to the decode step, or runs it in a pass of its own; the entries that gives."""
+        adapter = job.request.body.get("adapter")
+        if decode_seconds is not None and prefilling:
+            return []
+        if decode_seconds is not None and generator is not None and generator.can_ride(adapter):
+            side = job.side_slice(self.budget.size(RIDING, decode_seconds, vocab_size), adapter)
+            if side is not None:
+                generator.offer_side(side)
+                self._offered = (job, side)
+            return []
+        if job.riding:  # its rows come first (a pass of its own would be read before them)
+            return []
+        kind = IDLE if decode_seconds is None else BETWEEN
+        started, before = time.perf_counter(), job.fed
+        entries = job.step(self.budget.size(kind, decode_seconds, vocab_size))
+        fed, seconds = job.fed - before, time.perf_counter() - started
+        log.debug("rid=%s prompt scoring slice %.1f ms: %d positions (at %d of %d)", job.request.rid, seconds * 1000,
+                  fed, job.fed, len(job.tokens))
+        self.budget.observe(kind, fed, seconds)
+        self.scored_tokens += fed
+        self.slices += 1
+        return entries
 
     def _reuse(self, job: ScoringJob) -> None:
         """Starts `job` after the longest prefix scored before whose KV the prefix cache still holds.
@@ -317,4 +224,5 @@ class PromptScoring:
     def stats(self) -> dict[str, Any]:
         return {"prompt_logprob_requests": self.scored_requests, "prompt_logprob_tokens": self.scored_tokens,
                 "prompt_logprob_reused_tokens": self.reused_tokens,
+                "prompt_logprob_riding_slices": self.riding_slices,
                 "prompt_logprob_slices": self.slices, "prompt_logprob_queued": len(self.jobs)}

@@ -44,7 +44,7 @@ class ScoredPrefix:
     @classmethod
     def of(cls, key: Hashable, tokens: list[int], chosen: list[float], ids: list[list[int]],
            values: list[list[float]], top: int) -> ScoredPrefix:
-        """From a scoring pass's rows (`score_positions`: alternatives in any order), most likely first."""
+        """From a scoring pass's rows (`logprob_rows`: alternatives in any order), most likely first."""
         rows = len(chosen)
         top_ids = np.asarray(ids, dtype=np.int32).reshape(rows, top)
         top_values = np.asarray(values, dtype=np.float32).reshape(rows, top)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_daemon.scheduling.prompt_scoring import FIRST_SLICE
+from engine_daemon.scheduling.scoring_budget import FIRST_SLICE
 from tests.helpers import Frontend, client_for, error_of, running_stack, stream_running
 
 TEXT = ("The quick brown fox jumps over the lazy dog while the river runs down to the sea and the town wakes up. "
@@ -128,6 +128,9 @@ def test_scoring_beside_a_running_stream_is_sliced_and_exact(frontend: Frontend,
     runner.join(120)
     assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected, abs=2e-4)
     assert len(ids) - 1 > FIRST_SLICE and after["prompt_logprob_slices"] - before["prompt_logprob_slices"] >= 2
+    # The slices rode in the stream's decode steps (`SideSlice`): none was a pass of its own.
+    riding = after["prompt_logprob_riding_slices"] - before["prompt_logprob_riding_slices"]
+    assert riding == after["prompt_logprob_slices"] - before["prompt_logprob_slices"], (before, after)
     assert not runner.is_alive()
     alone = client.completions.create(model=model_id, prompt="Count:", max_tokens=1500, temperature=0,
                                       extra_body={"ignore_eos": True})

@@ -11,14 +11,18 @@ import numpy as np
 import pytest
 
 from engine_daemon.request.state import EngineRequest
-from engine_daemon.scheduling.prompt_scoring import (
+from engine_daemon.scheduling.prompt_scoring import PromptScoring
+from engine_daemon.scheduling.scoring_budget import (
+    BETWEEN,
     FIRST_SLICE,
     GAP_SHARE,
+    IDLE,
     LOGIT_BYTES,
     MIN_SLICE,
-    PromptScoring,
-    ScoringJob,
+    RIDING,
+    SliceBudget,
 )
+from engine_daemon.scheduling.scoring_job import ScoringJob
 from protocol import MsgType
 
 
@@ -64,7 +68,7 @@ def test_slices_give_the_logprobs_and_kv_of_one_pass(loaded: tuple[Any, Any]) ->
 def test_tick_sends_each_slice_and_hands_the_kv_over(loaded: tuple[Any, Any]) -> None:
     model, tokenizer = loaded
     tokens = tokenizer.encode("one two three four five six seven eight nine ten " * 3)
-    scoring = PromptScoring(max_gap_ratio=3.0, idle_tokens=10)
+    scoring = PromptScoring(SliceBudget(idle_tokens=10))
     request = request_for(tokens, top=0)
     scoring.add(request, model, tokenizer)
     sent, through = [], []
@@ -84,18 +88,27 @@ def test_tick_sends_each_slice_and_hands_the_kv_over(loaded: tuple[Any, Any]) ->
     assert events[0][2]["prompt_logprobs"][0]["logprob"] is None
 
 
-def test_budget_follows_the_gap_target_and_the_vocabulary(loaded: tuple[Any, Any]) -> None:
-    scoring = PromptScoring(max_gap_ratio=3.0, idle_tokens=2048)
-    assert scoring.budget(None, 32_000) == min(2048, LOGIT_BYTES // (4 * 32_000))
-    assert scoring.budget(None, 1_000_000) == MIN_SLICE
-    assert scoring.budget(0.05, 32_000) == FIRST_SLICE  # nothing measured yet
-    scoring.last_slice = (100, 0.1)  # 100 positions took 0.1 s: the room past a 0.05 s decode step holds this many
-    assert scoring.budget(0.05, 32_000) == int(100 * GAP_SHARE * 2.0 * 0.05 / 0.1)
-    scoring.last_slice = (100, 0.01)  # ten times too fast: at most twice the last slice
-    assert scoring.budget(0.05, 32_000) == 200
-    scoring.last_slice = (20, 1.0)
-    assert scoring.budget(0.05, 32_000) == MIN_SLICE
+def test_budget_follows_the_gap_target_the_stall_bound_and_the_vocabulary(loaded: tuple[Any, Any]) -> None:
+    budget = SliceBudget(max_gap_ratio=3.0, idle_tokens=2048)
+    assert budget.size(IDLE, None, 32_000) == min(2048, LOGIT_BYTES // (4 * 32_000))
+    assert budget.size(IDLE, None, 1_000_000) == MIN_SLICE
+    for kind in (RIDING, BETWEEN):
+        assert budget.size(kind, 0.05, 32_000) == FIRST_SLICE  # nothing measured yet
+    budget.observe(BETWEEN, 100, 0.1)  # 100 positions took 0.1 s: the room past a 0.05 s decode step holds this many
+    assert budget.size(BETWEEN, 0.05, 32_000) == int(100 * GAP_SHARE * 2.0 * 0.05 / 0.1)
+    assert budget.size(RIDING, 0.05, 32_000) == FIRST_SLICE  # each kind by its own
+    budget.observe(BETWEEN, 100, 0.01)  # ten times too fast: at most twice the last slice
+    assert budget.size(BETWEEN, 0.05, 32_000) == 200
+    budget.observe(BETWEEN, 20, 1.0)
+    assert budget.size(BETWEEN, 0.05, 32_000) == MIN_SLICE
+    # Nothing decoding: as large as the logits cap allows, unless --max-stall-seconds bounds the pass.
+    budget.observe(IDLE, 500, 2.0)
+    assert budget.size(IDLE, None, 32_000) == min(2048, LOGIT_BYTES // (4 * 32_000))
+    stalled = SliceBudget(idle_tokens=2048, max_stall=1.0)
+    stalled.observe(IDLE, 500, 2.0)  # 500 positions took 2 s: a 1 s pass holds 250
+    assert stalled.size(IDLE, None, 32_000) == 250
     model, tokenizer = loaded
+    scoring = PromptScoring()
     a, b = request_for([1, 2, 3]), request_for([4, 5, 6], rid="r2")
     scoring.add(a, model, tokenizer)
     scoring.add(b, model, tokenizer)
@@ -127,7 +140,7 @@ def test_a_failing_pass_fails_its_request_only(loaded: tuple[Any, Any]) -> None:
 
 
 def test_the_cpu_log_softmax_equals_mlx() -> None:
-    from engine_daemon.scheduling.prompt_scoring import _numpy_logprobs
+    from engine_daemon.scheduling.scoring_job import _numpy_logprobs
 
     logits = mx.random.normal((6, 300), key=mx.random.key(3)) * 4
     table = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -153,7 +166,7 @@ def test_the_batch_scores_only_while_a_slot_is_free(loaded: tuple[Any, Any]) -> 
     request.max_tokens = 4
     scoring.add(request, model, tokenizer)
     scheduler = SimpleNamespace(scoring=scoring, by_uid={1: object()}, config=SimpleNamespace(decode_concurrency=1),
-                                pending=deque(), decoding=lambda: 0,
+                                pending=deque(), decoding=lambda: 0, generator=None,
                                 models=SimpleNamespace(current=SimpleNamespace(vocab_size=2048)),
                                 _fill_slots=lambda: [])
     assert BatchScheduler._score_prompts(scheduler) == [] and scoring.slices == 0  # type: ignore[arg-type]

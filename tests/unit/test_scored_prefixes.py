@@ -15,8 +15,10 @@ import pytest
 
 from engine_daemon.prefix_cache.tiered import PrefixCache
 from engine_daemon.request.state import EngineRequest
-from engine_daemon.scheduling.prompt_scoring import PromptScoring, ScoringJob
+from engine_daemon.scheduling.prompt_scoring import PromptScoring
 from engine_daemon.scheduling.scored_prefixes import ScoredPrefix, ScoredPrefixes
+from engine_daemon.scheduling.scoring_budget import SliceBudget
+from engine_daemon.scheduling.scoring_job import ScoringJob
 from protocol import MsgType
 
 KEY = ("model", None)
@@ -40,7 +42,7 @@ def request_for(tokens: list[int], top: int | None = 2, rid: str = "r1", max_tok
 
 def scoring_with_cache() -> tuple[PromptScoring, PrefixCache]:
     cache = PrefixCache(16, 1 << 30)
-    return PromptScoring(idle_tokens=7, fetch=cache.fetch, remember=cache.insert), cache
+    return PromptScoring(SliceBudget(idle_tokens=7), fetch=cache.fetch, remember=cache.insert), cache
 
 
 def scored(scoring: PromptScoring, request: EngineRequest, model: Any, tokenizer: Any) -> list[dict[str, Any]]:
@@ -76,7 +78,7 @@ def test_the_next_choice_is_scored_from_where_the_prompts_part(loaded: tuple[Any
     assert scoring.reused_tokens == request.cached_tokens == shared - 1  # each reused position has its row
     assert scoring.scored_tokens == len(first) - 1 + len(second) - shared  # computed: from where they part
 
-    cold_scoring = PromptScoring(idle_tokens=7)
+    cold_scoring = PromptScoring(SliceBudget(idle_tokens=7))
     cold = request_for(second, rid="cold")
     assert_same_entries(entries, scored(cold_scoring, cold, model, tokenizer))
     # The KV it joins the batch with is the cold run's too.
@@ -115,7 +117,7 @@ def test_more_alternatives_than_kept_are_computed_again(loaded: tuple[Any, Any])
 def test_without_a_prefix_cache_nothing_is_reused(loaded: tuple[Any, Any]) -> None:
     model, tokenizer = loaded
     tokens = tokenizer.encode("no prefix cache, no reuse of its rows")
-    scoring = PromptScoring(idle_tokens=7)
+    scoring = PromptScoring(SliceBudget(idle_tokens=7))
     scored(scoring, request_for(tokens), model, tokenizer)
     scored(scoring, request_for(tokens, rid="r2"), model, tokenizer)
     assert scoring.reused_tokens == 0 and len(scoring.store) == 0
