@@ -10,7 +10,8 @@ Per trial, on our stack (fresh text each time, so no prefix cache helps):
   the streams' worst gap during it over their steady median (the pacing target is 3x) on the engine's
   clock (CALL `step_gaps`: between two decode steps) and as this client saw their chunks (that also
   counts the front-end's and this process's own work on the scored answer), and the scoring's time
-  over its alone time, with the engine's slices (`/stats` `prompt_logprob_slices`).
+  over its alone time, with the engine's slices (`/stats` `prompt_logprob_slices`, and `_riding_slices`: those
+  that rode in the streams' decode steps).
 Writes bench/results/prompt_scoring-<size>.json.
 """
 
@@ -92,6 +93,7 @@ async def trial(base: str, endpoint: str, model: str, extra: dict, number: int, 
             "engine_gap_ratio": engine_worst / engine_steady, "engine_steps_during": new,
             "steady_gap_ms": median * 1000, "worst_gap_ms": max(during) * 1000, "gap_ratio": max(during) / median,
             "gaps_during": len(during), "slices": after["prompt_logprob_slices"] - before["prompt_logprob_slices"],
+            "riding_slices": after["prompt_logprob_riding_slices"] - before["prompt_logprob_riding_slices"],
             "streams_ok": all(r.ok for r in results)}
 
 
@@ -113,7 +115,8 @@ def main() -> int:
         print(f"trial {n}: {found['prompt_tokens']} tokens; alone prefill {found['alone_prefill_s']:.2f} s, alone "
               f"scoring {found['alone_scoring_s']:.2f} s ({found['scoring_over_prefill']:.2f}x a prefill's time a "
               f"token); beside 4 streams {found['beside_scoring_s']:.2f} s ({found['beside_over_alone']:.2f}x alone, "
-              f"{found['slices']} slices); streams' worst gap on the engine's clock "
+              f"{found['slices']} slices, {found['riding_slices']} in decode steps); streams' worst gap on the "
+              f"engine's clock "
               f"{found['engine_gap_ratio']:.2f}x steady "
               f"({found['engine_worst_gap_ms']:.0f} / {found['engine_steady_gap_ms']:.1f} ms, "
               f"{found['engine_steps_during']} steps), as the client saw them {found['gap_ratio']:.2f}x "

@@ -27,6 +27,7 @@ layer and no pipeline split, are fused (`fusable`); anything else keeps the two 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
@@ -184,7 +185,8 @@ def fused_forward_carried(model: Any, decode_inputs: mx.array, decode_cache: lis
                 kept = stacked
                 outputs = mx.concatenate([outputs, chunk_out.reshape(chunk_len, -1)], axis=0)
             decode_h = kept + attn.o_proj(outputs)
-            decode_h = decode_h + layer.mlp(layer.post_attention_layernorm(decode_h))
+            with prefilling() if chunk_all_logits else nullcontext():  # a scored chunk's rows: as in other layers
+                decode_h = decode_h + layer.mlp(layer.post_attention_layernorm(decode_h))
             break
         mixed = decode_out.reshape(rows, -1)
         if chunk_len:

@@ -20,7 +20,7 @@ weight; where it cannot (a model `fusable` rejects, several adapters' batches), 
 own between two steps; while a prompt is prefilled beside the streams, its chunks have the room and
 no slice runs. Sizes: `SliceBudget`.
 
-One job runs at a time, in arrival order; only the running one holds KV. Text models outside an
+One job runs at a time, max-min fair between clients (`_head`); only the running one holds KV. Text models outside an
 engine group only: a vision model's prompt is built by mlx-vlm, a group's by every rank in lockstep.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,6 +84,7 @@ class PromptScoring:
     slices: int = 0
     riding_slices: int = 0
     _offered: tuple[ScoringJob, SideSlice] | None = None
+    _started: Counter[str] = field(default_factory=Counter)  # jobs started per client (`_head`)
 
     def __bool__(self) -> bool:
         return bool(self.jobs)
@@ -112,8 +113,9 @@ class PromptScoring:
         beside the streams: its chunks have the gap's room, so no slice goes in this step.
         """
         if not self.jobs:
+            self._started.clear()
             return [], []
-        job = self.jobs[0]
+        job = self._head()
         request = job.request
         try:
             if job.cache is None:
@@ -137,6 +139,21 @@ class PromptScoring:
         if job.done:  # a prompt of one token has no KV yet: it joins as any request does
             request.preempted = Preempted(job.cache, job.tokens[:job.done], job.tokens[job.done:])
         return events, [request]
+
+    def _head(self) -> ScoringJob:
+        """The job to work on: the one started, else the oldest of the client that started fewest since the queue
+        was last empty (max-min fair, as decode slots are: `fair_slots`). One client's evaluation run of
+        thousands of prompts does not hold another client's prompt until it ends."""
+        head = self.jobs[0]
+        if head.started:
+            return head
+        best = min(self.jobs, key=lambda job: self._started[job.request.client])  # the first of the fewest: oldest
+        if best is not head:
+            self.jobs.remove(best)
+            self.jobs.appendleft(best)
+        best.started = True
+        self._started[best.request.client] += 1
+        return best
 
     def stepped(self, seconds: float, decode_seconds: float | None) -> bool:
         """After a batch step of `seconds`: whether the slice offered for it rode there (that step's time is then

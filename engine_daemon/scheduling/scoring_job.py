@@ -26,7 +26,7 @@ from engine_daemon.scheduling.scored_prefixes import ScoredPrefix
 PARAM = "prompt_logprobs"  # the ADD param: how many alternatives each prompt token lists (0: its own only)
 
 
-@dataclass
+@dataclass(eq=False)  # jobs are told apart by identity (`PromptScoring._head`)
 class ScoringJob:
     """One request's prompt on its way through the model: `fed` positions are in `cache` (or in a step's graph,
     `riding`), the first `done` of them with their rows."""
@@ -36,6 +36,7 @@ class ScoringJob:
     tokenizer: Any
     max_kv_size: int | None = None  # the generator's own cache layout (`--max-kv-size`): the KV joins its batch
     key: Hashable | None = None  # the prefix cache's key for this model and adapter (None: nothing reused or kept)
+    started: bool = False  # chosen to run (`PromptScoring._head`): it runs until its prompt is through
     cache: list[Any] | None = None
     done: int = 0
     fed: int = 0

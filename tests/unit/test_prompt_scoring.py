@@ -173,3 +173,27 @@ def test_the_batch_scores_only_while_a_slot_is_free(loaded: tuple[Any, Any]) -> 
     scheduler.by_uid = {}
     events = BatchScheduler._score_prompts(scheduler)  # type: ignore[arg-type]
     assert events[0][1] == MsgType.DELTAS and list(scheduler.pending) == [request] and request.prompt_scored
+
+
+def test_clients_take_turns(loaded: tuple[Any, Any]) -> None:
+    """An evaluation run's queue of prompts does not hold another client's prompt until it ends: the next job is the
+    oldest of the client that started fewest (`PromptScoring._head`); a started job runs until it is through."""
+    model, tokenizer = loaded
+    scoring = PromptScoring(SliceBudget(idle_tokens=4))
+    tokens = tokenizer.encode("each prompt here takes a few slices to score")
+
+    def of(client: str, rid: str) -> EngineRequest:
+        request = request_for(tokens, top=0, rid=rid)
+        request.body["client"] = client
+        return request
+
+    for rid in ("a1", "a2", "a3"):
+        scoring.add(of("eval", rid), model, tokenizer)
+    through: list[str] = []
+    events, done = scoring.tick(None, 2048)  # a1 starts
+    scoring.add(of("chat", "b1"), model, tokenizer)
+    through += [request.rid for request in done]
+    while scoring:
+        _, done = scoring.tick(None, 2048)
+        through += [request.rid for request in done]
+    assert through == ["a1", "b1", "a2", "a3"]
