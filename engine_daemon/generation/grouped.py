@@ -191,6 +191,15 @@ class GroupedGenerator:
             if any(r.finish_reason is not None for r in lane_responses):
                 self._where.pop(self.lane.uid, None)
                 self.lane = None
+        try:
+            self._step_groups(progress, responses)
+        finally:
+            self._side = None  # offered for this step only
+        self._drop_idle_groups()
+        return progress, responses
+
+    def _step_groups(self, progress: list[Any], responses: list[Any]) -> None:
+        """Every live adapter's batch one step (a slice offered to the step rides in its adapter's, `SideSlice`)."""
         for key, generator in list(self._groups.items()):
             if not self._live.get(key):
                 continue
@@ -211,9 +220,6 @@ class GroupedGenerator:
                     del self._where[uid]
                     self._live[key].discard(uid)
                 responses.append(dataclasses.replace(response, uid=uid))
-        self._side = None  # offered for this step only
-        self._drop_idle_groups()
-        return progress, responses
 
     def prefilling_turn(self) -> bool:
         """Whether some group is prefilling a conversation's next turn (`StallFreeBatchGenerator.prefilling_turn`)."""

@@ -348,6 +348,7 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
             log.exception("batch step failed: failing %d request(s)", len(self.by_uid))
             error = engine_failure(exc)
             events += [error_event(request, error) for request in self.by_uid.values()]
+            events += self.scoring.step_failed(error)  # the prompt whose slice rode in that step
             self.stats.requests_aborted += len(self.by_uid)
             self.by_uid.clear()
             self.uid_of.clear()

@@ -98,10 +98,22 @@ class PromptScoring:
     def remove(self, gone: set[int]) -> None:
         """Drops the jobs of these requests (`id()`s: aborted or failed); their KV goes with them."""
         self.jobs = deque(job for job in self.jobs if id(job.request) not in gone)
+        if not self.jobs:
+            self._started.clear()
 
     def clear(self) -> None:
         self.jobs.clear()
         self._offered = None
+        self._started.clear()
+
+    def step_failed(self, error: Any) -> list[Event]:
+        """The batch step a slice was offered to failed: that prompt fails too (its KV may hold the slice's
+        positions, and the pass that failed was partly its own)."""
+        offered, self._offered = self._offered, None
+        if offered is None or not any(offered[0] is job for job in self.jobs):
+            return []
+        self.jobs = deque(job for job in self.jobs if job is not offered[0])
+        return [error_event(offered[0].request, error)]
 
     def tick(self, decode_seconds: float | None, vocab_size: int, generator: Any = None,
              prefilling: bool = False) -> tuple[list[Event], list[EngineRequest]]:
@@ -113,7 +125,6 @@ class PromptScoring:
         beside the streams: its chunks have the gap's room, so no slice goes in this step.
         """
         if not self.jobs:
-            self._started.clear()
             return [], []
         job = self._head()
         request = job.request
@@ -123,6 +134,8 @@ class PromptScoring:
             entries = self._read(job, self.steps - 1 if decode_seconds is not None else self.steps)
             if not job.finished:
                 entries += self._next_slice(job, decode_seconds, vocab_size, generator, prefilling)
+            if job.finished:
+                self._keep(job)
         except Exception as exc:  # this request fails, never the batch beside it
             log.exception("rid=%s: scoring its prompt failed", request.rid)
             self.jobs.popleft()
@@ -132,10 +145,11 @@ class PromptScoring:
         if not job.finished:
             return events, []
         self.jobs.popleft()
+        if not self.jobs:
+            self._started.clear()  # turns count while the queue holds prompts (`_head`)
         request.prompt_scored = True
         self.scored_requests += 1
         log.info("rid=%s prompt scored: %d tokens, %d reused", request.rid, len(job.tokens), job.reused)
-        self._keep(job)
         if job.done:  # a prompt of one token has no KV yet: it joins as any request does
             request.preempted = Preempted(job.cache, job.tokens[:job.done], job.tokens[job.done:])
         return events, [request]

@@ -197,3 +197,4 @@ def test_clients_take_turns(loaded: tuple[Any, Any]) -> None:
         _, done = scoring.tick(None, 2048)
         through += [request.rid for request in done]
     assert through == ["a1", "b1", "a2", "a3"]
+    assert not scoring._started  # turns count while the queue holds prompts: an empty queue forgets them

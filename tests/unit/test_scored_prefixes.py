@@ -49,7 +49,9 @@ def scored(scoring: PromptScoring, request: EngineRequest, model: Any, tokenizer
     """Every entry sent for `request`, its prompt run through to the end."""
     scoring.add(request, model, tokenizer, KEY)
     sent: list[dict[str, Any]] = []
-    while scoring:
+    for _ in range(1000):  # bounded: a job that never finishes fails the test instead of hanging it
+        if not scoring:
+            break
         events, _ = scoring.tick(None, 2048)
         sent += [entry for _, kind, body in events if kind == MsgType.DELTAS for entry in body["prompt_logprobs"]]
     return sent
@@ -152,9 +154,19 @@ def test_kept_alternatives_are_most_likely_first() -> None:
     assert np.allclose(entry.top_values, [[-1, -2, -3], [-0.1, -0.2, -0.3]])
 
 
-def test_a_job_resumed_sends_every_row_once(loaded: tuple[Any, Any]) -> None:
+def test_a_resumed_job_sends_every_row_once(loaded: tuple[Any, Any]) -> None:
+    """Reused rows go out first (the first token's entry with them), then the computed ones, none twice."""
     model, tokenizer = loaded
-    tokens = tokenizer.encode("rows sent once whether computed or reused")
-    job = ScoringJob(request_for(tokens, top=0), model, tokenizer)
-    entries = job.step(5) + job.step(100)
-    assert len(entries) == len(tokens) and job.finished and job.emitted == len(tokens)
+    tokens = tokenizer.encode("rows sent once whether computed or reused, from a prefix scored before")
+    earlier = ScoringJob(request_for(tokens), model, tokenizer, key=KEY)
+    expected = earlier.step(1000)
+    job = ScoringJob(request_for(tokens), model, tokenizer, key=KEY)
+    reused = 9
+    cache = PrefixCache(4, 1 << 30)
+    cache.insert(KEY, tokens[:earlier.done], earlier.cache)  # trimmed to the reused positions on the way out
+    kv, cached = cache.fetch(KEY, tokens[:reused + 1])
+    assert cached == reused
+    job.resume(kv, cached, earlier.scored())
+    entries = job.step(5) + job.step(1000)
+    assert len(entries) == len(tokens) and job.finished and job.emitted == len(tokens) and job.reused == reused
+    assert_same_entries(entries, expected)

@@ -11,6 +11,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import StopSequences
 
+from engine_daemon.errors import engine_failure
 from engine_daemon.generation.grouped import GroupedGenerator
 from engine_daemon.request.state import EngineRequest
 from engine_daemon.scheduling.prompt_scoring import PromptScoring
@@ -51,7 +52,9 @@ def run(generator: GroupedGenerator, prompts: list[list[int]], steps: int, scori
                             [StopSequences([]) for _ in prompts])
     out: dict[int, list[int]] = {uid: [] for uid in uids}
     entries: list[dict[str, Any]] = []
-    while any(len(tokens) < steps for tokens in out.values()):
+    for _ in range(20 * steps):  # bounded: a job that never finishes fails the test instead of hanging it
+        if not any(len(tokens) < steps for tokens in out.values()):
+            break
         decoding = all(out.values())
         if scoring is not None and decoding and scored is not None and not scored.prompt_scored:
             if not scoring.jobs:
@@ -63,7 +66,9 @@ def run(generator: GroupedGenerator, prompts: list[list[int]], steps: int, scori
             scoring.stepped(DECODE_SECONDS * 2, DECODE_SECONDS)
         for response in responses:
             out[response.uid].append(int(response.token))
-    while scoring is not None and scoring.jobs:  # the streams ended: what is left, with nothing decoding
+    for _ in range(1000):  # the streams ended: what is left, with nothing decoding
+        if scoring is None or not scoring.jobs:
+            break
         events, _ = scoring.tick(None, 2048, generator)
         entries += [e for _, kind, body in events if kind == MsgType.DELTAS for e in body["prompt_logprobs"]]
     return [out[uid] for uid in uids], entries
@@ -114,3 +119,34 @@ def test_no_slice_while_a_prompt_is_prefilled_beside_the_streams(loaded: tuple[A
     scoring.add(request_for(tokenizer.encode("waits for the prefill")), model, tokenizer)
     events, through = scoring.tick(DECODE_SECONDS, 2048, generator, prefilling=True)
     assert events == [] and through == [] and scoring.slices == 0 and scoring._offered is None
+
+
+def test_a_failed_step_fails_the_prompt_whose_slice_rode_in_it(loaded: tuple[Any, Any]) -> None:
+    """The fused pass wrote the slice's KV before the step failed: that prompt cannot go on from its cache."""
+    model, tokenizer = loaded
+    generator = grouped(model)
+    prompts = [tokenizer.encode("a stream")]
+    generator.insert(prompts, [50], [None], [[]], [None], [[]], [StopSequences([])])
+    for _ in range(3):
+        generator.next()
+    scoring = PromptScoring()
+    request = request_for(tokenizer.encode("scored while the step fails " * 8))
+    scoring.add(request, model, tokenizer)
+    scoring.add(request_for(tokenizer.encode("another prompt waiting")), model, tokenizer)
+    scoring.tick(DECODE_SECONDS, 2048, generator)
+    assert scoring._offered is not None
+    group = generator._groups[None]
+    decode = group._generation_batch
+
+    def failing_next() -> Any:
+        decode._step()  # the forward pass ran (the slice's KV written), then the step fails
+        raise RuntimeError("out of memory")
+
+    decode.next = failing_next
+    with pytest.raises(RuntimeError):
+        generator.next()
+    assert generator._side is None  # offered for that step only
+    error = engine_failure(RuntimeError("out of memory"))
+    (event,) = scoring.step_failed(error)
+    assert event[1] == MsgType.ERROR and event[2]["rid"] == "scored"
+    assert scoring.requests() != [request] and len(scoring.jobs) == 1 and scoring.step_failed(error) == []
