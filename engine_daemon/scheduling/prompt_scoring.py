@@ -182,6 +182,8 @@ class PromptScoring:
         side.step = self.steps
         job.rode(side)
         positions = len(side.inputs)
+        log.debug("rid=%s prompt scoring slice rode a %.1f ms decode step: %d positions (at %d of %d)",
+                  job.request.rid, seconds * 1000, positions, job.fed, len(job.tokens))
         self.scored_tokens += positions
         self.slices += 1
         self.riding_slices += 1

@@ -14,6 +14,7 @@ machine must not size the next.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 LOGIT_BYTES = 64 << 20  # float32 logits of one slice's positions: the slice's rows are capped by the vocabulary
@@ -24,6 +25,12 @@ FIRST_SLICE = 64  # while streams decode and nothing has been measured yet
 # 3.05-3.36x (the prompt-scoring benchmark).
 GAP_SHARE = 0.65
 IDLE, RIDING, BETWEEN = "idle", "riding", "between"
+# A riding slice's cost is what the decode steps carrying it took past a decode step. MLX evaluates a step's graph
+# asynchronously and the next call waits for its tail (the output head over the slice's rows), so a step's time
+# holds part of the previous slice: the rate per position is taken over the last `RIDING_WINDOW` steps, and a slice
+# grows at most `RIDING_GROWTH` times the last. Sized from single steps at 0.65 of the room, with 2x growth, steps
+# swung between 1.5 and 3.5 decode steps on the ~85M CPU bench model (worst gaps 3.0-3.6x).
+RIDING_SHARE, RIDING_WINDOW, RIDING_GROWTH, RIDING_FIRST = 0.5, 4, 1.25, 32
 
 
 @dataclass
@@ -32,10 +39,13 @@ class SliceBudget:
     idle_tokens: int = 2048  # --prefill-step-size
     max_stall: float | None = None  # --max-stall-seconds
     last: dict[str, tuple[int, float]] = field(default_factory=dict)  # kind -> (positions, seconds) of its latest
+    riding: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RIDING_WINDOW))
 
     def observe(self, kind: str, positions: int, seconds: float) -> None:
         if positions > 0:
             self.last[kind] = (positions, seconds)
+            if kind == RIDING:
+                self.riding.append((positions, seconds))
 
     def size(self, kind: str, decode_seconds: float | None, vocab_size: int) -> int:
         """Positions for the next slice of this kind (`decode_seconds`: the streams' step, unless `IDLE`)."""
@@ -46,6 +56,12 @@ class SliceBudget:
             if last is None or not self.max_stall:
                 return cap
             room = self.max_stall
+        elif kind == RIDING:
+            if last is None or decode_seconds is None:
+                return min(rows, RIDING_FIRST)
+            room = RIDING_SHARE * max(0.1, self.max_gap_ratio - 1.0) * decode_seconds
+            rate = sum(cost for _, cost in self.riding) / sum(positions for positions, _ in self.riding)
+            return int(min(rows, RIDING_GROWTH * last[0] + MIN_SLICE, max(MIN_SLICE, room / max(rate, 1e-9))))
         else:
             if last is None or decode_seconds is None:
                 return min(rows, FIRST_SLICE)

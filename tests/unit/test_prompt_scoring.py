@@ -20,6 +20,10 @@ from engine_daemon.scheduling.scoring_budget import (
     LOGIT_BYTES,
     MIN_SLICE,
     RIDING,
+    RIDING_FIRST,
+    RIDING_GROWTH,
+    RIDING_SHARE,
+    RIDING_WINDOW,
     SliceBudget,
 )
 from engine_daemon.scheduling.scoring_job import ScoringJob
@@ -92,11 +96,18 @@ def test_budget_follows_the_gap_target_the_stall_bound_and_the_vocabulary(loaded
     budget = SliceBudget(max_gap_ratio=3.0, idle_tokens=2048)
     assert budget.size(IDLE, None, 32_000) == min(2048, LOGIT_BYTES // (4 * 32_000))
     assert budget.size(IDLE, None, 1_000_000) == MIN_SLICE
-    for kind in (RIDING, BETWEEN):
-        assert budget.size(kind, 0.05, 32_000) == FIRST_SLICE  # nothing measured yet
+    assert budget.size(BETWEEN, 0.05, 32_000) == FIRST_SLICE  # nothing measured yet
+    assert budget.size(RIDING, 0.05, 32_000) == RIDING_FIRST
     budget.observe(BETWEEN, 100, 0.1)  # 100 positions took 0.1 s: the room past a 0.05 s decode step holds this many
     assert budget.size(BETWEEN, 0.05, 32_000) == int(100 * GAP_SHARE * 2.0 * 0.05 / 0.1)
-    assert budget.size(RIDING, 0.05, 32_000) == FIRST_SLICE  # each kind by its own
+    assert budget.size(RIDING, 0.05, 32_000) == RIDING_FIRST  # each kind by its own
+    # Riding: the rate over the last steps (a step's time holds part of the slice before), growing 1.25x at most.
+    budget.observe(RIDING, 40, 0.02)
+    budget.observe(RIDING, 40, 0.06)  # 80 positions in 0.08 s: 1 ms each; the room is 0.5 * 2 * 0.05 s = 50 ms
+    assert budget.size(RIDING, 0.05, 32_000) == int(min(RIDING_GROWTH * 40 + MIN_SLICE, RIDING_SHARE * 0.1 / 0.001))
+    for _ in range(RIDING_WINDOW):
+        budget.observe(RIDING, 100, 0.2)  # 2 ms a position: 25 positions fill the room
+    assert budget.size(RIDING, 0.05, 32_000) == 25
     budget.observe(BETWEEN, 100, 0.01)  # ten times too fast: at most twice the last slice
     assert budget.size(BETWEEN, 0.05, 32_000) == 200
     budget.observe(BETWEEN, 20, 1.0)
