@@ -46,6 +46,11 @@ from protocol import MsgType
 
 log = logging.getLogger(__name__)
 
+# Entries built a tick, counting each alternative (a token's text and bytes, ~3 us each on the CPU): a prompt
+# reusing 30k scored positions with 20 alternatives each would otherwise build ~600k in one go, ~2 s between two
+# of the streams' steps. About 12 ms a tick; lm-evaluation-harness's one alternative sends 2,048 entries a tick.
+ENTRY_CALLS = 4096
+
 
 def wants_scoring(request: EngineRequest) -> bool:
     """A request that asked for its prompt's logprobs and has not had them yet."""
@@ -131,10 +136,16 @@ class PromptScoring:
         try:
             if job.cache is None:
                 self._reuse(job)
-            entries = self._read(job, self.steps - 1 if decode_seconds is not None else self.steps)
-            if not job.finished:
-                entries += self._next_slice(job, decode_seconds, vocab_size, generator, prefilling)
-            if job.finished:
+            most = max(1, ENTRY_CALLS // (job.top + 1))
+            read = self._read(job, self.steps - 1 if decode_seconds is not None else self.steps)
+            if not job.finished and job.unsent_rows <= most:  # a reused prefix's entries go out first
+                self._next_slice(job, decode_seconds, vocab_size, generator, prefilling)
+            started = time.perf_counter()
+            entries = job.unsent(most)
+            if read:  # reading rows that rode includes their entries: what they add to the streams' gap
+                self.read_seconds += (time.perf_counter() - started) / read
+            through = job.finished and not job.unsent_rows
+            if through:
                 self._keep(job)
         except Exception as exc:  # this request fails, never the batch beside it
             log.exception("rid=%s: scoring its prompt failed", request.rid)
@@ -142,7 +153,7 @@ class PromptScoring:
             return [error_event(request, engine_failure(exc))], []
         events: list[Event] = [(request.peer, MsgType.DELTAS, {"rid": request.rid, "seq": request.seq, "text": "",
                                                                  PARAM: entries})] if entries else []
-        if not job.finished:
+        if not through:
             return events, []
         self.jobs.popleft()
         if not self.jobs:
@@ -191,38 +202,39 @@ class PromptScoring:
         self.budget.observe(RIDING, positions, max(seconds - decode, 0.1 * decode) + self.read_seconds * positions)
         return True
 
-    def _read(self, job: ScoringJob, through_step: int) -> list[dict[str, Any]]:
-        """The rows of the job's slices that rode in steps up to `through_step`, timed for `SliceBudget`."""
+    def _read(self, job: ScoringJob, through_step: int) -> int:
+        """Reads the rows of the job's slices that rode in steps up to `through_step`, timed per position for
+        `SliceBudget` (the tick adds their entries' time); how many."""
         started, before = time.perf_counter(), job.done
-        entries = job.read_riding(through_step)
-        if job.done > before:
-            self.read_seconds = (time.perf_counter() - started) / (job.done - before)
-        return entries
+        job.read_riding(through_step)
+        read = job.done - before
+        if read:
+            self.read_seconds = (time.perf_counter() - started) / read
+        return read
 
     def _next_slice(self, job: ScoringJob, decode_seconds: float | None, vocab_size: int, generator: Any,
-                    prefilling: bool) -> list[dict[str, Any]]:
-        """Offers the next slice to the decode step, or runs it in a pass of its own; the entries that gives."""
+                    prefilling: bool) -> None:
+        """Offers the next slice to the decode step, or runs it in a pass of its own."""
         adapter = job.request.body.get("adapter")
         if decode_seconds is not None and prefilling:
-            return []
+            return
         if decode_seconds is not None and generator is not None and generator.can_ride(adapter):
             side = job.side_slice(self.budget.size(RIDING, decode_seconds, vocab_size), adapter)
             if side is not None:
                 generator.offer_side(side)
                 self._offered = (job, side)
-            return []
+            return
         if job.riding:  # its rows come first (a pass of its own would be read before them)
-            return []
+            return
         kind = IDLE if decode_seconds is None else BETWEEN
         started, before = time.perf_counter(), job.fed
-        entries = job.step(self.budget.size(kind, decode_seconds, vocab_size))
+        job.step(self.budget.size(kind, decode_seconds, vocab_size))
         fed, seconds = job.fed - before, time.perf_counter() - started
         log.debug("rid=%s prompt scoring slice %.1f ms: %d positions (at %d of %d)", job.request.rid, seconds * 1000,
                   fed, job.fed, len(job.tokens))
         self.budget.observe(kind, fed, seconds)
         self.scored_tokens += fed
         self.slices += 1
-        return entries
 
     def _reuse(self, job: ScoringJob) -> None:
         """Starts `job` after the longest prefix scored before whose KV the prefix cache still holds.

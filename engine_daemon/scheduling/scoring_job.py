@@ -68,15 +68,19 @@ class ScoringJob:
         self.top_ids = prefix.top_ids[:cached, :top].tolist()
         self.top_values = prefix.top_values[:cached, :top].tolist()
 
-    def step(self, budget: int) -> list[dict[str, Any]]:
-        """Feeds the next `budget` positions in a pass of its own (nothing riding); the entries not sent yet."""
+    @property
+    def unsent_rows(self) -> int:
+        """Entries computed (or reused) and not sent yet, the first token's included."""
+        return self.done + 1 - self.emitted if self.done or self.finished else 0
+
+    def step(self, budget: int) -> None:
+        """Feeds the next `budget` positions in a pass of its own (nothing riding)."""
         self._start()
         end = min(len(self.tokens) - 1, self.fed + budget)
         if end > self.fed:
             with prefilling():
                 logits = self.model(mx.array(self.tokens[self.fed:end])[None], cache=self.cache)
             self._add_rows(logits[0], [c.state for c in self.cache])
-        return self._unsent()
 
     def side_slice(self, budget: int, adapter: str | None) -> SideSlice | None:
         """The next `budget` positions to ride in a decode step (`SideSlice`); `rode` once they did."""
@@ -88,11 +92,10 @@ class ScoringJob:
         self.fed += len(side.inputs)
         self.riding.append(side)
 
-    def read_riding(self, through_step: int) -> list[dict[str, Any]]:
-        """Reads the rows of slices that rode in steps up to `through_step`; the entries not sent yet."""
+    def read_riding(self, through_step: int) -> None:
+        """Reads the rows of slices that rode in steps up to `through_step`."""
         while self.riding and self.riding[0].step <= through_step:
             self._add_rows(self.riding.popleft().logits, [])
-        return self._unsent() if self.done or self.finished else []  # nothing yet: not even the first entry
 
     def _start(self) -> None:
         if self.cache is None:
@@ -113,16 +116,19 @@ class ScoringJob:
         """What this prompt's rows give a later prompt sharing its start (`ScoredPrefixes`)."""
         return ScoredPrefix.of(self.key, self.tokens, self.chosen, self.top_ids, self.top_values, self.top)
 
-    def _unsent(self) -> list[dict[str, Any]]:
-        entries: list[dict[str, Any]] = []
-        if self.emitted == 0:
-            entries.append(self._entry(self.tokens[0], None, None, None))  # nothing predicts the first token
-            self.emitted = 1
+    def unsent(self, most: int | None = None) -> list[dict[str, Any]]:
+        """The entries not sent yet, at most `most` (each is a token's text and bytes, and its alternatives')."""
+        count = self.unsent_rows if most is None else min(most, self.unsent_rows)
         top = self.top
-        for row in range(self.emitted - 1, self.done):
-            entries.append(self._entry(self.tokens[row + 1], self.chosen[row], self.top_ids[row] if top else None,
-                                       self.top_values[row] if top else None))
-        self.emitted = self.done + 1
+        entries: list[dict[str, Any]] = []
+        for _ in range(count):
+            row = self.emitted - 1  # the row of the entry's token (the first token has none: nothing predicts it)
+            if row < 0:
+                entries.append(self._entry(self.tokens[0], None, None, None))
+            else:
+                entries.append(self._entry(self.tokens[row + 1], self.chosen[row], self.top_ids[row] if top else None,
+                                           self.top_values[row] if top else None))
+            self.emitted += 1
         return entries
 
     def _entry(self, token: int, logprob: float | None, ids: list[int] | None,

@@ -50,8 +50,13 @@ def test_slices_give_the_logprobs_and_kv_of_one_pass(loaded: tuple[Any, Any]) ->
     model, tokenizer = loaded
     tokens = tokenizer.encode("Scoring a prompt in slices must not change a single number of it. " * 4)
     whole, sliced = ScoringJob(request_for(tokens), model, tokenizer), ScoringJob(request_for(tokens), model, tokenizer)
-    entries_whole = whole.step(10_000)
-    entries_sliced = [entry for _ in range(len(tokens)) if not sliced.finished for entry in sliced.step(7)]
+    whole.step(10_000)
+    entries_whole = whole.unsent()
+    entries_sliced = []
+    for _ in range(len(tokens)):
+        if not sliced.finished:
+            sliced.step(7)
+            entries_sliced += sliced.unsent()
     assert whole.finished and sliced.finished and whole.done == sliced.done == len(tokens) - 1
     assert len(entries_whole) == len(entries_sliced) == len(tokens)
     assert entries_whole[0]["logprob"] is None and entries_whole[0]["top_logprobs"] is None

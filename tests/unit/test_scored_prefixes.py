@@ -159,7 +159,8 @@ def test_a_resumed_job_sends_every_row_once(loaded: tuple[Any, Any]) -> None:
     model, tokenizer = loaded
     tokens = tokenizer.encode("rows sent once whether computed or reused, from a prefix scored before")
     earlier = ScoringJob(request_for(tokens), model, tokenizer, key=KEY)
-    expected = earlier.step(1000)
+    earlier.step(1000)
+    expected = earlier.unsent()
     job = ScoringJob(request_for(tokens), model, tokenizer, key=KEY)
     reused = 9
     cache = PrefixCache(4, 1 << 30)
@@ -167,6 +168,37 @@ def test_a_resumed_job_sends_every_row_once(loaded: tuple[Any, Any]) -> None:
     kv, cached = cache.fetch(KEY, tokens[:reused + 1])
     assert cached == reused
     job.resume(kv, cached, earlier.scored())
-    entries = job.step(5) + job.step(1000)
+    job.step(5)
+    entries = job.unsent(4)  # a few at a time: reused rows first
+    entries += job.unsent()
+    job.step(1000)
+    entries += job.unsent()
     assert len(entries) == len(tokens) and job.finished and job.emitted == len(tokens) and job.reused == reused
     assert_same_entries(entries, expected)
+
+
+def test_reused_entries_go_out_a_bounded_number_a_tick(loaded: tuple[Any, Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries are built on the engine's model thread (text and bytes of each token and alternative): a long reused
+    prefix sends them over several ticks (`ENTRY_CALLS` a tick), in order, each once, before computing on."""
+    from engine_daemon.scheduling import prompt_scoring
+
+    model, tokenizer = loaded
+    monkeypatch.setattr(prompt_scoring, "ENTRY_CALLS", 3 * 10)  # ten entries a tick with two alternatives each
+    tokens = tokenizer.encode("a long prefix scored once, whose entries a later prompt sends in bounded ticks " * 3)
+    scoring, _ = scoring_with_cache()
+    scored(scoring, request_for(tokens), model, tokenizer)
+    longer = tokens + tokenizer.encode(" and then some more")
+    scoring.add(request_for(longer, rid="r2"), model, tokenizer, KEY)
+    sizes, entries = [], []
+    for _ in range(1000):
+        if not scoring:
+            break
+        events, _ = scoring.tick(None, 2048)
+        for _, kind, body in events:
+            if kind == MsgType.DELTAS:
+                sizes.append(len(body["prompt_logprobs"]))
+                entries += body["prompt_logprobs"]
+    assert scoring.reused_tokens >= len(tokens) - 1 and max(sizes) == 10 and len(sizes) >= len(tokens) // 10
+    assert_same_entries(entries, scored(PromptScoring(SliceBudget(idle_tokens=7)), request_for(longer, rid="cold"),
+                                        model, tokenizer))
