@@ -238,3 +238,42 @@ def test_choices_sharing_a_context_are_scored_from_where_they_part(frontend: Fro
     assert reused >= (len(choices) - 1) * (len(context) - 1)  # every choice but the first reused the context
     assert computed + reused == sum(len(context) + len(choice) - 1 for choice in choices)
     assert sum(answer["usage"]["prompt_tokens_details"]["cached_tokens"] for answer in answers) == reused
+
+
+def test_a_client_leaving_while_its_slices_ride_leaves_the_stream_unchanged(frontend: Frontend, model_id: str,
+                                                                            reference: Any) -> None:
+    """A scored prompt's slices ride in a stream's decode steps; its client reads the first chunk and leaves. The
+    engine drops the job with a slice in flight, and the stream's greedy text is the one it has alone."""
+    tokenizer, logprobs = reference
+    client = client_for(frontend)
+    request = {"model": model_id, "prompt": "Riding:", "max_tokens": 600, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+    alone = client.completions.create(**request).choices[0].text
+    beside: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        for chunk in client.completions.create(**request, stream=True):
+            started.set()
+            beside.append(chunk.choices[0].text)
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    assert started.wait(60)
+    before = engine_stats(frontend)
+    ids = tokenizer.encode(TEXT * 80 + " A client that leaves.")  # many slices: the client is gone before the last
+    body = {"model": model_id, "prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 0, "stream": True}
+    with httpx.stream("POST", f"{frontend.base_url}/v1/completions", json=body, timeout=60) as response:
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+    assert json.loads(first[6:])["choices"][0]["logprobs"]["tokens"]
+    runner.join(120)
+    assert "".join(beside) == alone
+    for _ in range(200):
+        after = engine_stats(frontend)
+        if after["prompt_logprob_queued"] == 0:
+            break
+        threading.Event().wait(0.05)
+    assert after["prompt_logprob_queued"] == 0
+    assert after["prompt_logprob_riding_slices"] > before["prompt_logprob_riding_slices"]
+    again = client.completions.create(model=model_id, prompt=ids[:40], max_tokens=0, echo=True, logprobs=0)
+    assert again.choices[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs(ids[:40])[0], abs=2e-4)
