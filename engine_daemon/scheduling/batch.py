@@ -408,9 +408,9 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
     def _score_prompts(self) -> list[Event]:
         """A slice of the head scored prompt (`PromptScoring`); one through joins the batch, or ends at max_tokens 0.
         Only while a slot is free: a prompt through holds its KV until it joins, so they must not pile up."""
-        decoding = self.decoding()
         if not self.scoring or len(self.by_uid) >= self.config.decode_concurrency:
             return []
+        decoding = self.decoding()
         decode_seconds = self.pacer.decode_seconds if decoding else None
         if decoding and decode_seconds is None:
             return []  # the streams' step is not measured yet: no room to size a slice by

@@ -38,14 +38,15 @@ class SliceBudget:
     max_gap_ratio: float = 3.0
     idle_tokens: int = 2048  # --prefill-step-size
     max_stall: float | None = None  # --max-stall-seconds
-    last: dict[str, tuple[int, float]] = field(default_factory=dict)  # kind -> (positions, seconds) of its latest
+    last: dict[str, tuple[int, float]] = field(default_factory=dict)  # IDLE, BETWEEN -> latest (positions, seconds)
+    # `RIDING`'s latest ones (`RIDING_WINDOW`), its rate taken over them
     riding: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=RIDING_WINDOW))
 
     def observe(self, kind: str, positions: int, seconds: float) -> None:
-        if positions > 0:
+        if positions > 0 and kind == RIDING:
+            self.riding.append((positions, seconds))
+        elif positions > 0:
             self.last[kind] = (positions, seconds)
-            if kind == RIDING:
-                self.riding.append((positions, seconds))
 
     def size(self, kind: str, decode_seconds: float | None, vocab_size: int) -> int:
         """Positions for the next slice of this kind (`decode_seconds`: the streams' step, unless `IDLE`)."""
@@ -57,11 +58,12 @@ class SliceBudget:
                 return cap
             room = self.max_stall
         elif kind == RIDING:
-            if last is None or decode_seconds is None:
+            if not self.riding or decode_seconds is None:
                 return min(rows, RIDING_FIRST)
             room = RIDING_SHARE * max(0.1, self.max_gap_ratio - 1.0) * decode_seconds
             rate = sum(cost for _, cost in self.riding) / sum(positions for positions, _ in self.riding)
-            return int(min(rows, RIDING_GROWTH * last[0] + MIN_SLICE, max(MIN_SLICE, room / max(rate, 1e-9))))
+            growth = RIDING_GROWTH * self.riding[-1][0] + MIN_SLICE
+            return int(min(rows, growth, max(MIN_SLICE, room / max(rate, 1e-9))))
         else:
             if last is None or decode_seconds is None:
                 return min(rows, FIRST_SLICE)

@@ -39,6 +39,32 @@ def engine_stats(frontend: Frontend) -> dict[str, Any]:
     return httpx.get(f"{frontend.base_url}/stats", timeout=30).json()
 
 
+def streaming(client: Any, request: dict[str, Any]) -> tuple[threading.Thread, list[str]]:
+    """A completion streamed on a thread of its own, its first chunk already in: (the thread, its texts so far)."""
+    texts: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        for chunk in client.completions.create(**request, stream=True):
+            started.set()
+            texts.append(chunk.choices[0].text)
+
+    runner = threading.Thread(target=stream)
+    runner.start()
+    assert started.wait(60)
+    return runner, texts
+
+
+def queue_emptied(frontend: Frontend) -> dict[str, Any]:
+    """The engine's stats once no prompt waits to be scored (an abort reaches it after the client left)."""
+    for _ in range(200):
+        stats = engine_stats(frontend)
+        if stats["prompt_logprob_queued"] == 0:
+            break
+        threading.Event().wait(0.05)
+    return stats
+
+
 def test_prompt_logprobs_equal_a_full_forward_pass_and_the_completion_is_unchanged(
         frontend: Frontend, model_id: str, reference: Any) -> None:
     tokenizer, logprobs = reference
@@ -110,18 +136,8 @@ def test_scoring_beside_a_running_stream_is_sliced_and_exact(frontend: Frontend,
     ids = tokenizer.encode(TEXT * 6)
     expected, _ = logprobs(ids)
     client = client_for(frontend)
-    streamed: list[str] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        for chunk in client.completions.create(model=model_id, prompt="Count:", max_tokens=1500, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True}):
-            started.set()
-            streamed.append(chunk.choices[0].text)
-
-    runner = threading.Thread(target=stream)
-    runner.start()
-    assert started.wait(60)
+    runner, streamed = streaming(client, {"model": model_id, "prompt": "Count:", "max_tokens": 1500, "temperature": 0,
+                                          "extra_body": {"ignore_eos": True}})
     before = engine_stats(frontend)
     scored = client.completions.create(model=model_id, prompt=ids, max_tokens=0, echo=True, logprobs=0)
     after = engine_stats(frontend)
@@ -197,11 +213,7 @@ def test_a_client_leaving_mid_scoring_aborts_it(tiny_model: Path, ipc_dir: Path,
         with httpx.stream("POST", f"{frontend.base_url}/v1/completions", json=body, timeout=60) as response:
             first = next(line for line in response.iter_lines() if line.startswith("data: "))
         assert len(json.loads(first[6:])["choices"][0]["logprobs"]["tokens"]) >= 1
-        for _ in range(200):
-            stats = engine_stats(frontend)
-            if stats["prompt_logprob_queued"] == 0:
-                break
-            threading.Event().wait(0.05)
+        stats = queue_emptied(frontend)
         assert stats["prompt_logprob_queued"] == 0
         assert stats["prompt_logprob_tokens"] < len(ids) - 1 and stats["prompt_logprob_requests"] == 0
         again = client_for(frontend).completions.create(model=str(tiny_model), prompt=ids[:50], max_tokens=0,
@@ -249,17 +261,7 @@ def test_a_client_leaving_while_its_slices_ride_leaves_the_stream_unchanged(fron
     request = {"model": model_id, "prompt": "Riding:", "max_tokens": 600, "temperature": 0,
                "extra_body": {"ignore_eos": True}}
     alone = client.completions.create(**request).choices[0].text
-    beside: list[str] = []
-    started = threading.Event()
-
-    def stream() -> None:
-        for chunk in client.completions.create(**request, stream=True):
-            started.set()
-            beside.append(chunk.choices[0].text)
-
-    runner = threading.Thread(target=stream)
-    runner.start()
-    assert started.wait(60)
+    runner, beside = streaming(client, request)
     before = engine_stats(frontend)
     ids = tokenizer.encode(TEXT * 80 + " A client that leaves.")  # many slices: the client is gone before the last
     body = {"model": model_id, "prompt": ids, "echo": True, "logprobs": 3, "max_tokens": 0, "stream": True}
@@ -268,11 +270,7 @@ def test_a_client_leaving_while_its_slices_ride_leaves_the_stream_unchanged(fron
     assert json.loads(first[6:])["choices"][0]["logprobs"]["tokens"]
     runner.join(120)
     assert "".join(beside) == alone
-    for _ in range(200):
-        after = engine_stats(frontend)
-        if after["prompt_logprob_queued"] == 0:
-            break
-        threading.Event().wait(0.05)
+    after = queue_emptied(frontend)
     assert after["prompt_logprob_queued"] == 0
     assert after["prompt_logprob_riding_slices"] > before["prompt_logprob_riding_slices"]
     again = client.completions.create(model=model_id, prompt=ids[:40], max_tokens=0, echo=True, logprobs=0)
