@@ -46,7 +46,7 @@ STREAMS, STREAM_CONTEXT, ROW_TILE = 4, 600, 16
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="small", choices=["tiny", "small", "realistic"])
+    parser.add_argument("--size", default="small", choices=["tiny", "small", "realistic", "wide-kv"])
     parser.add_argument("--contexts", default="0,700,1400", help="prompt context positions L")
     parser.add_argument("--chunks", default="28,44,60,76",
                         help="chunk sizes c (rows with 4 streams: whole 16-row tiles)")

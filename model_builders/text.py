@@ -109,6 +109,19 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
     },
+    # An 8B model's KV per token (Llama 3 8B: 32 layers x 8 KV heads x 128 in bf16, 128 KB) on ~150M float32
+    # parameters: 16 layers x 8 KV heads x 128 in float32. For the disk tier's benchmarks, where what matters
+    # is how many bytes a prefix's KV takes (~0.5 GB for 4,000 tokens), at a compute a CPU run can afford.
+    "wide-kv": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "intermediate_size": 1024,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+    },
     # Qwen2-0.5B shape with a 32k vocab: ~386.6M float32 parameters (~1.5 GB), which gives
     # benchmark numbers (memory bandwidth, KV cache size per token) of a real small model.
     "realistic": {

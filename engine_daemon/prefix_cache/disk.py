@@ -16,7 +16,9 @@ byte cap by deleting the least recently used files (a load refreshes a file's mt
 before every write and when it opens the directory. Only plain files are read (a FIFO would block
 the reader forever), files that are not ours are judged once, and temporary files older than an
 hour (a write that died) are deleted. Vision models' entries (`vision_apc`) share the
-directory, the format and the cap.
+directory, the format and the cap. Entries the memory tier evicts are written by a thread of
+their own (`store_later`, `SpillWriter`): a 1 GB entry took 4.5 s to write, which every running
+stream waited for when the mlx thread wrote it. The index is therefore guarded by a lock.
 """
 
 from __future__ import annotations
@@ -28,18 +30,21 @@ import logging
 import os
 import stat
 import struct
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from engine_daemon.prefix_cache.kv_layout import Layout, mismatch
 from engine_daemon.prefix_cache.memory import common_prefix
+from engine_daemon.prefix_cache.spill_writer import Spill, SpillWriter
 
 log = logging.getLogger(__name__)
 
@@ -128,11 +133,17 @@ class DiskTier:
         self._index: dict[str, DiskEntry] = {}
         self._skipped: set[str] = set()  # files judged not ours: not read (nor logged) again while they stay
         self._listing_mtime = -1
+        self._lock = threading.RLock()  # the index: the mlx thread reads it, `writer` adds to it, `/stats` counts it
+        self.writer = SpillWriter(self.store)
         self._enforce_cap()  # a cap lowered since the files were written holds from the start, not the next write
 
     # -- the index ------------------------------------------------------------------------------
     def refresh(self) -> None:
         """Re-reads the directory when it changed (another engine may share it); only new files' headers."""
+        with self._lock:
+            self._refresh()
+
+    def _refresh(self) -> None:
         try:
             mtime = self.directory.stat().st_mtime_ns
         except OSError:
@@ -152,6 +163,8 @@ class DiskTier:
                     self._skipped.add(name)
                     continue
                 tokens = np.frombuffer(base64.b64decode(meta["0.tokens"]), dtype="<i4")
+                if not name.startswith(_entry_digest(meta["0.key"], tokens) + "-"):
+                    raise ValueError("its name is not the digest of its key and tokens")  # copied or renamed
                 self._index[name] = DiskEntry(path, meta["0.key"], tokens, meta["0.trimmable"] == "1",
                                               path.stat().st_size)
             except FileNotFoundError:
@@ -161,19 +174,21 @@ class DiskTier:
                 log.warning("prompt cache: skipping %s: %s", path, exc)
 
     def nbytes(self) -> int:
-        # `/stats` asks from the io thread while the mlx thread writes: copy the values first (one
-        # C-level call under the GIL) rather than iterate a dict that may change size meanwhile.
-        return sum(entry.nbytes for entry in list(self._index.values()))
+        with self._lock:  # `/stats` asks from the io thread while the writer adds files
+            return sum(entry.nbytes for entry in self._index.values())
 
     def __len__(self) -> int:
-        return len(self._index)
+        with self._lock:
+            return len(self._index)
 
     # -- reading --------------------------------------------------------------------------------
     def best_match(self, key: str, tokens: np.ndarray, at_least: int) -> tuple[DiskEntry, int] | None:
         """The stored entry covering the most of `tokens`, if it covers more than `at_least` + min_tokens."""
-        self.refresh()
+        with self._lock:
+            self._refresh()
+            entries = list(self._index.values())
         best: tuple[DiskEntry, int] | None = None
-        for entry in self._index.values():
+        for entry in entries:
             if entry.key != key:
                 continue
             shared = common_prefix(entry.tokens, tokens)
@@ -181,6 +196,19 @@ class DiskTier:
                 continue
             if shared >= at_least + self.min_tokens and (best is None or shared > best[1]):
                 best = (entry, shared)
+        return best
+
+    def pending_match(self, key: str, tokens: np.ndarray) -> tuple[Spill, int] | None:
+        """The entry handed to `writer` and not written yet that covers the most of `tokens` (still in memory)."""
+        best: tuple[Spill, int] | None = None
+        for spill in self.writer.pending():
+            if spill.key != key:
+                continue
+            shared = common_prefix(spill.tokens, tokens)
+            if shared < len(spill.tokens) and not spill.trimmable:
+                continue
+            if shared and (best is None or shared > best[1]):
+                best = (spill, shared)
         return best
 
     def worth_loading(self, entry: DiskEntry, saved_tokens: int, prefill_tokens_per_second: float | None) -> bool:
@@ -207,17 +235,20 @@ class DiskTier:
             if problem:
                 raise ValueError(f"its KV does not fit the model: {problem}")
         except FileNotFoundError:
-            self._index.pop(entry.path.name, None)  # another engine evicted it meanwhile
+            with self._lock:
+                self._index.pop(entry.path.name, None)  # another engine evicted it meanwhile
             return None
         except Exception as exc:
-            self.corrupt += 1
+            with self._lock:
+                self.corrupt += 1
             log.warning("prompt cache: %s is damaged (%s): skipped and deleted", entry.path.name, exc)
             self._delete(entry)
             return None
         seconds = max(time.perf_counter() - started, 1e-6)
         self.read_bytes_per_second += 0.5 * (entry.nbytes / seconds - self.read_bytes_per_second)
-        self.hits += 1
-        self.tokens_loaded += len(entry.tokens)
+        with self._lock:
+            self.hits += 1
+            self.tokens_loaded += len(entry.tokens)
         try:
             os.utime(entry.path)  # most recently used: the last to go under the byte cap
         except OSError:
@@ -225,17 +256,38 @@ class DiskTier:
         return cache
 
     # -- writing --------------------------------------------------------------------------------
+    def store_later(self, key: str, tokens: np.ndarray, cache: list[Any], trimmable: bool) -> bool:
+        """Hands an entry to `writer` (`store` on its thread); False when it would not be written anyway.
+
+        Its arrays are evaluated here, on the caller's (the mlx) thread: a cache built lazily (the
+        vision tier's concatenated blocks) must not be computed on the writer's.
+        """
+        if len(tokens) < self.min_tokens or not cache:
+            return False
+        size = _cache_nbytes(cache)
+        if size > self.max_bytes:
+            return False
+        mx.eval([array for _, array in tree_flatten([layer.state for layer in cache]) if isinstance(array, mx.array)])
+        self.writer.submit(Spill(key, np.array(tokens, dtype=np.int32), cache, trimmable, size))
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Waits for the entries handed to `writer` (a model switch, a clean shutdown)."""
+        return self.writer.flush(timeout)
+
     def store(self, key: str, tokens: np.ndarray, cache: list[Any], trimmable: bool) -> bool:
         """Writes an entry (unless stored already or too short); atomic, then the cap is enforced."""
         if len(tokens) < self.min_tokens or not cache:
             return False
         digest = _entry_digest(key, tokens)
-        if any(name.startswith(digest) for name in self._index):
-            return False
         size = _cache_nbytes(cache)
         if size > self.max_bytes:
             return False  # would only be written to be deleted, past the cap meanwhile
-        self._enforce_cap(room_for=size)  # room first: the directory stays under the cap while it is written
+        with self._lock:
+            if any(name.startswith(digest) for name in self._index):
+                return False
+            self._enforce_cap(room_for=size)  # room first: the directory stays under the cap while it is written
+        started = time.perf_counter()
         temporary = self.directory / f".{digest}-{uuid.uuid4().hex}.tmp{SUFFIX}"
         meta = {"format": FORMAT, "key": key, "trimmable": "1" if trimmable else "0",
                 "tokens": base64.b64encode(tokens.astype("<i4").tobytes()).decode()}
@@ -247,16 +299,24 @@ class DiskTier:
             log.warning("prompt cache: could not write an entry of %d tokens: %s", len(tokens), exc)
             temporary.unlink(missing_ok=True)
             return False
-        self._index[final.name] = DiskEntry(final, key, tokens.copy(), trimmable, final.stat().st_size)
-        self.writes += 1
-        self._enforce_cap()
-        return final.name in self._index
+        with self._lock:
+            self._index[final.name] = DiskEntry(final, key, tokens.copy(), trimmable, final.stat().st_size)
+            self.writes += 1
+            self._enforce_cap()
+            kept = final.name in self._index
+        log.debug("prompt cache: wrote %d tokens' KV (%.0f MB) in %.2f s on %s", len(tokens), size / 1e6,
+                  time.perf_counter() - started, threading.current_thread().name)
+        return kept
 
     def _enforce_cap(self, room_for: int = 0) -> None:
         """Deletes least recently used files (by mtime, which loads refresh) until the directory fits,
         with `room_for` bytes to spare; temporary files left by a crashed write go too."""
+        with self._lock:
+            self._enforce_cap_locked(room_for)
+
+    def _enforce_cap_locked(self, room_for: int) -> None:
         self._listing_mtime = -1
-        self.refresh()
+        self._refresh()
         self._sweep_stale_temporaries()
         if self.nbytes() + room_for <= self.max_bytes:
             return
@@ -283,14 +343,21 @@ class DiskTier:
                 continue
 
     def _delete(self, entry: DiskEntry) -> None:
-        self._index.pop(entry.path.name, None)
+        with self._lock:
+            self._index.pop(entry.path.name, None)
         try:
             entry.path.unlink()
         except FileNotFoundError:
             pass
 
     def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, int]:
         return {"prompt_cache_disk_entries": len(self._index), "prompt_cache_disk_bytes": self.nbytes(),
                 "prompt_cache_disk_hits": self.hits, "prompt_cache_disk_writes": self.writes,
                 "prompt_cache_disk_corrupt": self.corrupt, "prompt_cache_disk_tokens_loaded": self.tokens_loaded,
-                "prompt_cache_disk_skipped_slower": self.skipped_slower}
+                "prompt_cache_disk_skipped_slower": self.skipped_slower,
+                "prompt_cache_disk_spills_queued": self.writer.queued,
+                "prompt_cache_disk_spills_waited": self.writer.waited}

@@ -7,6 +7,7 @@ of the same files, and a file stored before the weights changed is never served 
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,9 +64,13 @@ class PrefixCache:
         tokens = as_tokens(prompt[:-1])
         match = self.memory.best_match(key, tokens)
         in_memory = match.length if match is not None else 0
+        queued = self.disk.pending_match(key_digest(*key), tokens) if self.disk is not None else None
+        if queued is not None and queued[1] <= in_memory:
+            queued = None
         if self.disk is not None:
-            stored = self.disk.best_match(key_digest(*key), tokens, in_memory)
-            if stored is not None and self.disk.worth_loading(stored[0], stored[1] - in_memory,
+            reused = queued[1] if queued is not None else in_memory
+            stored = self.disk.best_match(key_digest(*key), tokens, reused)
+            if stored is not None and self.disk.worth_loading(stored[0], stored[1] - reused,
                                                                self.prefill_tokens_per_second):
                 cache = self.disk.load(stored[0], self._layout(key[0]))
                 if cache is not None:
@@ -74,6 +79,13 @@ class PrefixCache:
                         trim_prompt_cache(cache, len(entry.tokens) - shared)
                     self.hits["disk"] += 1
                     return cache, shared
+        if queued is not None:  # evicted and still being written: its arrays are in memory yet
+            spill, shared = queued
+            cache = copy.deepcopy(spill.cache)
+            if shared < len(spill.tokens):
+                trim_prompt_cache(cache, len(spill.tokens) - shared)
+            self.hits["memory"] += 1
+            return cache, shared
         if match is None:
             return None, 0
         self.hits["in_flight" if match.entry.at_prefill else "memory"] += 1
@@ -91,19 +103,25 @@ class PrefixCache:
         self.memory.insert(key, tokens, cache, at_prefill=at_prefill)
 
     def spill_all(self) -> int:
-        """Empties memory into the disk tier (a model switch, a clean shutdown); returns files written."""
+        """Empties memory into the disk tier (a model switch, a clean shutdown); returns files written.
+
+        Evictions still being written go first (`DiskTier.flush`), then these, here: the switch or the
+        stop waits for them, as it should (no stream runs), and the next start finds them all."""
         held = self.memory.clear()
         if self.disk is None:
             return 0
-        written = sum(1 for entry in held if self._spill(entry))
+        self.disk.flush()
+        written = sum(1 for entry in held if self._spill(entry, now=True))
         if written:
             log.info("prompt cache: %d of %d entries written to %s", written, len(held), self.disk.directory)
         return written
 
-    def _spill(self, entry: Entry) -> bool:
+    def _spill(self, entry: Entry, now: bool = False) -> bool:
+        """Writes an evicted entry: on the disk tier's writer thread (an eviction, on the mlx thread), or `now`."""
         if self.disk is None:
             return False
-        return self.disk.store(key_digest(*entry.key), entry.tokens, entry.cache, can_trim_prompt_cache(entry.cache))
+        store = self.disk.store if now else self.disk.store_later
+        return store(key_digest(*entry.key), entry.tokens, entry.cache, can_trim_prompt_cache(entry.cache))
 
     def stats(self) -> dict[str, int]:
         found = {"prompt_cache_entries": len(self.memory), "prompt_cache_bytes": self.memory.nbytes,

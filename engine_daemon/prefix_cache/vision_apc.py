@@ -165,12 +165,13 @@ class TieredAPCManager(APCManager):
         if self._spilling:
             return
         for key in [k for k, hashes in self._prompts.items() if block_hash in hashes]:
-            self._spill(key, self._prompts.pop(key))
+            self._spill(key, self._prompts.pop(key), later=True)
 
     def spill_all(self) -> int:
         """Writes every remembered prompt still in memory (a model switch, a clean shutdown)."""
         if self.tier is None:
             return 0
+        self.tier.flush()  # evictions still being written first
         with self.lock:
             held = list(reversed(self._prompts.items()))
             self._prompts.clear()
@@ -179,8 +180,9 @@ class TieredAPCManager(APCManager):
             log.info("vision prompt cache: %d of %d prefixes written to %s", written, len(held), self.tier.directory)
         return written
 
-    def _spill(self, key: tuple[int, tuple[int, ...]], hashes: list[int]) -> bool:
-        """One prompt's resident block chain as one `DiskTier` entry (mlx-lm `KVCache` per layer)."""
+    def _spill(self, key: tuple[int, tuple[int, ...]], hashes: list[int], later: bool = False) -> bool:
+        """One prompt's resident block chain as one `DiskTier` entry (mlx-lm `KVCache` per layer); `later`:
+        written on the tier's writer thread (an eviction: no stream waits for the disk)."""
         salt, tokens = key
         blocks = []
         for index, block_hash in enumerate(hashes):
@@ -201,8 +203,9 @@ class TieredAPCManager(APCManager):
             caches.append(cache)
         self._spilling = True  # a write never evicts, but stay safe against re-entry
         try:
-            stored = self.tier.store(entry_key(self.model_identity, self.adapter, salt),
-                                     np.asarray(tokens[:length], dtype=np.int32), caches, trimmable=True)
+            store = self.tier.store_later if later else self.tier.store
+            stored = store(entry_key(self.model_identity, self.adapter, salt),
+                           np.asarray(tokens[:length], dtype=np.int32), caches, trimmable=True)
         finally:
             self._spilling = False
         return stored

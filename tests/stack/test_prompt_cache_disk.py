@@ -224,3 +224,32 @@ def test_a_file_of_another_models_kv_under_a_valid_name_is_skipped_beside_a_runn
     with running_stack(f"ipc://{ipc_dir}/fit-c.sock", tmp_path / "cold", model=model) as (_, fe):
         cold = ask(fe, model, second)
     assert answer.json()["choices"][0]["message"]["content"] == cold.choices[0].message.content
+
+
+def test_an_evicted_prefix_is_written_by_the_writer_thread_and_served_back(tiny_model: Path, ipc_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """With one memory entry, another long prompt evicts the conversation's KV: the engine's writer thread
+    (`SpillWriter`) writes it, off the mlx thread, and the conversation's next turn still reuses ≥ 95% of its
+    prompt with exactly a cold engine's greedy answer."""
+    import time
+
+    cache_dir, model = tmp_path / "kv", str(tiny_model)
+    first, second = turns(model)
+    other = [{"role": "system", "content": SYSTEM.replace("step", "stage")}, {"role": "user", "content": "Go."}]
+    args = ["--prompt-cache-dir", str(cache_dir), "--prompt-cache-size", "1"]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with running_stack(f"ipc://{ipc_dir}/spill-a.sock", tmp_path / "a", model=model, engine_args=args) as (_, fe):
+        opening = ask(fe, model, first)
+        ask(fe, model, other)  # its KV takes the one memory entry: the conversation's goes to the writer
+        deadline = time.monotonic() + 120
+        while stats(fe)["prompt_cache_disk_writes"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        found = stats(fe)
+        assert found["prompt_cache_disk_spills_queued"] >= 1 and found["prompt_cache_disk_writes"] >= 1
+        assert list(cache_dir.glob("*.safetensors"))  # written while the engine runs, not only at its stop
+        restored = ask(fe, model, second)
+        assert restored.usage.prompt_tokens_details.cached_tokens >= 0.95 * opening.usage.prompt_tokens
+    with running_stack(f"ipc://{ipc_dir}/spill-b.sock", tmp_path / "b", model=model) as (_, fe):
+        cold = ask(fe, model, second)
+    assert restored.choices[0].message.content == cold.choices[0].message.content

@@ -127,6 +127,7 @@ def test_tiers_together_and_the_identity_of_weights(tmp_path: Path) -> None:
     key = (identity, None)
     cache.insert(key, list(range(300)), kv(300))
     cache.insert(key, list(range(5000, 5300)), kv(300, seed=3))  # evicts the first one to disk
+    assert cache.disk.flush(timeout=60)  # written by the tier's writer thread
     found, length = cache.fetch(key, list(range(400)))
     assert length == 300 and found[0].offset == 300 and cache.hits["disk"] == 1
     assert cache.spill_all() == 1 and len(cache) == 0

@@ -1,0 +1,124 @@
+"""Evicted prefixes are written by the disk tier's own thread: an eviction never waits on the disk.
+
+Real mlx KV caches and a real `DiskTier` in a temporary directory; the writer's `write` is gated
+by events where a test needs a write to be in progress.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine_daemon.prefix_cache.disk import DiskTier, _entry_digest, _file_sha, key_digest
+from engine_daemon.prefix_cache.spill_writer import Spill, SpillWriter
+from engine_daemon.prefix_cache.tiered import PrefixCache
+from tests.unit.test_prefix_cache import kv, same
+
+KEY = ("model-identity", None)
+
+
+def gated(tier: DiskTier) -> tuple[threading.Event, threading.Event]:
+    """(started, release): the tier's writer signals `started` when a write begins and waits for `release`."""
+    started, release, write = threading.Event(), threading.Event(), tier.writer.write
+
+    def slow_write(*args):
+        started.set()
+        assert release.wait(60)
+        return write(*args)
+
+    tier.writer.write = slow_write
+    return started, release
+
+
+def test_an_eviction_returns_while_its_file_is_written_and_the_prefix_is_served_meanwhile(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    started, release = gated(disk)
+    cache = PrefixCache(max_entries=1, max_bytes=1 << 40, disk=disk)
+    original = kv(300)
+    mx.eval([c.state for c in original])
+    cache.insert(KEY, list(range(300)), original)
+    cache.insert(KEY, list(range(5000, 5300)), kv(300, seed=3))  # evicts the first: handed to the writer
+    assert started.wait(60)
+    assert len(disk.writer) == 1 and not list(tmp_path.glob("*.safetensors"))  # the write has not finished
+
+    found, length = cache.fetch(KEY, list(range(400)))  # the prefix comes back while it is being written
+    assert length == 300 and same(found, original, 300) and cache.hits == {"memory": 1, "disk": 0, "in_flight": 0}
+    found[0].trim(100)  # a private copy: the entry being written is untouched
+    release.set()
+    assert disk.flush(timeout=60) and len(disk.writer) == 0
+    assert disk.writes == 1 and disk.stats()["prompt_cache_disk_spills_queued"] == 1
+
+    fresh = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)  # another process, later
+    entry, shared = fresh.best_match(key_digest(*KEY), np.arange(400, dtype=np.int32), at_least=0)
+    assert shared == 300 and same(fresh.load(entry), original, 300)
+
+
+def test_a_full_queue_makes_the_next_eviction_wait_and_loses_nothing(tmp_path: Path) -> None:
+    written: list[int] = []
+    started, release = threading.Event(), threading.Event()
+
+    def write(key, tokens, cache, trimmable) -> bool:
+        started.set()
+        assert release.wait(60)
+        written.append(int(tokens[0]))
+        return True
+
+    writer = SpillWriter(write, max_pending_bytes=250)
+    writer.submit(Spill("k", np.array([1]), [], True, 200))
+    assert started.wait(60)  # the writer took it: the queue is empty
+    writer.submit(Spill("k", np.array([2]), [], True, 600))  # past the bound, but an empty queue takes it
+    assert writer.waited == 0 and writer.pending_bytes == 800
+    submitted = threading.Event()
+    waiter = threading.Thread(target=lambda: (writer.submit(Spill("k", np.array([3]), [], True, 100)),
+                                              submitted.set()))
+    waiter.start()
+    assert not submitted.wait(0.5)  # 600 bytes queued past the bound: the third waits for room
+    release.set()
+    assert submitted.wait(60) and writer.flush(timeout=60)
+    waiter.join()
+    assert written == [1, 2, 3] and writer.pending_bytes == 0 and writer.waited == 1
+
+
+def test_a_failed_write_does_not_stop_the_writer(tmp_path: Path) -> None:
+    written: list[int] = []
+
+    def write(key, tokens, cache, trimmable) -> bool:
+        if tokens[0] == 1:
+            raise OSError("disk full")
+        written.append(int(tokens[0]))
+        return True
+
+    writer = SpillWriter(write)
+    for first in (1, 2):
+        writer.submit(Spill("k", np.array([first]), [], True, 10))
+    assert writer.flush(timeout=60) and written == [2]
+
+
+def test_spill_all_writes_what_is_queued_and_what_memory_holds(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    started, release = gated(disk)
+    cache = PrefixCache(max_entries=1, max_bytes=1 << 40, disk=disk)
+    cache.insert(KEY, list(range(300)), kv(300))
+    cache.insert(KEY, list(range(5000, 5300)), kv(300, seed=3))
+    assert started.wait(60)
+    threading.Timer(0.2, release.set).start()
+    assert cache.spill_all() == 1 and len(disk.writer) == 0  # waited for the queued one, then wrote its own
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2 and disk.writes == 2
+
+
+def test_a_file_copied_under_another_entry_name_is_not_served(tmp_path: Path) -> None:
+    """Red team: the name's entry digest was not checked, so a valid file copied (or renamed, its content hash
+    recomputed) under another prefix's name was served for that prefix."""
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    assert disk.store("k", np.arange(300, dtype=np.int32), kv(300), trimmable=True)
+    (source,) = tmp_path.glob("*.safetensors")
+    other = np.arange(1000, 1300, dtype=np.int32)
+    copied = tmp_path / f"{_entry_digest('k', other)}-{_file_sha(source)}.safetensors"
+    shutil.copy(source, copied)
+    reader = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    assert len(reader) == 1 and reader.best_match("k", other, at_least=0) is None
+    assert reader.best_match("k", np.arange(400, dtype=np.int32), at_least=0)[1] == 300
