@@ -25,29 +25,45 @@ CPU allocator that keeps freed buffers as the GPU ones do, is MLX's to make.)
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+log = logging.getLogger(__name__)
+
+# Bytes of buffers a step makes at most (`JoinReserve`; at least one buffer): ~85M and 0.5B bench models' two layers
+# (~18 MB) fit, an 8B-like KV's 126 MB a layer is spread over four steps.
+RESERVE_BYTES_PER_STEP = 32 << 20
 # Positions of room past the newcomer's end, for running rows longer than it that keep growing until the join.
 RUNNING_MARGIN = 64
 
 
 class JoinReserve:
-    """Zeroed (keys, values) buffers per layer for one coming join, or none."""
+    """Zeroed (keys, values) buffers per layer for one coming join, or none.
 
-    def __init__(self, layers_per_step: int = 2, enabled: bool | None = None):
+    A step makes at most `layers_per_step` layers' buffers and at most `bytes_per_step` bytes of
+    them (one buffer at least, a layer's keys and values in two steps if need be). Why the bytes:
+    a model with an 8B model's KV per token (8 KV heads of 128, `wide-kv` in `bench/`) joining a
+    3,000-token prompt to four streams needs 126 MB a layer; two layers a step made those steps
+    1.1-1.6 s against ~0.2 s (the streams' gaps 10x their steady gap) until the reserve was done.
+    """
+
+    def __init__(self, layers_per_step: int = 2, enabled: bool | None = None,
+                 bytes_per_step: int = RESERVE_BYTES_PER_STEP):
         self.layers_per_step = max(1, layers_per_step)
+        self.bytes_per_step = bytes_per_step
         self.enabled = mx.default_device() == mx.cpu if enabled is None else enabled
         self.uid: int | None = None
         self._shape: tuple | None = None  # (rows, size) the buffers were made for
         self._buffers: dict[int, tuple[mx.array, mx.array]] = {}
-        self._made = 0  # layers whose buffers exist, were taken, or are not needed (below the peak)
+        self._keys: dict[int, mx.array] = {}  # a layer whose keys' buffer is made and values' is not yet
+        self._made = 0  # buffers (two a layer) that exist, were taken, or are not needed (below the peak)
 
     def prepare(self, uid: int, running: list[Any], joining: list[Any], remaining: int) -> None:
-        """Makes the next layers' buffers for joining `joining` (one prompt, `remaining` tokens still to
-        prefill) to `running`; starts over when the batch or the prompt changed."""
+        """Makes the next buffers for joining `joining` (one prompt, `remaining` tokens still to prefill) to
+        `running`; starts over when the batch or the prompt changed."""
         if not self.enabled or not _batch_caches(running) or not _batch_caches(joining):
             return
         first = running[0]
@@ -59,19 +75,24 @@ class JoinReserve:
             self.uid, self._shape = uid, shape
             joined = sum((c.keys.nbytes + c.values.nbytes) * shape[0] * shape[1] // (c.keys.shape[0] * c.keys.shape[2])
                          for c in running)
-            self._made = len(running) if mx.get_active_memory() + joined <= mx.get_peak_memory() else 0
-        layers = range(self._made, min(len(running), self._made + self.layers_per_step))
-        made = []
+            self._made = 2 * len(running) if mx.get_active_memory() + joined <= mx.get_peak_memory() else 0
+        made: list[mx.array] = []
         with mx.stream(mx.default_stream(mx.cpu)):  # beside the generation stream's pass, not queued behind it
-            for layer in layers:
-                cache = running[layer]
-                pair = tuple(mx.zeros((shape[0], held.shape[1], shape[1], held.shape[3]), dtype=held.dtype)
-                             for held in (cache.keys, cache.values))
-                self._buffers[layer] = pair
-                made += pair
-        self._made = layers.stop
+            while (self._made < 2 * len(running) and len(made) < 2 * self.layers_per_step
+                   and (not made or sum(array.nbytes for array in made) < self.bytes_per_step)):
+                layer, values = divmod(self._made, 2)
+                held = running[layer].values if values else running[layer].keys
+                buffer = mx.zeros((shape[0], held.shape[1], shape[1], held.shape[3]), dtype=held.dtype)
+                if values:
+                    self._buffers[layer] = (self._keys.pop(layer), buffer)
+                else:
+                    self._keys[layer] = buffer
+                made.append(buffer)
+                self._made += 1
         if made:
             mx.async_eval(made)
+            log.debug("join reserve: %d buffers, %.0f MB; %d of %d layers ready", len(made),
+                      sum(array.nbytes for array in made) / 1e6, len(self._buffers), len(running))
 
     def take(self, layer: int, rows: int, end: int, keys: mx.array,
              values: mx.array) -> tuple[mx.array, mx.array] | None:
@@ -92,7 +113,7 @@ class JoinReserve:
 
     def clear(self) -> None:
         """Lets go of every buffer (after a join, or when the prompt or the batch changed)."""
-        self.uid, self._shape, self._buffers, self._made = None, None, {}, 0
+        self.uid, self._shape, self._buffers, self._keys, self._made = None, None, {}, {}, 0
 
     @property
     def layers_ready(self) -> int:

@@ -86,6 +86,32 @@ def test_join_into_reserved_buffers_matches_a_fresh_join() -> None:
         assert mx.all(a.keys[..., a._idx:, :] == 0).item()  # the room past the join is zeros, as mlx-lm's
 
 
+def test_a_step_makes_at_most_its_bytes_of_buffers_and_the_join_is_still_exact() -> None:
+    """Wide KV (an 8B model's 126 MB a layer at a 3,000-token join) made two layers a step stalled those steps
+    1.1-1.6 s: a step now makes at most `bytes_per_step` (one buffer at least), a layer's keys and values over
+    two steps if need be, and the join into those buffers is the same as a fresh one."""
+    layers, running_lengths, joining_length = 2, [40, 7, 19], 300
+    ours = [batch_cache(running_lengths, 10 * layer) for layer in range(layers)]
+    plain = copy.deepcopy(ours)
+    newcomer = [batch_cache([joining_length], 100 + 10 * layer) for layer in range(layers)]
+    one_buffer = 4 * 2 * 512 * 8 * 4  # (4 rows, 2 heads, 512 positions, 8 dims) float32
+    reserve = JoinReserve(layers_per_step=2, enabled=True, bytes_per_step=one_buffer)
+    mx.reset_peak_memory()
+    made = []
+    for _ in range(5):
+        reserve.prepare(7, ours, newcomer, remaining=200)
+        made.append(reserve.layers_ready)
+    assert made == [0, 1, 1, 2, 2]  # one buffer a step: keys, then values, of each layer
+    assert reserve._buffers[0][0].nbytes == one_buffer
+    join_caches(ours, copy.deepcopy(newcomer), reserve)
+    join_caches(plain, copy.deepcopy(newcomer))
+    for a, b in zip(ours, plain):
+        assert a._idx == b._idx and valid_rows(a) == valid_rows(b)
+    half = JoinReserve(layers_per_step=2, enabled=True, bytes_per_step=3 * one_buffer)
+    half.prepare(8, plain, newcomer, remaining=200)
+    assert half.layers_ready == 1 and len(half._keys) == 1  # three buffers fit: a layer and a half
+
+
 def test_reserve_that_does_not_fit_is_not_used() -> None:
     """A batch that changed since the buffers were made (a stream left) joins into fresh buffers."""
     ours = [batch_cache([40, 7, 19], 10 * layer) for layer in range(2)]
