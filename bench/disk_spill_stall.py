@@ -5,7 +5,8 @@
 
 The memory tier holds one entry (`--prompt-cache-size 1`), so each long prompt's KV, shared once
 its prefill ends, evicts the one before it to disk: on the `wide-kv` model (an 8B model's KV per
-token) a ~3,000-token prompt's KV is ~0.4 GB. Four streams decode throughout. Reported: the
+token) a ~3,000-token prompt's KV is ~0.4 GB. Then the first long prompt comes again and its KV is
+read back from disk. Four streams decode throughout. Reported: the
 streams' steady inter-token gap before the long prompts, their worst gap while they run and
 how many gaps exceeded 5x steady (client clock); from the engine's log at DEBUG its longest
 period between two steps and its longest time outside any step (where a write on the mlx
@@ -62,6 +63,8 @@ async def run(base: str, model: str, extra: dict, args: argparse.Namespace) -> d
         for k in range(args.long_prompts):
             reply = await http.post(url, json=body(words(args.long_words, 900 + k), 1, stream=False))
             reply.raise_for_status()
+        # The first long prompt again: its KV was evicted to disk, and is read back beside the streams.
+        restored = (await http.post(url, json=body(words(args.long_words, 900), 1, stream=False))).json()
         ended = time.perf_counter()
         await asyncio.sleep(2.0)  # the last eviction's write, if any, while the streams still run
         stop.set()
@@ -75,6 +78,8 @@ async def run(base: str, model: str, extra: dict, args: argparse.Namespace) -> d
             "worst_over_steady": max(during) / median,
             "gaps_over_5x": sum(gap > 5 * median for gap in during), "gaps_during": len(during),
             "window": (began + offset, ended + 2.0 + offset),
+            "restored_cached_tokens": restored["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "restored_prompt_tokens": restored["usage"]["prompt_tokens"],
             "disk": {key: value for key, value in stats.items() if key.startswith("prompt_cache_disk")}}
 
 

@@ -34,7 +34,7 @@ from mlx_lm.models.cache import BatchKVCache
 log = logging.getLogger(__name__)
 
 # Bytes of buffers a step makes at most (`JoinReserve`; at least one buffer): ~85M and 0.5B bench models' two layers
-# (~18 MB) fit, an 8B-like KV's 126 MB a layer is spread over four steps.
+# (~18 MB) fit, an 8B-like KV's 126 MB a layer takes two steps (its keys, then its values).
 RESERVE_BYTES_PER_STEP = 32 << 20
 # Positions of room past the newcomer's end, for running rows longer than it that keep growing until the join.
 RUNNING_MARGIN = 64
@@ -78,11 +78,14 @@ class JoinReserve:
             self._made = 2 * len(running) if mx.get_active_memory() + joined <= mx.get_peak_memory() else 0
         made: list[mx.array] = []
         with mx.stream(mx.default_stream(mx.cpu)):  # beside the generation stream's pass, not queued behind it
-            while (self._made < 2 * len(running) and len(made) < 2 * self.layers_per_step
-                   and (not made or sum(array.nbytes for array in made) < self.bytes_per_step)):
+            while self._made < 2 * len(running) and len(made) < 2 * self.layers_per_step:
                 layer, values = divmod(self._made, 2)
                 held = running[layer].values if values else running[layer].keys
-                buffer = mx.zeros((shape[0], held.shape[1], shape[1], held.shape[3]), dtype=held.dtype)
+                size = (shape[0], held.shape[1], shape[1], held.shape[3])
+                if made and (sum(a.nbytes for a in made) + held.itemsize * size[0] * size[1] * size[2] * size[3]
+                             > self.bytes_per_step):
+                    break
+                buffer = mx.zeros(size, dtype=held.dtype)
                 if values:
                     self._buffers[layer] = (self._keys.pop(layer), buffer)
                 else:

@@ -133,6 +133,7 @@ class DiskTier:
         self._index: dict[str, DiskEntry] = {}
         self._skipped: set[str] = set()  # files judged not ours: not read (nor logged) again while they stay
         self._listing_mtime = -1
+        self._doomed: list[Path] = []  # files out of the index, to unlink outside the lock
         self._lock = threading.RLock()  # the index: the mlx thread reads it, `writer` adds to it, `/stats` counts it
         self.writer = SpillWriter(self.store)
         self._enforce_cap()  # a cap lowered since the files were written holds from the start, not the next write
@@ -211,11 +212,15 @@ class DiskTier:
                 best = (spill, shared)
         return best
 
-    def worth_loading(self, entry: DiskEntry, saved_tokens: int, prefill_tokens_per_second: float | None) -> bool:
+    def faster_to_load(self, entry: DiskEntry, saved_tokens: int, prefill_tokens_per_second: float | None) -> bool:
         """Reading the file beats prefilling `saved_tokens`, by the speeds measured so far."""
         if not prefill_tokens_per_second:
             return True  # nothing measured yet: a prefix worth storing is worth trying
-        if entry.nbytes / self.read_bytes_per_second < saved_tokens / prefill_tokens_per_second:
+        return entry.nbytes / self.read_bytes_per_second < saved_tokens / prefill_tokens_per_second
+
+    def worth_loading(self, entry: DiskEntry, saved_tokens: int, prefill_tokens_per_second: float | None) -> bool:
+        """`faster_to_load`, counting the entries it passes over (`skipped_slower`)."""
+        if self.faster_to_load(entry, saved_tokens, prefill_tokens_per_second):
             return True
         self.skipped_slower += 1
         return False
@@ -230,15 +235,17 @@ class DiskTier:
             if _file_sha(entry.path) != entry.path.stem.rsplit("-", 1)[-1]:
                 raise ValueError("content hash mismatch")
             cache = load_prompt_cache(str(entry.path))
+            # Read here (the reader's thread, `DiskReads`), not at the cache's first use on the mlx thread.
+            mx.eval([a for _, a in tree_flatten([layer.state for layer in cache]) if isinstance(a, mx.array)])
             _check_lengths(cache, len(entry.tokens))
             problem = mismatch(cache, layout) if layout is not None else None
             if problem:
                 raise ValueError(f"its KV does not fit the model: {problem}")
-        except FileNotFoundError:
-            with self._lock:
-                self._index.pop(entry.path.name, None)  # another engine evicted it meanwhile
-            return None
         except Exception as exc:
+            if not os.path.lexists(entry.path):  # deleted meanwhile (the byte cap, here or in another engine)
+                with self._lock:
+                    self._index.pop(entry.path.name, None)
+                return None
             with self._lock:
                 self.corrupt += 1
             log.warning("prompt cache: %s is damaged (%s): skipped and deleted", entry.path.name, exc)
@@ -267,8 +274,13 @@ class DiskTier:
         size = _cache_nbytes(cache)
         if size > self.max_bytes:
             return False
-        mx.eval([array for _, array in tree_flatten([layer.state for layer in cache]) if isinstance(array, mx.array)])
-        self.writer.submit(Spill(key, np.array(tokens, dtype=np.int32), cache, trimmable, size))
+        try:
+            mx.eval([array for _, array in tree_flatten([layer.state for layer in cache])
+                     if isinstance(array, mx.array)])
+            self.writer.submit(Spill(key, np.array(tokens, dtype=np.int32), cache, trimmable, size))
+        except Exception as exc:  # the cache is an optimisation: an eviction never fails its caller
+            log.warning("prompt cache: could not hand an entry of %d tokens to the writer: %s", len(tokens), exc)
+            return False
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -286,7 +298,8 @@ class DiskTier:
         with self._lock:
             if any(name.startswith(digest) for name in self._index):
                 return False
-            self._enforce_cap(room_for=size)  # room first: the directory stays under the cap while it is written
+            self._enforce_cap_locked(room_for=size)  # room first: the directory stays under the cap while written
+        self._unlink_doomed()
         started = time.perf_counter()
         temporary = self.directory / f".{digest}-{uuid.uuid4().hex}.tmp{SUFFIX}"
         meta = {"format": FORMAT, "key": key, "trimmable": "1" if trimmable else "0",
@@ -302,8 +315,9 @@ class DiskTier:
         with self._lock:
             self._index[final.name] = DiskEntry(final, key, tokens.copy(), trimmable, final.stat().st_size)
             self.writes += 1
-            self._enforce_cap()
+            self._enforce_cap_locked(0)
             kept = final.name in self._index
+        self._unlink_doomed()
         log.debug("prompt cache: wrote %d tokens' KV (%.0f MB) in %.2f s on %s", len(tokens), size / 1e6,
                   time.perf_counter() - started, threading.current_thread().name)
         return kept
@@ -313,6 +327,15 @@ class DiskTier:
         with `room_for` bytes to spare; temporary files left by a crashed write go too."""
         with self._lock:
             self._enforce_cap_locked(room_for)
+        self._unlink_doomed()
+
+    def _unlink_doomed(self) -> None:
+        """Unlinks the files the cap took out of the index, outside the lock (`/stats` and admissions wait on it)."""
+        while self._doomed:
+            try:
+                self._doomed.pop().unlink()
+            except (FileNotFoundError, IndexError):
+                pass
 
     def _enforce_cap_locked(self, room_for: int) -> None:
         self._listing_mtime = -1
@@ -328,7 +351,8 @@ class DiskTier:
         for entry in sorted(self._index.values(), key=last_used):
             if self.nbytes() + room_for <= self.max_bytes:
                 break
-            self._delete(entry)
+            self._index.pop(entry.path.name, None)
+            self._doomed.append(entry.path)  # unlinked by `_unlink_doomed`, once the lock is let go
 
     def _sweep_stale_temporaries(self) -> None:
         """`.<digest>-<uuid>.tmp.safetensors` older than STALE_TEMPORARY_SECONDS: a write that never finished

@@ -9,9 +9,12 @@ are already evaluated (`DiskTier.store_later` makes sure), MLX releases the GIL 
 and hashlib while it hashes, so the streams go on beside the write.
 
 The queue holds the evicted arrays in memory until they are written, so it is bounded
-(`max_pending_bytes`): past it the caller waits for the writer to catch up, as every write
-waited before, and an entry is never dropped. A model switch and a clean shutdown `flush` the
-queue before they write their own entries. Until its file is written a queued entry is still in
+(`max_pending_bytes`, or a single entry beside the one being written): past it the caller waits
+for the writer to catch up, as every write waited before, and an entry is never dropped. A
+model switch and a clean shutdown `flush` the queue before they write their own entries. The
+write still takes CPU: on the 2-core VM a 0.4 GB entry's ~2.5 s of saving and hashing made the
+decode steps beside it 4-9x dearer (BLAS splits each product over both cores), where the mlx
+thread's own write had stopped them for 1.3-1.6 s; with more cores than BLAS threads it is free. Until its file is written a queued entry is still in
 memory, and lookups find it there (`pending`, `DiskTier.pending_match`): a request that comes
 back for an evicted prefix while it is being written reuses it rather than prefilling it.
 """
@@ -67,8 +70,9 @@ class SpillWriter:
             self.pending_bytes += spill.nbytes
             self.queued += 1
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="prompt-cache-writer", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="prompt-cache-writer", daemon=True)
+                thread.start()
+                self._thread = thread  # only once started: a failed start is retried by the next spill
             self._changed.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -89,6 +93,7 @@ class SpillWriter:
             with self._changed:
                 self._changed.wait_for(lambda: bool(self._queue))
                 spill = self._current = self._queue.popleft()
+                self._changed.notify_all()  # a caller waiting for room may go on
             try:
                 self.write(spill.key, spill.tokens, spill.cache, spill.trimmable)
             except Exception:  # the cache is an optimisation: one failed write must not stop the next ones

@@ -15,6 +15,7 @@ from typing import Any
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engine_daemon.prefix_cache.disk import DiskTier, key_digest
+from engine_daemon.prefix_cache.disk_reads import DiskReads
 from engine_daemon.prefix_cache.kv_layout import Layout, model_layout
 from engine_daemon.prefix_cache.memory import Entry, MemoryTier, as_tokens
 
@@ -42,6 +43,7 @@ class PrefixCache:
         self.memory = MemoryTier(max_entries, max_bytes, on_evict=self._spill)
         self.hits = {"memory": 0, "disk": 0, "in_flight": 0}
         self.prefill_tokens_per_second: float | None = None  # measured by the scheduler
+        self.reads = DiskReads()  # disk entries read ahead of their prompts' admission
 
     def __len__(self) -> int:
         return len(self.memory)
@@ -62,17 +64,13 @@ class PrefixCache:
         At least the prompt's last token is left to compute (its logits give the first token).
         """
         tokens = as_tokens(prompt[:-1])
-        match = self.memory.best_match(key, tokens)
-        in_memory = match.length if match is not None else 0
-        queued = self.disk.pending_match(key_digest(*key), tokens) if self.disk is not None else None
-        if queued is not None and queued[1] <= in_memory:
-            queued = None
+        match, queued, reused = self._in_memory(key, tokens)
         if self.disk is not None:
-            reused = queued[1] if queued is not None else in_memory
             stored = self.disk.best_match(key_digest(*key), tokens, reused)
             if stored is not None and self.disk.worth_loading(stored[0], stored[1] - reused,
                                                                self.prefill_tokens_per_second):
-                cache = self.disk.load(stored[0], self._layout(key[0]))
+                entry, layout = stored[0], self._layout(key[0])
+                cache = self.reads.take(entry, lambda: self.disk.load(entry, layout))
                 if cache is not None:
                     entry, shared = stored
                     if shared < len(entry.tokens):
@@ -91,6 +89,29 @@ class PrefixCache:
         self.hits["in_flight" if match.entry.at_prefill else "memory"] += 1
         return self.memory.take(match), match.length
 
+    def reading(self, key: CacheKey, prompt: Sequence[int]) -> bool:
+        """Whether `prompt`'s longest known prefix is on disk and being read for it (`DiskReads`, started here):
+        it waits to be admitted, and `fetch` then takes that read. False when nothing on disk is worth reading."""
+        if self.disk is None:
+            return False
+        tokens = as_tokens(prompt[:-1])
+        _, _, reused = self._in_memory(key, tokens)
+        stored = self.disk.best_match(key_digest(*key), tokens, reused)
+        if stored is None or not self.disk.faster_to_load(stored[0], stored[1] - reused,
+                                                          self.prefill_tokens_per_second):
+            return False
+        entry, layout = stored[0], self._layout(key[0])
+        return self.reads.ahead(entry, lambda: self.disk.load(entry, layout))
+
+    def _in_memory(self, key: CacheKey, tokens: Any) -> tuple[Any, Any, int]:
+        """(the memory tier's match, an evicted entry's still being written if longer, the longer one's length)."""
+        match = self.memory.best_match(key, tokens)
+        in_memory = match.length if match is not None else 0
+        queued = self.disk.pending_match(key_digest(*key), tokens) if self.disk is not None else None
+        if queued is not None and queued[1] <= in_memory:
+            queued = None
+        return match, queued, queued[1] if queued is not None else in_memory
+
     def _layout(self, identity: str) -> Layout | None:
         if self.model is None:
             return None
@@ -108,6 +129,7 @@ class PrefixCache:
         Evictions still being written go first (`DiskTier.flush`), then these, here: the switch or the
         stop waits for them, as it should (no stream runs), and the next start finds them all."""
         held = self.memory.clear()
+        self.reads.close()
         if self.disk is None:
             return 0
         self.disk.flush()
@@ -127,4 +149,5 @@ class PrefixCache:
         found = {"prompt_cache_entries": len(self.memory), "prompt_cache_bytes": self.memory.nbytes,
                  "prompt_cache_memory_hits": self.hits["memory"], "prompt_cache_disk_loads": self.hits["disk"],
                  "prompt_cache_in_flight_hits": self.hits["in_flight"]}
+        found["prompt_cache_disk_reads_ahead"] = self.reads.started
         return {**found, **(self.disk.stats() if self.disk is not None else {})}

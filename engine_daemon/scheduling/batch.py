@@ -153,14 +153,20 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         return self._fill_slots()
 
     def _next_pending(self) -> EngineRequest | None:
-        """Of the client holding fewest slots, oldest first (`fair_slots.next_pending`); a new prompt whose prefix
-        a prompt in flight computes waits for it (a paused request's prompt is in its own KV already)."""
-        sharing = self.models.current is not None and self.models.current.kind == "text" and self.lockstep is None
-        best = fair_slots.next_pending(self.pending, self.by_uid, self.config.max_slots_per_key, lambda request: (
-            sharing and request.preempted is None and self.sharing.should_wait(request, self.by_uid)))
+        """Of the client holding fewest slots, oldest first (`fair_slots.next_pending`), past those that wait."""
+        best = fair_slots.next_pending(self.pending, self.by_uid, self.config.max_slots_per_key, self._waits)
         if best is not None:
             self.pending.remove(best)
         return best
+
+    def _waits(self, request: EngineRequest) -> bool:
+        """A new text prompt waits while a prompt in flight computes its prefix (a paused one has its KV), or while
+        its prefix is read from disk for it (`PrefixCache.reading`)."""
+        if self.models.current is None or self.models.current.kind != "text" or self.lockstep is not None:
+            return False
+        key = self._cache_key(request.body.get("adapter"))
+        return request.preempted is None and (self.sharing.should_wait(request, self.by_uid) or (
+            not wants_scoring(request) and self.prompt_cache.reading(key, request.prompt_tokens)))
 
     def _fill_slots(self) -> list[Event]:
         events: list[Event] = []
@@ -225,7 +231,6 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
             self.stats.prompt_tokens += len(prompt)
             return
         adapter = request.body.get("adapter")  # the adapter key admission settled (BaseScheduler.accept)
-        # Memory, then disk; the prompt's last token is always computed (its logits give the first token).
         cache, cached, entry, entry_len = None, 0, -1, 0
         resume, request.preempted = request.preempted, None  # a paused request goes on from its own KV
         if resume is not None:
@@ -316,9 +321,10 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
     def step(self) -> list[Event]:
         events = self._start_waiting() + self._fill_slots() + self._score_prompts()
         if not self.by_uid:
+            if self.pending and not self.scoring:  # a prompt waits for its prefix's read: no busy loop meanwhile
+                self.prompt_cache.reads.wait(0.05)
             return events
         generator = self.generator
-        # While others decode, prefill only a paced chunk per step so their tokens keep flowing.
         decoding = self.decoding()
         chunk = self.pacer.chunk(decoding, len(self.by_uid) - decoding)
         if not isinstance(generator, GroupedGenerator):  # vision: mlx-vlm's generator, unpaced when alone
@@ -425,15 +431,10 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         return events + (self._fill_slots() if through else [])
 
     def after_publish(self) -> None:
-        """Shares the KV of the prompts whose prefill ended in the last step (`PrefillSharing.publish`).
-
-        Why once the step's tokens are sent: taking a prompt's KV out of the batch waits for the
-        stream's queued work (mlx-lm's `BatchKVCache.extract` evaluates the batch's padding), and
-        right after a prompt joined that work is the copy of the whole batch's KV (`join_caches`).
-        On the ~85M CPU model a 1,500-token prompt's share took 8-20 ms, which the running streams'
-        tokens of that step waited for: the worst gap of a long-prompt trial. The next step's
-        admission still finds the prefix, since nothing runs between the two.
-        """
+        """Shares the KV of the prompts whose prefill ended in the last step (`PrefillSharing.publish`), once the
+        step's tokens are sent: taking a prompt's KV out of the batch waits for the stream's queued work (after a
+        join, the copy of the whole batch's KV), which made the step's tokens 8-20 ms late (~85M CPU model, a
+        1,500-token prompt): a long-prompt trial's worst gap. The next step's admission still finds the prefix."""
         ended, self._ended_prefills = self._ended_prefills, []
         if ended and self.generator is not None:
             self.sharing.publish(ended, self.by_uid, self.generator, partial(self._remember, at_prefill=True))

@@ -57,7 +57,9 @@ def test_prefixes_survive_a_restart_and_damaged_files_are_skipped(tiny_model: Pa
     with running_stack(f"ipc://{ipc_dir}/disk-b.sock", tmp_path / "b", model=model, engine_args=args) as (_, fe):
         restored = ask(fe, model, second)
         assert restored.usage.prompt_tokens_details.cached_tokens >= 0.95 * opening.usage.prompt_tokens
-        assert stats(fe)["prompt_cache_disk_loads"] == 1
+        found = stats(fe)
+        assert found["prompt_cache_disk_loads"] == 1
+        assert found["prompt_cache_disk_reads_ahead"] == 1  # read on the reader's thread while the prompt waited
 
     for path in cache_dir.glob("*.safetensors"):  # damage every file in the middle
         data = bytearray(path.read_bytes())

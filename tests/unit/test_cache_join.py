@@ -107,9 +107,10 @@ def test_a_step_makes_at_most_its_bytes_of_buffers_and_the_join_is_still_exact()
     join_caches(plain, copy.deepcopy(newcomer))
     for a, b in zip(ours, plain):
         assert a._idx == b._idx and valid_rows(a) == valid_rows(b)
-    half = JoinReserve(layers_per_step=2, enabled=True, bytes_per_step=3 * one_buffer)
+    five_rows = 5 * 2 * 512 * 8 * 4  # the joined batch has four rows now: buffers of five
+    half = JoinReserve(layers_per_step=2, enabled=True, bytes_per_step=3 * five_rows - 1)
     half.prepare(8, plain, newcomer, remaining=200)
-    assert half.layers_ready == 1 and len(half._keys) == 1  # three buffers fit: a layer and a half
+    assert half.layers_ready == 1 and not half._keys  # two buffers fit under the cap, a third would not
 
 
 def test_reserve_that_does_not_fit_is_not_used() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -76,7 +77,9 @@ def test_a_full_queue_makes_the_next_eviction_wait_and_loses_nothing(tmp_path: P
     waiter = threading.Thread(target=lambda: (writer.submit(Spill("k", np.array([3]), [], True, 100)),
                                               submitted.set()))
     waiter.start()
-    assert not submitted.wait(0.5)  # 600 bytes queued past the bound: the third waits for room
+    while writer.waited == 0:  # 600 bytes queued past the bound: the third waits for room
+        time.sleep(0.01)
+    assert not submitted.is_set()
     release.set()
     assert submitted.wait(60) and writer.flush(timeout=60)
     waiter.join()
@@ -122,3 +125,44 @@ def test_a_file_copied_under_another_entry_name_is_not_served(tmp_path: Path) ->
     reader = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
     assert len(reader) == 1 and reader.best_match("k", other, at_least=0) is None
     assert reader.best_match("k", np.arange(400, dtype=np.int32), at_least=0)[1] == 300
+
+
+def test_a_prefix_on_disk_is_read_ahead_while_its_prompt_waits(tmp_path: Path) -> None:
+    """`PrefixCache.reading` starts the read on the reader's thread and says wait while it runs; `fetch` then takes
+    that read (no second read on the mlx thread) and gets the same KV as a read there would."""
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    original = kv(300)
+    assert disk.store(key_digest(*KEY), np.arange(300, dtype=np.int32), original, trimmable=True)
+    cache = PrefixCache(max_entries=4, max_bytes=1 << 40, disk=disk)
+    release, reads, load = threading.Event(), [], disk.load
+
+    def slow_load(entry, layout=None):
+        reads.append(threading.current_thread().name)
+        assert release.wait(60)
+        return load(entry, layout)
+
+    disk.load = slow_load
+    prompt = list(range(400))
+    assert cache.reading(KEY, prompt) and cache.reading(KEY, prompt)  # started once, still running
+    assert not cache.reading(KEY, list(range(1000, 1400)))  # nothing on disk for this one: no wait
+    release.set()
+    cache.reads.wait(60)
+    assert not cache.reading(KEY, prompt)  # read: it may be admitted
+    found, length = cache.fetch(KEY, prompt)
+    assert length == 300 and same(found, original, 300) and cache.hits["disk"] == 1
+    assert reads == ["prompt-cache-reader_0"] and cache.stats()["prompt_cache_disk_reads_ahead"] == 1
+    assert len(cache.reads) == 0  # taken
+
+
+def test_reads_nobody_takes_are_let_go(tmp_path: Path) -> None:
+    from engine_daemon.prefix_cache.disk_reads import KEEP_SECONDS, DiskReads
+
+    now = [0.0]
+    reads = DiskReads(clock=lambda: now[0])
+    entries = [type("Entry", (), {"path": tmp_path / f"{i}.safetensors"})() for i in range(6)]
+    assert reads.ahead(entries[0], lambda: [1])
+    reads.wait(60)
+    now[0] = KEEP_SECONDS + 1
+    assert reads.ahead(entries[1], lambda: [2]) and len(reads) == 1  # the first was let go, unclaimed
+    assert reads.take(entries[0], lambda: ["read now"]) == ["read now"]
+    reads.close()
