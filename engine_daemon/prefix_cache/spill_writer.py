@@ -14,9 +14,10 @@ for the writer to catch up, as every write waited before, and an entry is never 
 model switch and a clean shutdown `flush` the queue before they write their own entries. The
 write still takes CPU: on the 2-core VM a 0.4 GB entry's ~2.5 s of saving and hashing made the
 decode steps beside it 4-9x dearer (BLAS splits each product over both cores), where the mlx
-thread's own write had stopped them for 1.3-1.6 s; with more cores than BLAS threads it is free. Until its file is written a queued entry is still in
-memory, and lookups find it there (`pending`, `DiskTier.pending_match`): a request that comes
-back for an evicted prefix while it is being written reuses it rather than prefilling it.
+thread's own write had stopped them for 1.3-1.6 s; with more cores than BLAS threads it is free.
+Until its file is written a queued entry is still in memory, and lookups find it there
+(`pending`, `DiskTier.pending_match`): a request that comes back for an evicted prefix while it
+is being written reuses it rather than prefilling it.
 """
 
 from __future__ import annotations
