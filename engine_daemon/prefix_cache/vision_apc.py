@@ -223,13 +223,19 @@ class TieredAPCManager(APCManager):
             limit = min(limit, int(max_prefix_tokens))
         tokens = np.asarray(token_ids[:limit], dtype=np.int32)
         floor = max(int(min_prefix_tokens), media_safe_prefix_min(token_ids, self.media_token_ids) - 1)
-        found = self.tier.best_match(entry_key(self.model_identity, self.adapter, extra_hash), tokens, 0)
-        if found is None or found[1] <= floor:
-            return None, 0
-        entry, shared = found
-        caches = self.tier.load(entry)
-        if caches is None:
-            return None, 0  # damaged (logged and deleted by the tier) or gone: prefill instead
+        key = entry_key(self.model_identity, self.adapter, extra_hash)
+        found = self.tier.best_match(key, tokens, 0)
+        queued = self.tier.pending_match(key, tokens)  # evicted, its file not written yet: still in memory
+        if queued is not None and queued[1] > floor and (found is None or queued[1] >= found[1]):
+            spill, shared = queued
+            caches = spill.cache  # only sliced below: the writer's arrays are never changed
+        else:
+            if found is None or found[1] <= floor:
+                return None, 0
+            entry, shared = found
+            caches = self.tier.load(entry)
+            if caches is None:
+                return None, 0  # damaged (logged and deleted by the tier) or gone: prefill instead
         keys = [c.keys[..., :shared, :] for c in caches]
         values = [c.values[..., :shared, :] for c in caches]
         warm = make_warm_kv_cache_from_layers(keys, values, shared)

@@ -166,3 +166,25 @@ def test_reads_nobody_takes_are_let_go(tmp_path: Path) -> None:
     assert reads.ahead(entries[1], lambda: [2]) and len(reads) == 1  # the first was let go, unclaimed
     assert reads.take(entries[0], lambda: ["read now"]) == ["read now"]
     reads.close()
+
+
+def test_a_vision_prefix_evicted_and_not_yet_written_is_served_from_memory(tmp_path: Path) -> None:
+    """The vision tier's lookup (`TieredAPCManager.lookup_prefix_disk_cache`, what mlx-vlm asks when memory does
+    not cover a prompt) finds an entry handed to the writer and not written yet, as the text tier's does."""
+    from engine_daemon.prefix_cache.vision_apc import TieredAPCManager, entry_key
+
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    started, release = gated(disk)
+    manager = TieredAPCManager(1 << 30, disk, "vision-model", set())
+    original = kv(300)
+    mx.eval([c.state for c in original])
+    assert disk.store_later(entry_key("vision-model", None, 0), np.arange(300, dtype=np.int32), original, True)
+    assert started.wait(60) and not list(tmp_path.glob("*.safetensors"))
+    warm, shared = manager.lookup_prefix_disk_cache(list(range(400)))
+    assert shared == 300 and mx.array_equal(warm[0].keys[..., :300, :], original[0].keys[..., :300, :]).item()
+    release.set()
+    assert disk.flush(timeout=60)
+    assert mx.array_equal(original[0].keys, kv(300)[0].keys).item()  # the written entry was never changed
+    again, shared_again = manager.lookup_prefix_disk_cache(list(range(400)))  # now from the file
+    assert shared_again == 300 and disk.hits == 1
+    assert mx.array_equal(again[1].values[..., :300, :], original[1].values[..., :300, :]).item()
