@@ -273,8 +273,10 @@ class DiskTier:
 
         Its arrays are scheduled here, on the caller's (the mlx) thread, and only waited for on the
         writer's: a cache built lazily (the vision tier's concatenated blocks, a finished request's
-        KV copied out of the batch) must not be built into a graph on another thread, and evaluated
-        here its 0.4 GB copy (fresh pages) held the mlx thread for 1.4 s (`wide-kv` bench model).
+        KV copied out of the batch) must not be built into a graph on another thread. Scheduled, not
+        evaluated: waiting here for a finished request's 0.4 GB copy held the mlx thread 1.4 s
+        (`wide-kv` bench model); on the CPU that copy still runs on its stream before the next
+        step's work, so the step waits for it instead.
         """
         if len(tokens) < self.min_tokens or not cache:
             return False

@@ -7,8 +7,8 @@ Now the scheduler asks `DiskReads.ahead` before admitting a prompt whose best pr
 disk: the read starts on this thread and the prompt waits in the queue (others are admitted
 meanwhile), then `take` hands the KV to its admission. hashlib and MLX release the GIL while
 they hash and read, so the mlx thread keeps stepping. A read nobody takes (its request left)
-is dropped after `KEEP_SECONDS`, and at most `KEEP_READS` are held, so unclaimed KV does not
-pile up in memory.
+is dropped `KEEP_SECONDS` after it ended, and at most `KEEP_READS` are held, so unclaimed KV
+does not pile up in memory.
 """
 
 from __future__ import annotations
@@ -32,35 +32,53 @@ class DiskReads:
         self.clock = clock
         self.started = 0  # reads begun ahead of an admission
         self._executor: ThreadPoolExecutor | None = None
-        self._reads: OrderedDict[str, tuple[Future, float]] = OrderedDict()
+        self._reads: OrderedDict[str, Future] = OrderedDict()
+        self._ended: dict[str, float] = {}  # when each read ended (its age counts from there, not from its queueing)
 
     def ahead(self, entry: DiskEntry, read: Callable[[], list[Any] | None]) -> bool:
-        """Whether `entry`'s read is still running (started now if it had not been): its prompt waits."""
-        self._let_go()
+        """Whether `entry`'s read is still running (started now if it had not been): its prompt waits.
+
+        A finished read is kept for its prompt until `take` (or `KEEP_SECONDS` after it ended): it is
+        never let go to make room, which had a fifth prompt's read push out the one a waiting prompt
+        was about to take, over and over. With `KEEP_READS` held no read starts: the prompt is read at
+        its admission, as before reads went ahead.
+        """
         held = self._reads.get(entry.path.name)
-        if held is None:
-            if len(self._reads) >= KEEP_READS:
-                return False  # enough KV read ahead and not taken yet: this one is read at its admission
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="prompt-cache-reader")
-            self._reads[entry.path.name] = (self._executor.submit(read), self.clock())
-            self.started += 1
-            return True
-        return not held[0].done()
+        if held is not None:
+            return not held.done()
+        self._let_go()
+        if len(self._reads) >= KEEP_READS:
+            return False
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="prompt-cache-reader")
+        name = entry.path.name
+        future = self._executor.submit(read)
+        future.add_done_callback(lambda _: self._ended.__setitem__(name, self.clock()))
+        self._reads[name] = future
+        self.started += 1
+        return True
+
+    def holds(self, entry: DiskEntry) -> bool:
+        """Whether a read of `entry` was begun ahead (`fetch` then takes it, whatever the speeds say now)."""
+        return entry.path.name in self._reads
 
     def take(self, entry: DiskEntry, read: Callable[[], list[Any] | None]) -> list[Any] | None:
         """`entry`'s KV: from the read begun ahead (waiting for it if it still runs), else read here and now."""
-        held = self._reads.pop(entry.path.name, None)
-        return held[0].result() if held is not None else read()
+        future = self._reads.pop(entry.path.name, None)
+        self._ended.pop(entry.path.name, None)
+        self._let_go()
+        return future.result() if future is not None else read()
 
     def wait(self, timeout: float) -> None:
         """Sleeps until a read ends or `timeout` seconds pass (an engine with nothing else to do)."""
-        running = [future for future, _ in self._reads.values() if not future.done()]
+        self._let_go()
+        running = [future for future in self._reads.values() if not future.done()]
         if running:
             wait(running, timeout=timeout, return_when="FIRST_COMPLETED")
 
     def close(self) -> None:
         self._reads.clear()
+        self._ended.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -69,12 +87,9 @@ class DiskReads:
         return len(self._reads)
 
     def _let_go(self) -> None:
+        """Drops finished reads nobody took within `KEEP_SECONDS` of their end (their request left)."""
         now = self.clock()
-        for name, (future, began) in list(self._reads.items()):
-            if future.done() and now - began > KEEP_SECONDS:
-                del self._reads[name]
-        while len(self._reads) >= KEEP_READS:
-            done = [name for name, (future, _) in self._reads.items() if future.done()]
-            if not done:
-                break
-            del self._reads[done[0]]
+        for name, ended in list(self._ended.items()):
+            if now - ended > KEEP_SECONDS:
+                self._reads.pop(name, None)
+                del self._ended[name]

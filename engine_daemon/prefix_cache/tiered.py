@@ -67,8 +67,8 @@ class PrefixCache:
         match, queued, reused = self._in_memory(key, tokens)
         if self.disk is not None:
             stored = self.disk.best_match(key_digest(*key), tokens, reused)
-            if stored is not None and self.disk.worth_loading(stored[0], stored[1] - reused,
-                                                               self.prefill_tokens_per_second):
+            if stored is not None and (self.reads.holds(stored[0]) or self.disk.worth_loading(
+                    stored[0], stored[1] - reused, self.prefill_tokens_per_second)):
                 entry, layout = stored[0], self._layout(key[0])
                 cache = self.reads.take(entry, lambda: self.disk.load(entry, layout))
                 if cache is not None:
@@ -92,7 +92,7 @@ class PrefixCache:
     def reading(self, key: CacheKey, prompt: Sequence[int]) -> bool:
         """Whether `prompt`'s longest known prefix is on disk and being read for it (`DiskReads`, started here):
         it waits to be admitted, and `fetch` then takes that read. False when nothing on disk is worth reading."""
-        if self.disk is None:
+        if self.disk is None or len(prompt) <= self.disk.min_tokens:
             return False
         tokens = as_tokens(prompt[:-1])
         _, _, reused = self._in_memory(key, tokens)

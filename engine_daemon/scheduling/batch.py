@@ -160,8 +160,7 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         return best
 
     def _waits(self, request: EngineRequest) -> bool:
-        """A new text prompt waits while a prompt in flight computes its prefix (a paused one has its KV), or while
-        its prefix is read from disk for it (`PrefixCache.reading`)."""
+        """A new text prompt waits while one in flight computes its prefix, or it is read from disk (`reading`)."""
         if self.models.current is None or self.models.current.kind != "text" or self.lockstep is not None:
             return False
         key = self._cache_key(request.body.get("adapter"))
@@ -201,7 +200,8 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         generator = self.generator  # a GroupedGenerator: text models only (vision batches on mlx-vlm)
         if not (self.config.fair_preemption and self.lockstep is None and isinstance(generator, GroupedGenerator)):
             return False
-        uid = fair_slots.choose_victim(self.by_uid, self.pending, self.config.max_slots_per_key, generator.preemptible)
+        admissible = [request for request in self.pending if not self._waits(request)]  # else the victim retakes it
+        uid = fair_slots.choose_victim(self.by_uid, admissible, self.config.max_slots_per_key, generator.preemptible)
         if uid is None:
             return False
         request = self.by_uid.pop(uid)

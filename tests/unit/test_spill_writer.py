@@ -77,8 +77,10 @@ def test_a_full_queue_makes_the_next_eviction_wait_and_loses_nothing(tmp_path: P
     waiter = threading.Thread(target=lambda: (writer.submit(Spill("k", np.array([3]), [], True, 100)),
                                               submitted.set()))
     waiter.start()
-    while writer.waited == 0:  # 600 bytes queued past the bound: the third waits for room
+    deadline = time.monotonic() + 60
+    while writer.waited == 0 and time.monotonic() < deadline:  # 600 bytes queued past the bound: the third waits
         time.sleep(0.01)
+    assert writer.waited == 1
     assert not submitted.is_set()
     release.set()
     assert submitted.wait(60) and writer.flush(timeout=60)
@@ -188,3 +190,34 @@ def test_a_vision_prefix_evicted_and_not_yet_written_is_served_from_memory(tmp_p
     again, shared_again = manager.lookup_prefix_disk_cache(list(range(400)))  # now from the file
     assert shared_again == 300 and disk.hits == 1
     assert mx.array_equal(again[1].values[..., :300, :], original[1].values[..., :300, :]).item()
+
+
+def test_finished_reads_wait_for_their_prompts_and_a_full_table_reads_at_admission(tmp_path: Path) -> None:
+    """Review: with `KEEP_READS` held, a fifth prompt's read pushed out the finished read a waiting prompt was about
+    to take, over and over (four prompts never admitted); and a read's age counted its time queued, so a read
+    slower than `KEEP_SECONDS` was dropped and started again forever."""
+    from engine_daemon.prefix_cache.disk_reads import KEEP_READS, KEEP_SECONDS, DiskReads
+
+    now = [0.0]
+    reads = DiskReads(clock=lambda: now[0])
+    entries = [type("Entry", (), {"path": tmp_path / f"{i}.safetensors"})() for i in range(KEEP_READS + 1)]
+    for i, entry in enumerate(entries[:KEEP_READS]):
+        assert reads.ahead(entry, lambda i=i: [i])
+    while any(reads.ahead(entry, lambda: None) for entry in entries[:KEEP_READS]):
+        reads.wait(60)
+    now[0] = 0.5 * KEEP_SECONDS
+    assert not reads.ahead(entries[-1], lambda: ["never"])  # a full table: read at its admission instead
+    assert reads.take(entries[-1], lambda: ["read now"]) == ["read now"]
+    assert not any(reads.ahead(entry, lambda: None) for entry in entries[:KEEP_READS])  # still held, finished
+    assert [reads.take(entry, lambda: None) for entry in entries[:KEEP_READS]] == [[i] for i in range(KEEP_READS)]
+
+    release = threading.Event()
+    assert reads.ahead(entries[0], lambda: [release.wait(60) and "slow"])  # queued at 0.5 KEEP_SECONDS
+    now[0] = 2 * KEEP_SECONDS
+    release.set()
+    while reads.ahead(entries[0], lambda: None):
+        reads.wait(60)
+    now[0] = 2.5 * KEEP_SECONDS  # 2 KEEP_SECONDS after it was queued, half of one after it ended: kept
+    reads.wait(0)
+    assert reads.take(entries[0], lambda: ["read again"]) == ["slow"]
+    reads.close()
