@@ -154,18 +154,17 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
 
     def _next_pending(self) -> EngineRequest | None:
         """Of the client holding fewest slots, oldest first (`fair_slots.next_pending`), past those that wait."""
-        best = fair_slots.next_pending(self.pending, self.by_uid, self.config.max_slots_per_key, self._waits)
-        if best is not None:
+        if (best := fair_slots.next_pending(self.pending, self.by_uid, self.config.max_slots_per_key, self._waits)):
             self.pending.remove(best)
         return best
 
     def _waits(self, request: EngineRequest) -> bool:
         """A new text prompt waits while one in flight computes its prefix, or it is read from disk (`reading`)."""
-        if self.models.current is None or self.models.current.kind != "text" or self.lockstep is not None:
+        if self.models.current is None or self.models.current.kind != "text" or self.lockstep or request.preempted:
             return False
         key = self._cache_key(request.body.get("adapter"))
-        return request.preempted is None and (self.sharing.should_wait(request, self.by_uid) or (
-            not wants_scoring(request) and self.prompt_cache.reading(key, request.prompt_tokens)))
+        return self.sharing.should_wait(request, self.by_uid) or (
+            not wants_scoring(request) and self.prompt_cache.reading(key, request.prompt_tokens))
 
     def _fill_slots(self) -> list[Event]:
         events: list[Event] = []
@@ -200,8 +199,8 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         generator = self.generator  # a GroupedGenerator: text models only (vision batches on mlx-vlm)
         if not (self.config.fair_preemption and self.lockstep is None and isinstance(generator, GroupedGenerator)):
             return False
-        admissible = [request for request in self.pending if not self._waits(request)]  # else the victim retakes it
-        uid = fair_slots.choose_victim(self.by_uid, admissible, self.config.max_slots_per_key, generator.preemptible)
+        uid = fair_slots.choose_victim(self.by_uid, self.pending, self.config.max_slots_per_key, generator.preemptible,
+                                       must_wait=self._waits)
         if uid is None:
             return False
         request = self.by_uid.pop(uid)

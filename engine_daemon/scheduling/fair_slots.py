@@ -38,15 +38,15 @@ def next_pending(pending: Iterable[EngineRequest], running: dict[int, EngineRequ
 
     Max-min fair between clients: one client's burst (`n`=16 three times) cannot keep another
     client's request out of the batch while slots free up; with a `ceiling` no client holds more.
+    `must_wait` is asked in that order and only until one may start: it can cost milliseconds a
+    request (`BatchScheduler._waits` looks for the prompt's prefix in memory and on disk).
     """
     held = Counter(request.client for request in running.values())
-    best: EngineRequest | None = None
-    for request in pending:
-        if (ceiling and held[request.client] >= ceiling) or must_wait(request):
-            continue
-        if best is None or held[request.client] < held[best.client]:
-            best = request
-    return best
+    allowed = [request for request in pending if not (ceiling and held[request.client] >= ceiling)]
+    for request in sorted(allowed, key=lambda request: held[request.client]):  # stable: oldest first
+        if not must_wait(request):
+            return request
+    return None
 
 
 @dataclass
@@ -59,10 +59,19 @@ class Preempted:
 
 
 def choose_victim(running: dict[int, EngineRequest], pending: Iterable[EngineRequest], ceiling: int,
-                  preemptible: Callable[[int], bool]) -> int | None:
-    """The uid of the request to pause so a waiting client gets a slot, or None when shares are fair."""
+                  preemptible: Callable[[int], bool],
+                  must_wait: Callable[[EngineRequest], bool] | None = None) -> int | None:
+    """The uid of the request to pause so a waiting client gets a slot, or None when shares are fair.
+
+    Only requests that may start count (`must_wait`, asked only once shares look unfair: it can cost
+    milliseconds a request): a victim paused for one that must wait anyway took its slot back at once,
+    was paused again, and the scheduler recursed until `RecursionError` failed every request in flight.
+    """
     held = Counter(request.client for request in running.values())
     waiting = [held[request.client] for request in pending if not ceiling or held[request.client] < ceiling]
+    if must_wait is not None and waiting and held and held.most_common(1)[0][1] >= min(waiting) + 2:
+        pending = [request for request in pending if not must_wait(request)]
+        waiting = [held[request.client] for request in pending if not ceiling or held[request.client] < ceiling]
     if not waiting or not held:
         return None
     heavy, most = held.most_common(1)[0]
