@@ -19,8 +19,10 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,12 +95,15 @@ def main() -> int:
     args = parser.parse_args()
     os.environ["MLX_ENGINE_LOG_LEVEL"] = "DEBUG"
     model = bench_model(args.size)
-    cache_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"mlxe-spill-{os.getpid()}"
+    cache_dir = Path(tempfile.mkdtemp(prefix="mlxe-spill-"))  # ~1.2 GB of entries: removed at the end
     engine_args = ["--decode-concurrency", "8", "--prompt-cache-dir", str(cache_dir), "--prompt-cache-size", "1",
                    *args.engine_args.split()]
-    with our_stack(model, engine_args) as (base, engine):
-        result = asyncio.run(run(base, str(model), {**NO_PENALTY, **no_eos(model)}, args))
-        log = engine.log()
+    try:
+        with our_stack(model, engine_args) as (base, engine):
+            result = asyncio.run(run(base, str(model), {**NO_PENALTY, **no_eos(model)}, args))
+            log = engine.log()
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     start, end = result.pop("window")
     steps = [step for step in engine_steps(log) if start <= step[0] <= end]
     periods = [b[0] - a[0] for a, b in zip(steps, steps[1:])]
