@@ -26,6 +26,7 @@ CPU allocator that keeps freed buffers as the GPU ones do, is MLX's to make.)
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -77,13 +78,14 @@ class JoinReserve:
                          for c in running)
             self._made = 2 * len(running) if mx.get_active_memory() + joined <= mx.get_peak_memory() else 0
         made: list[mx.array] = []
+        made_bytes = 0
         with mx.stream(mx.default_stream(mx.cpu)):  # beside the generation stream's pass, not queued behind it
             while self._made < 2 * len(running) and len(made) < 2 * self.layers_per_step:
                 layer, values = divmod(self._made, 2)
                 held = running[layer].values if values else running[layer].keys
                 size = (shape[0], held.shape[1], shape[1], held.shape[3])
-                if made and (sum(a.nbytes for a in made) + held.itemsize * size[0] * size[1] * size[2] * size[3]
-                             > self.bytes_per_step):
+                made_bytes += held.itemsize * math.prod(size)
+                if made and made_bytes > self.bytes_per_step:
                     break
                 buffer = mx.zeros(size, dtype=held.dtype)
                 if values:
@@ -95,7 +97,7 @@ class JoinReserve:
         if made:
             mx.async_eval(made)
             log.debug("join reserve: %d buffers, %.0f MB; %d of %d layers ready", len(made),
-                      sum(array.nbytes for array in made) / 1e6, len(self._buffers), len(running))
+                      sum(buffer.nbytes for buffer in made) / 1e6, len(self._buffers), len(running))
 
     def take(self, layer: int, rows: int, end: int, keys: mx.array,
              values: mx.array) -> tuple[mx.array, mx.array] | None:

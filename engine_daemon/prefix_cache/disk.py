@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from engine_daemon.prefix_cache.kv_layout import Layout, mismatch
-from engine_daemon.prefix_cache.memory import common_prefix
+from engine_daemon.prefix_cache.memory import longest_prefix
 from engine_daemon.prefix_cache.spill_writer import Spill, SpillWriter
 
 log = logging.getLogger(__name__)
@@ -193,29 +193,13 @@ class DiskTier:
         with self._lock:
             self._refresh()
             entries = list(self._index.values())
-        best: tuple[DiskEntry, int] | None = None
-        for entry in entries:
-            if entry.key != key:
-                continue
-            shared = common_prefix(entry.tokens, tokens)
-            if shared < len(entry.tokens) and not entry.trimmable:
-                continue
-            if shared >= at_least + self.min_tokens and (best is None or shared > best[1]):
-                best = (entry, shared)
-        return best
+        best = longest_prefix(((entry, entry.tokens, entry.trimmable) for entry in entries if entry.key == key), tokens)
+        return best if best is not None and best[1] >= at_least + self.min_tokens else None
 
     def pending_match(self, key: str, tokens: np.ndarray) -> tuple[Spill, int] | None:
         """The entry handed to `writer` and not written yet that covers the most of `tokens` (still in memory)."""
-        best: tuple[Spill, int] | None = None
-        for spill in self.writer.pending():
-            if spill.key != key:
-                continue
-            shared = common_prefix(spill.tokens, tokens)
-            if shared < len(spill.tokens) and not spill.trimmable:
-                continue
-            if shared and (best is None or shared > best[1]):
-                best = (spill, shared)
-        return best
+        return longest_prefix(((spill, spill.tokens, spill.trimmable) for spill in self.writer.pending()
+                               if spill.key == key), tokens)
 
     def faster_to_load(self, entry: DiskEntry, saved_tokens: int, prefill_tokens_per_second: float | None) -> bool:
         """Reading the file beats prefilling `saved_tokens`, by the speeds measured so far."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+T = TypeVar("T")
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -29,6 +31,27 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 
 def as_tokens(tokens: Sequence[int]) -> np.ndarray:
     return np.asarray(tokens, dtype=np.int32)
+
+
+def longest_prefix(candidates: Iterable[tuple[T, np.ndarray, bool]], tokens: np.ndarray) -> tuple[T, int] | None:
+    """Of (item, its tokens, its KV trimmable) candidates, the one covering the most of `tokens`, and how much:
+    a prefix of them, or a longer or diverging one whose KV can be cut back (every tier asks this)."""
+    best: tuple[T, int] | None = None
+    for item, held, trimmable in candidates:
+        shared = common_prefix(held, tokens)
+        if shared < len(held) and not trimmable:
+            continue
+        if shared and (best is None or shared > best[1]):
+            best = (item, shared)
+    return best
+
+
+def trimmed_copy(cache: list[Any], length: int, shared: int) -> list[Any]:
+    """A private copy of the KV of `length` tokens, cut to its first `shared`."""
+    cache = copy.deepcopy(cache)
+    if shared < length:
+        trim_prompt_cache(cache, length - shared)
+    return cache
 
 
 @dataclass
@@ -66,25 +89,15 @@ class MemoryTier:
 
     def best_match(self, key: Hashable, tokens: np.ndarray) -> Match | None:
         """The entry covering the most of `tokens`: a prefix of them, or a longer entry that can be trimmed."""
-        best: Match | None = None
-        for entry in self._entries.values():
-            if entry.key != key:
-                continue
-            shared = common_prefix(entry.tokens, tokens)
-            if shared < len(entry.tokens) and not can_trim_prompt_cache(entry.cache):
-                continue  # a longer or diverging entry helps only if its KV can be cut back
-            if shared and (best is None or shared > best.length):
-                best = Match(entry, shared)
-        return best
+        found = longest_prefix(((entry, entry.tokens, can_trim_prompt_cache(entry.cache))
+                                for entry in self._entries.values() if entry.key == key), tokens)
+        return Match(*found) if found is not None else None
 
     def take(self, match: Match) -> list[Any]:
         """A private copy of the match's KV, cut to the matched length; the entry becomes most recent."""
         entry = match.entry
         self._entries.move_to_end((entry.key, entry.tokens.tobytes()))
-        cache = copy.deepcopy(entry.cache)
-        if match.length < len(entry.tokens):
-            trim_prompt_cache(cache, len(entry.tokens) - match.length)
-        return cache
+        return trimmed_copy(entry.cache, len(entry.tokens), match.length)
 
     def insert(self, key: Hashable, tokens: Sequence[int], cache: list[Any], at_prefill: bool = False) -> None:
         """Adds an entry; trimmable entries that are prefixes of it are dropped (it serves them all).

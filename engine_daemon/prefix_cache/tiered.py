@@ -7,7 +7,6 @@ of the same files, and a file stored before the weights changed is never served 
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +16,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from engine_daemon.prefix_cache.disk import DiskTier, key_digest
 from engine_daemon.prefix_cache.disk_reads import DiskReads
 from engine_daemon.prefix_cache.kv_layout import Layout, model_layout
-from engine_daemon.prefix_cache.memory import Entry, MemoryTier, as_tokens
+from engine_daemon.prefix_cache.memory import Entry, MemoryTier, as_tokens, trimmed_copy
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +64,19 @@ class PrefixCache:
         """
         tokens = as_tokens(prompt[:-1])
         match, queued, reused = self._in_memory(key, tokens)
-        if self.disk is not None:
-            stored = self.disk.best_match(key_digest(*key), tokens, reused)
-            if stored is not None and (self.reads.holds(stored[0]) or self.disk.worth_loading(
-                    stored[0], stored[1] - reused, self.prefill_tokens_per_second)):
-                entry, layout = stored[0], self._layout(key[0])
-                cache = self.reads.take(entry, lambda: self.disk.load(entry, layout))
-                if cache is not None:
-                    entry, shared = stored
-                    if shared < len(entry.tokens):
-                        trim_prompt_cache(cache, len(entry.tokens) - shared)
-                    self.hits["disk"] += 1
-                    return cache, shared
+        stored = self._on_disk(key, tokens, reused, counted=True)
+        if stored is not None:
+            entry, shared, read = stored
+            cache = self.reads.take(entry, read)
+            if cache is not None:
+                if shared < len(entry.tokens):
+                    trim_prompt_cache(cache, len(entry.tokens) - shared)
+                self.hits["disk"] += 1
+                return cache, shared
         if queued is not None:  # evicted and still being written: its arrays are in memory yet
             spill, shared = queued
-            cache = copy.deepcopy(spill.cache)
-            if shared < len(spill.tokens):
-                trim_prompt_cache(cache, len(spill.tokens) - shared)
             self.hits["memory"] += 1
-            return cache, shared
+            return trimmed_copy(spill.cache, len(spill.tokens), shared), shared
         if match is None:
             return None, 0
         self.hits["in_flight" if match.entry.at_prefill else "memory"] += 1
@@ -95,13 +88,21 @@ class PrefixCache:
         if self.disk is None or len(prompt) <= self.disk.min_tokens:
             return False
         tokens = as_tokens(prompt[:-1])
-        _, _, reused = self._in_memory(key, tokens)
-        stored = self.disk.best_match(key_digest(*key), tokens, reused)
-        if stored is None or not self.disk.faster_to_load(stored[0], stored[1] - reused,
-                                                          self.prefill_tokens_per_second):
-            return False
-        entry, layout = stored[0], self._layout(key[0])
-        return self.reads.ahead(entry, lambda: self.disk.load(entry, layout))
+        stored = self._on_disk(key, tokens, self._in_memory(key, tokens)[2])
+        return stored is not None and self.reads.ahead(stored[0], stored[2])
+
+    def _on_disk(self, key: CacheKey, tokens: Any, reused: int, counted: bool = False) -> tuple[Any, int, Any] | None:
+        """(the disk entry covering more of `tokens` than `reused` that is worth reading (one begun ahead always
+        is), how much, its read), or None; `counted`: entries passed over for being slower count (`skipped_slower`)."""
+        stored = self.disk.best_match(key_digest(*key), tokens, reused) if self.disk is not None else None
+        if stored is None:
+            return None
+        entry, shared = stored
+        worth = self.disk.worth_loading if counted else self.disk.faster_to_load
+        if not (self.reads.holds(entry) or worth(entry, shared - reused, self.prefill_tokens_per_second)):
+            return None
+        layout = self._layout(key[0])
+        return entry, shared, lambda: self.disk.load(entry, layout)
 
     def _in_memory(self, key: CacheKey, tokens: Any) -> tuple[Any, Any, int]:
         """(the memory tier's match, an evicted entry's still being written if longer, the longer one's length)."""
