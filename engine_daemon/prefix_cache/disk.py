@@ -24,6 +24,7 @@ stream waited for when the mlx thread wrote it. The index is therefore guarded b
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import logging
@@ -112,6 +113,28 @@ def _check_lengths(cache: list[Any], tokens: int) -> None:
             raise ValueError(f"layer {layer} holds the KV of {offset} tokens, the entry names {tokens}")
 
 
+# errnos that say the machine could not read a file now, not that the file is bad.
+TRANSIENT_ERRNOS = frozenset({errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.EINTR, errno.EIO,
+                              errno.EACCES, errno.EPERM})
+# Words of the allocation failures MLX raises (`[metal::malloc] Unable to allocate ...`, CUDA's, the CPU's
+# `std::bad_alloc` as `MemoryError`).
+ALLOCATION_WORDS = ("malloc", "allocate", "out of memory")
+
+
+def _out_of_resources(exc: BaseException) -> bool:
+    """Whether a failed load is the machine's (memory, descriptors, I/O, permissions) rather than the file's.
+
+    Why: every failed load deleted its file as damaged, so a read that met a full memory (a large
+    entry beside a loaded model) destroyed a valid prefix that the next request, with memory free,
+    would have loaded in a second instead of prefilling for minutes.
+    """
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+        return True
+    return isinstance(exc, RuntimeError) and any(word in str(exc).lower() for word in ALLOCATION_WORDS)
+
+
 def _arrays(cache: list[Any]) -> list[mx.array]:
     """The arrays of a KV cache's layers (their `state`), to evaluate."""
     return [array for _, array in tree_flatten([layer.state for layer in cache]) if isinstance(array, mx.array)]
@@ -134,6 +157,7 @@ class DiskTier:
         self.min_tokens = min_tokens
         self.read_bytes_per_second = 500e6  # a cautious first guess, then measured on every load
         self.hits = self.writes = self.corrupt = self.skipped_slower = 0
+        self.read_failures = 0  # loads the machine failed (`_out_of_resources`): files kept
         self.tokens_loaded = 0
         self._index: dict[str, DiskEntry] = {}
         self._skipped: set[str] = set()  # files judged not ours: not read (nor logged) again while they stay
@@ -234,6 +258,12 @@ class DiskTier:
             if not os.path.lexists(entry.path):  # deleted meanwhile (the byte cap, here or in another engine)
                 with self._lock:
                     self._index.pop(entry.path.name, None)
+                return None
+            if _out_of_resources(exc):  # the machine's failure, not the file's: it stays for a later request
+                with self._lock:
+                    self.read_failures += 1
+                log.warning("prompt cache: could not read %s (%s): kept, the prompt is prefilled", entry.path.name,
+                            exc)
                 return None
             with self._lock:
                 self.corrupt += 1
@@ -377,7 +407,8 @@ class DiskTier:
     def _stats(self) -> dict[str, int]:
         return {"prompt_cache_disk_entries": len(self._index), "prompt_cache_disk_bytes": self.nbytes(),
                 "prompt_cache_disk_hits": self.hits, "prompt_cache_disk_writes": self.writes,
-                "prompt_cache_disk_corrupt": self.corrupt, "prompt_cache_disk_tokens_loaded": self.tokens_loaded,
+                "prompt_cache_disk_corrupt": self.corrupt, "prompt_cache_disk_read_failures": self.read_failures,
+                "prompt_cache_disk_tokens_loaded": self.tokens_loaded,
                 "prompt_cache_disk_skipped_slower": self.skipped_slower,
                 "prompt_cache_disk_spills_queued": self.writer.queued,
                 "prompt_cache_disk_spills_waited": self.writer.waited}

@@ -62,6 +62,11 @@ class DiskReads:
         """Whether a read of `entry` was begun ahead (`fetch` then takes it, whatever the speeds say now)."""
         return entry.path.name in self._reads
 
+    def ready(self, entry: DiskEntry) -> bool:
+        """Whether a read of `entry` begun ahead has finished (`take` then returns at once)."""
+        held = self._reads.get(entry.path.name)
+        return held is not None and held.done()
+
     def take(self, entry: DiskEntry, read: Callable[[], list[Any] | None]) -> list[Any] | None:
         """`entry`'s KV: from the read begun ahead (waiting for it if it still runs), else read here and now."""
         future = self._reads.pop(entry.path.name, None)

@@ -57,14 +57,20 @@ class PrefixCache:
             rate, old = tokens / seconds, self.prefill_tokens_per_second
             self.prefill_tokens_per_second = rate if old is None else old + 0.3 * (rate - old)
 
-    def fetch(self, key: CacheKey, prompt: Sequence[int]) -> tuple[list[Any] | None, int]:
+    def fetch(self, key: CacheKey, prompt: Sequence[int], wait: bool = True) -> tuple[list[Any] | None, int]:
         """A private copy of the KV of the longest known prefix of `prompt`, and its length.
 
         At least the prompt's last token is left to compute (its logits give the first token).
+        `wait=False`: a prefix on disk counts only once a read begun ahead has finished; none is read,
+        or waited for, here. Why: a prompt-scoring job starts on the mlx thread between steps without
+        waiting in the queue (`PromptScoring`), and took over another request's running read, so every
+        stream waited for the disk; it prefills instead, in the slices its budget allows.
         """
         tokens = as_tokens(prompt[:-1])
         match, queued, reused = self._in_memory(key, tokens)
         stored = self._on_disk(key, tokens, reused, counted=True)
+        if stored is not None and not wait and not self.reads.ready(stored[0]):
+            stored = None
         if stored is not None:
             entry, shared, read = stored
             cache = self.reads.take(entry, read)

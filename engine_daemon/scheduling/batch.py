@@ -71,7 +71,7 @@ class BatchScheduler(ModelSwitchAdmission, BaseScheduler):
         self._ended_prefills: list[Any] = []  # the last step's progress, shared in `after_publish`
         self.scoring = PromptScoring(SliceBudget(config.max_gap_ratio, config.prefill_step_size,
                                                  config.max_stall_seconds or None), config.max_kv_size,
-                                     fetch=lambda key, tokens: self.prompt_cache.fetch(key, tokens),
+                                     fetch=lambda key, tokens: self.prompt_cache.fetch(key, tokens, wait=False),
                                      remember=lambda key, tokens, cache: self.prompt_cache.insert(key, tokens, cache))
         self.speculative = (SpeculativeDecoder(config.draft_model, config.num_draft_tokens, config.trust_remote_code)
                             if config.draft_model else None)

@@ -76,7 +76,8 @@ class PromptScoring:
     budget: SliceBudget = field(default_factory=SliceBudget)
     max_kv_size: int | None = None
     # The prefix cache's lookup and insert, by its key: a prompt reuses the KV of the longest prefix scored before
-    # (its rows from `store`), and a scored prompt's KV is kept there for later prompts, scored or not.
+    # (its rows from `store`), and a scored prompt's KV is kept there for later prompts, scored or not. The lookup
+    # never reads the disk tier nor waits for a read (`PrefixCache.fetch`, `wait=False`): a job starts between steps.
     fetch: Callable[[Hashable, list[int]], tuple[list[Any] | None, int]] | None = None
     remember: Callable[[Hashable, list[int], list[Any]], None] | None = None
     store: ScoredPrefixes = field(default_factory=ScoredPrefixes)

@@ -263,6 +263,9 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
     one("mlx_engine_prompt_cache_disk_writes_total", "counter", "Prefixes written to disk.", "prompt_cache_disk_writes")
     one("mlx_engine_prompt_cache_disk_corrupt_total", "counter", "Damaged cache files skipped and deleted.",
         "prompt_cache_disk_corrupt")
+    one("mlx_engine_prompt_cache_disk_read_failures_total", "counter",
+        "Cache files the machine could not read (memory, descriptors, I/O): kept, the prompt prefilled.",
+        "prompt_cache_disk_read_failures")
     one("mlx_engine_prompt_cache_disk_spills_waited_total", "counter",
         "Evictions that waited for the disk writer (over 1 GiB of evicted KV not yet written).",
         "prompt_cache_disk_spills_waited")

@@ -6,6 +6,7 @@ by events where a test needs a write to be in progress.
 
 from __future__ import annotations
 
+import errno
 import shutil
 import threading
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from engine_daemon.prefix_cache.disk import DiskTier, _entry_digest, _file_sha, key_digest
 from engine_daemon.prefix_cache.spill_writer import Spill, SpillWriter
@@ -221,3 +223,55 @@ def test_finished_reads_wait_for_their_prompts_and_a_full_table_reads_at_admissi
     reads.wait(0)
     assert reads.take(entries[0], lambda: ["read again"]) == ["slow"]
     reads.close()
+
+
+def test_a_scoring_lookup_neither_reads_the_disk_nor_waits_for_a_read(tmp_path: Path) -> None:
+    """Review: a prompt-scoring job's lookup (`fetch(..., wait=False)`, started on the mlx thread between steps) took
+    over another prompt's running read and waited for it, and with none begun read the file there: every stream
+    waited for the disk. It now counts a disk prefix only once a read begun ahead has finished."""
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    original = kv(300)
+    assert disk.store(key_digest(*KEY), np.arange(300, dtype=np.int32), original, trimmable=True)
+    cache = PrefixCache(max_entries=4, max_bytes=1 << 40, disk=disk)
+    release, reads, load = threading.Event(), [], disk.load
+
+    def slow_load(entry, layout=None):
+        reads.append(threading.current_thread().name)
+        assert release.wait(60)
+        return load(entry, layout)
+
+    disk.load = slow_load
+    prompt = list(range(400))
+    assert cache.fetch(KEY, prompt, wait=False) == (None, 0) and reads == []  # nothing read on this thread
+    assert cache.reading(KEY, prompt)  # another request's read ahead, still running
+    assert cache.fetch(KEY, prompt, wait=False) == (None, 0) and len(cache.reads) == 1  # not taken over
+    release.set()
+    cache.reads.wait(60)
+    found, length = cache.fetch(KEY, prompt, wait=False)  # finished: taken at once
+    assert length == 300 and same(found, original, 300) and reads == ["prompt-cache-reader_0"]
+
+
+@pytest.mark.parametrize("failure", [MemoryError("std::bad_alloc"),
+                                     RuntimeError("[metal::malloc] Unable to allocate 2147483648 bytes."),
+                                     OSError(errno.EMFILE, "Too many open files")])
+def test_a_read_the_machine_fails_keeps_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 failure: Exception) -> None:
+    """Review: an allocation failure while a valid file was read counted it as damaged and deleted it; the
+    prefix was gone for the next request, which would have had the memory to load it."""
+    from engine_daemon.prefix_cache import disk as disk_module
+
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    original = kv(300)
+    assert disk.store(key_digest(*KEY), np.arange(300, dtype=np.int32), original, trimmable=True)
+    entry, _shared = disk.best_match(key_digest(*KEY), np.arange(400, dtype=np.int32), at_least=0)
+    real = disk_module.load_prompt_cache
+
+    def failing(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(disk_module, "load_prompt_cache", failing)
+    assert disk.load(entry) is None
+    assert entry.path.exists() and len(disk) == 1
+    assert disk.stats()["prompt_cache_disk_read_failures"] == 1 and disk.corrupt == 0
+    monkeypatch.setattr(disk_module, "load_prompt_cache", real)
+    assert same(disk.load(entry), original, 300) and disk.hits == 1  # the next read, with memory free
