@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import activations, base
 
-from engine_daemon.cpu import prefill_attention, prefill_swiglu
+from engine_daemon.cpu import decode_attention, prefill_attention, prefill_swiglu
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +165,11 @@ def split_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, 
                mask: Any, sinks: mx.array | None = None) -> mx.array:
     """mlx-lm's attention, split over the batch, or over key/value head groups for one sequence.
 
-    A prompt's attention on the CPU goes to `prefill_attention` instead (`prefill_attention.claims`).
+    A prompt's attention on the CPU goes to `prefill_attention` instead (`prefill_attention.claims`), and so
+    does a decode step's at a long context (`decode_attention.claims`).
     """
-    if prefill_attention.claims(queries, keys, cache, mask, sinks):
+    if prefill_attention.claims(queries, keys, cache, mask, sinks) or \
+            decode_attention.claims(queries, keys, cache, mask, sinks):
         return prefill_attention.attention(queries, keys, values, scale, mask)
     plan = _sdpa_plan(queries, keys, cache, mask)
     if plan is None:

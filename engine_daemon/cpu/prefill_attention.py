@@ -18,14 +18,15 @@ BLAS product as the outputs and the division happens on the small output. Causal
 queries are taken in blocks that each see only the keys up to their last row, which
 also bounds the scores' memory.
 
-Only work marked `prefilling` takes this path: mlx-lm's `PromptProcessingBatch.prompt`
-once `install` has wrapped it, and both attentions of a fused step (`fused_forward`: its
-chunk's, and its decode rows', since that pass stops at every layer for the chunk anyway;
-`evaluated_together` then evaluates both layers' scores at once). Plain decode steps keep
-MLX's attention and their asynchronous evaluation, so a prompt token is computed the same
-way whichever chunk it landed in. Results match MLX's to float rounding (~1e-7), not
-bitwise: `--cpu-prefill-attention mlx` keeps MLX's. Nothing changes on a GPU, with
-quantized KV caches or attention sinks.
+Work marked `prefilling` takes this path: mlx-lm's `PromptProcessingBatch.prompt` once
+`install` has wrapped it, and both attentions of a fused step (`fused_forward`: its chunk's,
+and its decode rows', since that pass stops at every layer for the chunk anyway;
+`evaluated_together` then evaluates both layers' scores at once). So does a plain decode
+step's once its scores are many (`decode_attention`); shorter decode steps keep MLX's
+attention and their asynchronous evaluation. A prompt token is computed the same way
+whichever chunk it landed in. Results match MLX's to float rounding (~1e-7), not bitwise:
+`--cpu-prefill-attention mlx` keeps MLX's. Nothing changes on a GPU, with quantized KV
+caches or attention sinks.
 """
 
 from __future__ import annotations
@@ -78,7 +79,12 @@ def install() -> None:
 
 def claims(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether `attention` computes this call: a prompt's attention on the CPU with a plain KV cache."""
-    if not (_enabled and active()) or sinks is not None or hasattr(cache, "bits"):
+    return _enabled and active() and computable(queries, keys, cache, mask, sinks)
+
+
+def computable(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
+    """Whether `attention` can compute this call: on the CPU, a plain (not quantized) KV cache, no sinks."""
+    if sinks is not None or hasattr(cache, "bits"):
         return False
     if not isinstance(keys, mx.array) or queries.shape[1] % keys.shape[1]:
         return False

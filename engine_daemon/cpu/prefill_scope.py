@@ -9,6 +9,8 @@ while the next step is built, should not pay at all. So only work marked as a pr
 takes those paths: mlx-lm's `PromptProcessingBatch.prompt` (wrapped by
 `prefill_attention.install`) and the chunk's share of a fused step (`fused_forward`).
 A prompt token is then computed the same way whichever chunk or step it lands in.
+(A decode step at a long context takes the attention path too, `decode_attention`: there its
+scores are many enough that the stop costs less than MLX's `exp`.)
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from typing import Any
 
 from engine_daemon.auxiliary.embedding import pooling_of
 from engine_daemon.config import SchedulerConfig
+from engine_daemon.cpu import decode_attention, prefill_attention, prefill_swiglu
 from engine_daemon.cpu import parallel_ops as cpu_parallel
-from engine_daemon.cpu import prefill_attention, prefill_swiglu
 from engine_daemon.errors import RequestError, engine_failure
 from engine_daemon.generation.speculative import SpeculativeDecoder
 from engine_daemon.lora.adapters import AdapterManager
@@ -132,6 +132,7 @@ class BaseScheduler:
                 "prompt_concurrency": self.config.prompt_concurrency if self.batching else 1,
                 "cpu_parallel_ops": cpu_parallel.active_parts(),
                 "cpu_prefill_attention": "numpy" if prefill_attention.enabled() else "mlx",
+                "cpu_decode_attention": "numpy" if decode_attention.enabled() else "mlx",
                 "cpu_prefill_swiglu": "numpy" if prefill_swiglu.enabled() else "mlx"}
 
     # -- admission -----------------------------------------------------------------

@@ -172,3 +172,4 @@ def test_the_engine_reports_its_cpu_streams(frontend: Frontend) -> None:
     assert stats["cpu_parallel_ops"] == min(os.cpu_count() or 1, 8)
     assert stats["cpu_prefill_attention"] == "numpy"  # the default on the CPU (`--cpu-prefill-attention`)
     assert stats["cpu_prefill_swiglu"] == "numpy"  # likewise (`--cpu-prefill-swiglu`)
+    assert stats["cpu_decode_attention"] == "numpy"  # long-context decode steps (`--cpu-decode-attention`)

@@ -21,6 +21,7 @@ LAZY_IMPORTS_ALLOWED = {
     # MLX loads with these; `engined --help`, `engined keygen` and a refused configuration never need it.
     "engine_daemon.cli": {"engine_daemon.cpu.blas_check", "engine_daemon.cpu.parallel_ops",
                           "engine_daemon.cpu.prefill_attention", "engine_daemon.cpu.prefill_swiglu",
+                          "engine_daemon.cpu.decode_attention",
                           "engine_daemon.transport.server",
                           "engine_daemon.generation.speculative", "engine_daemon.scheduling.follower"},
     # mlx-audio's Whisper decoding loads with it (subclassed at import); only a loaded Whisper needs it.
