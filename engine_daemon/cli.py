@@ -54,7 +54,8 @@ def _int_or_none(value: str | None) -> int | None:
 
 
 def _numpy_path_flag(parser: argparse.ArgumentParser, flag: str, env: str, what: str) -> None:
-    """A `numpy`/`mlx` choice for one of the CPU's NumPy paths (`prefill_attention`, `prefill_swiglu`)."""
+    """A `numpy`/`mlx` choice for one of the CPU's NumPy paths (`prefill_attention`, `decode_attention`,
+    `prefill_swiglu`)."""
     parser.add_argument(flag, choices=["numpy", "mlx"], default=os.environ.get(env, "numpy"),
                         help=f"{what} Results equal MLX's to float rounding, not bitwise; 'mlx' keeps MLX's; "
                              f"no effect on a GPU. [{env}] (default: %(default)s)")
@@ -169,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     _numpy_path_flag(parser, "--cpu-prefill-attention", "MLX_ENGINE_CPU_PREFILL_ATTENTION",
                      "on the CPU, compute prompts' attention with the softmax's exp in NumPy (SIMD), which MLX's "
                      "x86 build runs one element at a time: ~3-4x faster attention, ~25%% faster prefill of a "
-                     "1,500-token prompt. Plain decode steps always use MLX's (a step carrying a prompt chunk "
-                     "computes its decode rows this way too).")
+                     "1,500-token prompt. A step carrying a prompt chunk computes its decode rows this way too; plain "
+                     "decode steps follow --cpu-decode-attention.")
     _numpy_path_flag(parser, "--cpu-decode-attention", "MLX_ENGINE_CPU_DECODE_ATTENTION",
                      "on the CPU, compute decode steps' attention the same NumPy way once a layer's scores number "
                      "16,384 (sequences x query heads x tokens of context): a step of 5 sequences at 2,000 tokens "

@@ -90,6 +90,8 @@ def computable(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) 
         return False
     if isinstance(mask, str) and mask != "causal" or not (mask is None or isinstance(mask, (str, mx.array))):
         return False
+    if isinstance(mask, mx.array) and mask.ndim < 2:  # a rotating cache's window mask over the keys alone: MLX's
+        return False
     return mx.default_device() == mx.cpu
 
 
@@ -192,7 +194,8 @@ def _float32(array: mx.array) -> mx.array:
 
 def _apply_mask(grid: np.ndarray, mask: mx.array, heads: int, kv_heads: int) -> None:
     """Applies an array mask (bool: keep where True; float: added) to scores laid out (B, kv, group, Q, K)."""
-    values = np.array(mask)
+    # NumPy has no bfloat16 (an MLA model's additive mask is its scores' dtype): it is added as float32 anyway.
+    values = np.array(mask if mask.dtype in (mx.bool_, mx.float32) else mask.astype(mx.float32))
     while values.ndim < 4:  # (queries, keys) or (batch, heads, queries, keys), each axis maybe broadcast
         values = values[None]
     if values.shape[1] == heads:

@@ -53,6 +53,9 @@ FORMAT = "mlx-engined-prefix-1"
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 64 << 20  # a header past this is not one of ours
 STALE_TEMPORARY_SECONDS = 3600  # a temporary file this old belongs to a write that died
+# A file the machine failed to read (`_out_of_resources`) is not offered again for this long: a failure that repeats
+# (a buffer past Metal's largest, a bad sector) would otherwise cost a full hash and read for every prompt it matches.
+RETRY_AFTER_SECONDS = 60.0
 
 
 @dataclass
@@ -114,8 +117,7 @@ def _check_lengths(cache: list[Any], tokens: int) -> None:
 
 
 # errnos that say the machine could not read a file now, not that the file is bad.
-TRANSIENT_ERRNOS = frozenset({errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.EINTR, errno.EIO,
-                              errno.EACCES, errno.EPERM})
+TRANSIENT_ERRNOS = frozenset({errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EIO, errno.EACCES, errno.EPERM})
 # Words of the allocation failures MLX raises (`[metal::malloc] Unable to allocate ...`, CUDA's, the CPU's
 # `std::bad_alloc` as `MemoryError`).
 ALLOCATION_WORDS = ("malloc", "allocate", "out of memory")
@@ -163,6 +165,7 @@ class DiskTier:
         self._skipped: set[str] = set()  # files judged not ours: not read (nor logged) again while they stay
         self._listing_mtime = -1
         self._doomed: list[Path] = []  # files out of the index, to unlink outside the lock
+        self._failed: dict[str, float] = {}  # file name -> when the machine last failed to read it (monotonic)
         self._lock = threading.RLock()  # the index: the mlx thread reads it, `writer` adds to it, `/stats` counts it
         self.writer = SpillWriter(self.store)
         self._enforce_cap()  # a cap lowered since the files were written holds from the start, not the next write
@@ -184,6 +187,7 @@ class DiskTier:
         names = {p.name for p in self.directory.glob(f"*{SUFFIX}") if not p.name.startswith(".")}
         for gone in set(self._index) - names:
             del self._index[gone]
+            self._failed.pop(gone, None)
         self._skipped &= names
         for name in names - set(self._index) - self._skipped:
             path = self.directory / name
@@ -216,7 +220,9 @@ class DiskTier:
         """The stored entry covering the most of `tokens`, if it covers more than `at_least` + min_tokens."""
         with self._lock:
             self._refresh()
-            entries = list(self._index.values())
+            now = time.monotonic()
+            entries = [entry for entry in self._index.values()
+                       if now - self._failed.get(entry.path.name, -RETRY_AFTER_SECONDS) >= RETRY_AFTER_SECONDS]
         best = longest_prefix(((entry, entry.tokens, entry.trimmable) for entry in entries if entry.key == key), tokens)
         return best if best is not None and best[1] >= at_least + self.min_tokens else None
 
@@ -262,8 +268,9 @@ class DiskTier:
             if _out_of_resources(exc):  # the machine's failure, not the file's: it stays for a later request
                 with self._lock:
                     self.read_failures += 1
-                log.warning("prompt cache: could not read %s (%s): kept, the prompt is prefilled", entry.path.name,
-                            exc)
+                    self._failed[entry.path.name] = time.monotonic()
+                log.warning("prompt cache: could not read %s (%s): kept, not tried again for %.0f s; the prompt is "
+                            "prefilled", entry.path.name, exc, RETRY_AFTER_SECONDS)
                 return None
             with self._lock:
                 self.corrupt += 1

@@ -53,19 +53,20 @@ class DiskReads:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="prompt-cache-reader")
         name = entry.path.name
         future = self._executor.submit(read)
-        future.add_done_callback(lambda _: self._ended.__setitem__(name, self.clock()))
-        self._reads[name] = future
+        self._reads[name] = future  # before the callback, which runs here at once if the read already ended
+        future.add_done_callback(lambda done: self._ended_now(name, done))
         self.started += 1
         return True
+
+    def _ended_now(self, name: str, future: Future) -> None:
+        """Notes when the read ended (the reader's thread), unless it was taken meanwhile: a stale time for its
+        name would let `_let_go` drop a later read of the same file early."""
+        if self._reads.get(name) is future:
+            self._ended[name] = self.clock()
 
     def holds(self, entry: DiskEntry) -> bool:
         """Whether a read of `entry` was begun ahead (`fetch` then takes it, whatever the speeds say now)."""
         return entry.path.name in self._reads
-
-    def ready(self, entry: DiskEntry) -> bool:
-        """Whether a read of `entry` begun ahead has finished (`take` then returns at once)."""
-        held = self._reads.get(entry.path.name)
-        return held is not None and held.done()
 
     def take(self, entry: DiskEntry, read: Callable[[], list[Any] | None]) -> list[Any] | None:
         """`entry`'s KV: from the read begun ahead (waiting for it if it still runs), else read here and now."""

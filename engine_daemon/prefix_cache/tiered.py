@@ -61,16 +61,15 @@ class PrefixCache:
         """A private copy of the KV of the longest known prefix of `prompt`, and its length.
 
         At least the prompt's last token is left to compute (its logits give the first token).
-        `wait=False`: a prefix on disk counts only once a read begun ahead has finished; none is read,
-        or waited for, here. Why: a prompt-scoring job starts on the mlx thread between steps without
-        waiting in the queue (`PromptScoring`), and took over another request's running read, so every
-        stream waited for the disk; it prefills instead, in the slices its budget allows.
+        `wait=False`: memory only; nothing is read from disk, waited for, or taken from the reads begun
+        ahead. Why: a prompt-scoring job starts on the mlx thread between steps without waiting in the
+        queue (`PromptScoring`), and took over another request's running read, so every stream waited
+        for the disk; a finished read it took was another prompt's, which then read again (on the mlx
+        thread with `KEEP_READS` held). The job prefills instead, in the slices its budget allows.
         """
         tokens = as_tokens(prompt[:-1])
         match, queued, reused = self._in_memory(key, tokens)
-        stored = self._on_disk(key, tokens, reused, counted=True)
-        if stored is not None and not wait and not self.reads.ready(stored[0]):
-            stored = None
+        stored = self._on_disk(key, tokens, reused, counted=True) if wait else None
         if stored is not None:
             entry, shared, read = stored
             cache = self.reads.take(entry, read)

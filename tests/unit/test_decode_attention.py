@@ -89,3 +89,21 @@ def test_a_real_continuous_batch_decodes_the_same_tokens(tmp_path_factory: pytes
         assert [t for t, _ in ours[uid]] == [t for t, _ in steps]
         for (_, a), (_, b) in zip(steps, ours[uid]):
             np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
+def test_masks_numpy_cannot_read_or_index_are_handled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: an MLA model's additive mask is bfloat16 in a bfloat16 model (NumPy has no such dtype: the step
+    raised), and a rotating cache's window mask can be one-dimensional (`mask.shape[-2]` raised). The first is
+    added as float32; the second is left to MLX's attention."""
+    monkeypatch.setattr(decode_attention, "MIN_SCORES", 1)
+    q, k, v = (x.astype(mx.bfloat16) for x in _inputs(2, 4, 4, 1, 300))
+    mask = (mx.random.normal((2, 4, 1, 300)) * 0.1).astype(mx.bfloat16)
+    assert decode_attention.claims(q, k, None, mask, None)
+    got = parallel_ops.split_sdpa(q, k, v, None, 0.125, mask)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=2e-2)
+    window = mx.arange(300) >= 50
+    assert not decode_attention.claims(q, k, None, window, None)
+    np.testing.assert_array_equal(  # MLX's own, so bitwise
+        np.array(parallel_ops.split_sdpa(q, k, v, None, 0.125, window).astype(mx.float32)),
+        np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=window).astype(mx.float32)))

@@ -228,7 +228,7 @@ def test_finished_reads_wait_for_their_prompts_and_a_full_table_reads_at_admissi
 def test_a_scoring_lookup_neither_reads_the_disk_nor_waits_for_a_read(tmp_path: Path) -> None:
     """Review: a prompt-scoring job's lookup (`fetch(..., wait=False)`, started on the mlx thread between steps) took
     over another prompt's running read and waited for it, and with none begun read the file there: every stream
-    waited for the disk. It now counts a disk prefix only once a read begun ahead has finished."""
+    waited for the disk. It now looks in memory only, and leaves a finished read to the prompt that waits for it."""
     disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
     original = kv(300)
     assert disk.store(key_digest(*KEY), np.arange(300, dtype=np.int32), original, trimmable=True)
@@ -247,8 +247,10 @@ def test_a_scoring_lookup_neither_reads_the_disk_nor_waits_for_a_read(tmp_path: 
     assert cache.fetch(KEY, prompt, wait=False) == (None, 0) and len(cache.reads) == 1  # not taken over
     release.set()
     cache.reads.wait(60)
-    found, length = cache.fetch(KEY, prompt, wait=False)  # finished: taken at once
+    assert cache.fetch(KEY, prompt, wait=False) == (None, 0)  # finished, and still the waiting prompt's
+    found, length = cache.fetch(KEY, prompt)  # that prompt's admission takes it: one read in all
     assert length == 300 and same(found, original, 300) and reads == ["prompt-cache-reader_0"]
+    assert cache.reads.started == 1
 
 
 @pytest.mark.parametrize("failure", [MemoryError("std::bad_alloc"),
@@ -273,5 +275,9 @@ def test_a_read_the_machine_fails_keeps_the_file(tmp_path: Path, monkeypatch: py
     assert disk.load(entry) is None
     assert entry.path.exists() and len(disk) == 1
     assert disk.stats()["prompt_cache_disk_read_failures"] == 1 and disk.corrupt == 0
+    # Not offered again at once: a failure that repeats would cost a full hash and read for every matching prompt.
+    assert disk.best_match(key_digest(*KEY), np.arange(400, dtype=np.int32), at_least=0) is None
     monkeypatch.setattr(disk_module, "load_prompt_cache", real)
+    monkeypatch.setattr(disk_module, "RETRY_AFTER_SECONDS", 0.0)  # later
+    entry, _shared = disk.best_match(key_digest(*KEY), np.arange(400, dtype=np.int32), at_least=0)
     assert same(disk.load(entry), original, 300) and disk.hits == 1  # the next read, with memory free
