@@ -40,6 +40,9 @@ CARRY_TILES = 3
 PASS_ROWS = 160
 # How far one fused step's tail past its last layer decision moves the learnt one (`CarryKeeper.tail`).
 TAIL_WEIGHT = 0.3
+# A carry with at most this share of the layers left is late (`CarryKeeper.late`): it never leaves a pass again, and
+# the new chunk beside it gets the rows `PASS_ROWS` allows without it.
+LATE_CARRY_SHARE = 0.2
 
 
 class Leaving(IntEnum):
@@ -115,9 +118,10 @@ class LayerDeadline:
 
     def __init__(self, bound: float, decode_layer: float, layers: int, started: float | None = None,
                  clock: Callable[[], float] = time.perf_counter, tail: float = 0.0, chunk_rows: int = 1,
-                 carry_rows: int = 0, carry_start: int = 0):
+                 carry_rows: int = 0, carry_start: int = 0, carry_stays: bool = False):
         self.bound, self.decode_layer, self.layers, self.tail = bound, decode_layer, layers, tail
         self.chunk_rows, self.carry_rows, self.carry_start = chunk_rows, carry_rows, carry_start
+        self.carry_stays = carry_stays  # the carry never leaves (`Leaving.ALL` is no option): `CarryKeeper.late`
         self.clock = clock
         self.started = clock() if started is None else started
         self.cut_at: int | None = None
@@ -157,13 +161,14 @@ class LayerDeadline:
             return finishing + (layers - index) * self.decode_layer + per_row * rows
 
         both_may_leave = max(index + 1, joins + 1)  # a carry leaves again only after a layer in this step
+        may_leave = bool(carry) and not self.carry_stays
         going_on = min([ending(layers, layers)] + [ending(index + 1, layers)] * (index + 1 < layers)
-                       + [ending(both_may_leave, both_may_leave)] * (bool(carry) and both_may_leave < layers))
+                       + [ending(both_may_leave, both_may_leave)] * (may_leave and both_may_leave < layers))
         if going_on + self.tail <= self.bound:
             self.expected = going_on
             return Leaving.NOTHING
         options = [(ending(index, layers), Leaving.CHUNK)]
-        if carry and index > joins:
+        if may_leave and index > joins:
             options.append((ending(index, index), Leaving.ALL))
         fitting = [option for option in options if option[0] + self.tail <= self.bound]
         # The most prompt work that fits; else the least late, which may be going on: a chunk leaving before
@@ -214,10 +219,22 @@ class CarryKeeper:
         if self.carry is not None:
             left = round(self.carry.remaining_fraction(self.layers))
             chunk = max(size - left, min(size, CARRY_TILES * tile - rows), 1)
-        room = size if self.deadline is None else PASS_ROWS - rows - (len(self.carry.tokens) if self.carry else 0)
+        carried = len(self.carry.tokens) if self.carry is not None and not self.late(self.carry) else 0
+        room = size if self.deadline is None else PASS_ROWS - rows - carried
         if chunk > room:  # whole tiles under the cap, at least one tile of rows (a carry moves on every step anyway)
             return min(size, max(room - (room + rows) % tile, tile - rows, 1))
         return chunk if self.carry is None else chunk + (-(chunk + rows)) % tile
+
+    def late(self, carry: LayerCarry) -> bool:
+        """Whether `carry` has at most `LATE_CARRY_SHARE` of the layers left: its rows pass those few layers beside
+        the new chunk's and never leave again (`LayerDeadline.carry_stays`), so no carry grows past one chunk.
+
+        Why: counted against `PASS_ROWS` like any carry, a ~150-row carry cut at layer 10 or 11 of 12 left the
+        next chunk a single tile (12 tokens beside 4 streams), and those steps ended 60-130 ms under their bound
+        (~85M CPU model, one step in three of a paced prompt). Its own remaining work, at most a fifth of a
+        chunk's, is planned for (`shrunk`) and cannot be cut; the new chunk still can, before or after it rejoins.
+        """
+        return (self.layers - carry.start) <= LATE_CARRY_SHARE * self.layers
 
     def step_deadline(self, started: float, chunk_rows: int = 1,
                       carry: LayerCarry | None = None) -> LayerDeadline | None:
@@ -228,7 +245,8 @@ class CarryKeeper:
         bound, decode = self.deadline
         self._deadline = LayerDeadline(bound, decode / self.layers, self.layers, started=started, tail=self.tail,
                                        chunk_rows=chunk_rows, carry_rows=len(carry.tokens) if carry else 0,
-                                       carry_start=carry.start if carry else 0)
+                                       carry_start=carry.start if carry else 0,
+                                       carry_stays=carry is not None and self.late(carry))
         return self._deadline
 
     def taken(self) -> LayerCarry | None:

@@ -310,6 +310,25 @@ def test_without_a_deadline_a_chunk_is_not_capped() -> None:
     keeper.deadline = (0.3, 0.1)
     assert keeper.shrunk(220, 4, 16) == 156  # 160 rows with the 4 decode rows
     assert keeper.shrunk(92, 4, 16) == 92
-    keeper.carry = LayerCarry(mx.zeros((150, 8)), 10, list(range(150)))
+    keeper.carry = LayerCarry(mx.zeros((150, 8)), 8, list(range(150)))
     assert keeper.shrunk(92, 4, 16) == 12  # one tile of rows beside a carry past the cap
     assert keeper.shrunk(8, 4, 16) == 8  # never more than the pacer's chunk
+
+
+def test_a_late_carry_leaves_the_new_chunk_its_rows_and_never_leaves_again() -> None:
+    """A carry with two of twelve layers left (cut at layer 10) takes a fifth of a chunk's work in the next step;
+    counted against `PASS_ROWS` it left the new chunk one tile. Now the new chunk gets the rows the cap allows
+    without it, less the carry's work, and the carry cannot leave again (no carry grows past one chunk)."""
+    keeper = CarryKeeper(12)
+    keeper.deadline = (0.3, 0.1)
+    keeper.carry = LayerCarry(mx.zeros((150, 8)), 10, list(range(150)))
+    assert keeper.late(keeper.carry)
+    assert keeper.shrunk(92, 4, 16) == 76  # 92 less the carry's 25 tokens of work, grown to whole tiles of rows
+    assert keeper.shrunk(220, 4, 16) == 156  # still at most PASS_ROWS of its own
+    deadline = keeper.step_deadline(0.0, 76, keeper.carry)
+    assert deadline is not None and deadline.carry_stays
+    assert not keeper.late(LayerCarry(mx.zeros((150, 8)), 9, list(range(150))))  # three layers left
+    now = [0.72]
+    stays = LayerDeadline(bound=0.75, decode_layer=0.01, layers=12, started=0.0, clock=lambda: now[0],
+                          chunk_rows=50, carry_rows=100, carry_start=9, carry_stays=True)
+    assert stays(10) == Leaving.CHUNK  # where a carry that may leave would leave with the chunk (`ALL`)
