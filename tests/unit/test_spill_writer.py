@@ -37,6 +37,24 @@ def gated(tier: DiskTier) -> tuple[threading.Event, threading.Event]:
     return started, release
 
 
+def stored_with_gated_reads(tmp_path: Path) -> tuple[PrefixCache, list, threading.Event, list[str]]:
+    """(prefix cache, the KV of tokens 0-299 stored on its disk tier, release, reads): each disk read records its
+    thread's name in `reads` and waits for `release`."""
+    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
+    original = kv(300)
+    assert disk.store(key_digest(*KEY), np.arange(300, dtype=np.int32), original, trimmable=True)
+    cache = PrefixCache(max_entries=4, max_bytes=1 << 40, disk=disk)
+    release, reads, load = threading.Event(), [], disk.load
+
+    def slow_load(entry, layout=None):
+        reads.append(threading.current_thread().name)
+        assert release.wait(60)
+        return load(entry, layout)
+
+    disk.load = slow_load
+    return cache, original, release, reads
+
+
 def test_an_eviction_returns_while_its_file_is_written_and_the_prefix_is_served_meanwhile(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
     started, release = gated(disk)
@@ -134,18 +152,7 @@ def test_a_file_copied_under_another_entry_name_is_not_served(tmp_path: Path) ->
 def test_a_prefix_on_disk_is_read_ahead_while_its_prompt_waits(tmp_path: Path) -> None:
     """`PrefixCache.reading` starts the read on the reader's thread and says wait while it runs; `fetch` then takes
     that read (no second read on the mlx thread) and gets the same KV as a read there would."""
-    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
-    original = kv(300)
-    assert disk.store(key_digest(*KEY), np.arange(300, dtype=np.int32), original, trimmable=True)
-    cache = PrefixCache(max_entries=4, max_bytes=1 << 40, disk=disk)
-    release, reads, load = threading.Event(), [], disk.load
-
-    def slow_load(entry, layout=None):
-        reads.append(threading.current_thread().name)
-        assert release.wait(60)
-        return load(entry, layout)
-
-    disk.load = slow_load
+    cache, original, release, reads = stored_with_gated_reads(tmp_path)
     prompt = list(range(400))
     assert cache.reading(KEY, prompt) and cache.reading(KEY, prompt)  # started once, still running
     assert not cache.reading(KEY, list(range(1000, 1400)))  # nothing on disk for this one: no wait
@@ -229,18 +236,7 @@ def test_a_scoring_lookup_neither_reads_the_disk_nor_waits_for_a_read(tmp_path: 
     """Review: a prompt-scoring job's lookup (`fetch(..., wait=False)`, started on the mlx thread between steps) took
     over another prompt's running read and waited for it, and with none begun read the file there: every stream
     waited for the disk. It now looks in memory only, and leaves a finished read to the prompt that waits for it."""
-    disk = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
-    original = kv(300)
-    assert disk.store(key_digest(*KEY), np.arange(300, dtype=np.int32), original, trimmable=True)
-    cache = PrefixCache(max_entries=4, max_bytes=1 << 40, disk=disk)
-    release, reads, load = threading.Event(), [], disk.load
-
-    def slow_load(entry, layout=None):
-        reads.append(threading.current_thread().name)
-        assert release.wait(60)
-        return load(entry, layout)
-
-    disk.load = slow_load
+    cache, original, release, reads = stored_with_gated_reads(tmp_path)
     prompt = list(range(400))
     assert cache.fetch(KEY, prompt, wait=False) == (None, 0) and reads == []  # nothing read on this thread
     assert cache.reading(KEY, prompt)  # another request's read ahead, still running
