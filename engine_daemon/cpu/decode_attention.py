@@ -28,6 +28,7 @@ from engine_daemon.cpu.prefill_scope import active
 # Scores (sequences x query heads x queries x keys) a layer's decode attention needs before the NumPy path pays.
 MIN_SCORES = 1 << 14
 _enabled = True
+_layers = 0  # layers' decode attention this path took since the engine started (`taken`)
 
 
 def configure(enabled: bool) -> None:
@@ -41,12 +42,24 @@ def enabled() -> bool:
     return _enabled and mx.default_device() == mx.cpu
 
 
+def taken() -> int:
+    """Layers whose decode attention took this path since the engine started (/stats `cpu_decode_attention_layers`).
+
+    Why: the path only pays at long contexts, so whether a deployment's decode steps ever reach it (and a test
+    that the daemon really takes it) is read from this count, not guessed from step times.
+    """
+    return _layers
+
+
 def claims(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether a decode step's attention (not a prompt's: `prefill_attention.claims`) takes the NumPy path."""
+    global _layers
     if not _enabled or active() or not isinstance(keys, mx.array):
         return False
     batch, heads, length, _ = queries.shape
     # One query per sequence: a speculative step's several (verifying drafts) would copy the values with a column of
     # ones in every layer (`prefill_attention._block`), not measured against MLX's here.
-    return length == 1 and batch * heads * keys.shape[2] >= MIN_SCORES and computable(queries, keys, cache, mask,
-                                                                                        sinks)
+    if length == 1 and batch * heads * keys.shape[2] >= MIN_SCORES and computable(queries, keys, cache, mask, sinks):
+        _layers += 1
+        return True
+    return False

@@ -133,6 +133,7 @@ class BaseScheduler:
                 "cpu_parallel_ops": cpu_parallel.active_parts(),
                 "cpu_prefill_attention": "numpy" if prefill_attention.enabled() else "mlx",
                 "cpu_decode_attention": "numpy" if decode_attention.enabled() else "mlx",
+                "cpu_decode_attention_layers": decode_attention.taken(),
                 "cpu_prefill_swiglu": "numpy" if prefill_swiglu.enabled() else "mlx"}
 
     # -- admission -----------------------------------------------------------------

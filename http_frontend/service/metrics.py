@@ -295,6 +295,9 @@ def engine_lines(stats: dict[str, Any] | None, const: Labels = ()) -> list[str]:
         if isinstance(group.get("failed_rank"), int):
             lines += family("mlx_engine_group_failed_rank", "gauge", "The rank the group's failure was traced to.",
                             [("", const, group["failed_rank"])])
+    one("mlx_engine_cpu_decode_attention_layers_total", "counter",
+        "Decode steps' layers whose attention took the CPU's NumPy path (long contexts, --cpu-decode-attention).",
+        "cpu_decode_attention_layers")
     one("mlx_engine_model_loads_total", "counter", "Model loads since the engine started.", "model_loads")
     outcomes = [(("outcome", outcome.removeprefix("requests_")), stats[outcome])
                 for outcome in ("requests_added", "requests_finished", "requests_aborted", "requests_rejected")
