@@ -1,11 +1,12 @@
 """Reads a waiting prompt's prefix from the disk tier on a thread of its own, so the streams go on meanwhile.
 
 Why: reading an entry means hashing the whole file (its content hash is checked on every load)
-and reading it: ~0.8 s a GB on this 2-core VM, and an agent's 20k-token prefix on an 8B model
-is 2.6 GB in bf16. Done on the mlx thread at admission, every running stream waited for it.
+and reading it: ~0.8 s a GB on this 2-core VM while the hash was SHA-256 (XXH3 since: `content_hash`),
+and an agent's 20k-token prefix on an 8B model is 2.6 GB in bf16. Done on the mlx thread at
+admission, every running stream waited for it.
 Now the scheduler asks `DiskReads.ahead` before admitting a prompt whose best prefix is on
 disk: the read starts on this thread and the prompt waits in the queue (others are admitted
-meanwhile), then `take` hands the KV to its admission. hashlib and MLX release the GIL while
+meanwhile), then `take` hands the KV to its admission. xxhash and MLX release the GIL while
 they hash and read, so the mlx thread keeps stepping. A read nobody takes (its request left)
 is dropped `KEEP_SECONDS` after it ended, and at most `KEEP_READS` are held, so unclaimed KV
 does not pile up in memory.

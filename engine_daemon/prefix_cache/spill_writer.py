@@ -3,10 +3,10 @@
 Why: the memory tier evicts on the mlx thread, in the middle of a request's admission or of a
 prompt's sharing, and writing an entry there stalled every running stream for as long as the
 disk took. An agent's 4,000-token prefix on an 8B-shaped float32 model is ~1 GB: 3.0 s to save
-and 1.4 s to hash on this 2-core VM, during which no stream got a token, so one client's new
+and 1.4 s to hash (SHA-256, since XXH3) on this 2-core VM, during which no stream got a token, so one client's new
 prompt could freeze everyone else's. Here the mlx thread only hands the entry over: the arrays
 are already evaluated (`DiskTier.store_later` makes sure), MLX releases the GIL while it saves,
-and hashlib while it hashes, so the streams go on beside the write.
+and xxhash while it hashes, so the streams go on beside the write.
 
 The queue holds the evicted arrays in memory until they are written, so it is bounded
 (`max_pending_bytes`, or a single entry beside the one being written): past it the caller waits

@@ -198,3 +198,39 @@ def test_prefixes_are_keyed_on_the_kv_layout() -> None:
 
     assert layout_key("w", None) == "w"
     assert len({layout_key("w", None), layout_key("w", 512), layout_key("w", 1024)}) == 3
+
+
+
+def test_a_file_of_an_earlier_format_is_deleted_and_a_foreign_one_kept(tmp_path: Path) -> None:
+    """Format 2 hashes content with XXH3-128 (`content_hash`): a format-1 file (SHA-256) can never be served, so
+    left alone it would fill the disk outside the cap; a file another program wrote under our suffix is not ours
+    to delete."""
+    import base64
+    import hashlib
+
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from engine_daemon.prefix_cache.disk import FORMAT, _entry_digest, _read_metadata, content_hash
+
+    tokens = np.arange(300, dtype=np.int32)
+    key = key_digest("w", None)
+    meta = {"key": key, "trimmable": "1", "tokens": base64.b64encode(tokens.astype("<i4").tobytes()).decode()}
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    written = {}
+    for name, format_name, digest in (("old", "mlx-engined-prefix-1", _entry_digest(key, tokens)),
+                                      ("foreign", "someone-elses-kv-3", "f" * 32)):
+        scratch = tmp_path / f"{name}.safetensors"
+        save_prompt_cache(str(scratch), kv(300), {**meta, "format": format_name})
+        written[name] = directory / f"{digest}-{hashlib.sha256(scratch.read_bytes()).hexdigest()[:32]}.safetensors"
+        scratch.rename(written[name])
+
+    tier = DiskTier(directory, max_bytes=1 << 30, min_tokens=16)
+    assert not written["old"].exists() and written["foreign"].exists() and len(tier) == 0
+    assert tier.best_match(key, np.arange(500, dtype=np.int32), at_least=0) is None
+    assert tier.store(key, tokens, kv(300), trimmable=True)
+    (ours,) = [path for path in directory.glob("*.safetensors") if path != written["foreign"]]
+    assert ours.stem.split("-")[-1] == content_hash(ours) and len(content_hash(ours)) == 32
+    assert _read_metadata(ours)["0.format"] == FORMAT
+    found = tier.best_match(key, np.arange(500, dtype=np.int32), at_least=0)
+    assert found is not None and same(tier.load(found[0]), kv(300), 300)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine_daemon.prefix_cache.disk import DiskTier, _entry_digest, _file_sha, key_digest
+from engine_daemon.prefix_cache.disk import DiskTier, _entry_digest, content_hash, key_digest
 from engine_daemon.prefix_cache.spill_writer import Spill, SpillWriter
 from engine_daemon.prefix_cache.tiered import PrefixCache
 from tests.unit.test_prefix_cache import kv, same
@@ -142,7 +142,7 @@ def test_a_file_copied_under_another_entry_name_is_not_served(tmp_path: Path) ->
     assert disk.store("k", np.arange(300, dtype=np.int32), kv(300), trimmable=True)
     (source,) = tmp_path.glob("*.safetensors")
     other = np.arange(1000, 1300, dtype=np.int32)
-    copied = tmp_path / f"{_entry_digest('k', other)}-{_file_sha(source)}.safetensors"
+    copied = tmp_path / f"{_entry_digest('k', other)}-{content_hash(source)}.safetensors"
     shutil.copy(source, copied)
     reader = DiskTier(tmp_path, max_bytes=1 << 30, min_tokens=16)
     assert len(reader) == 1 and reader.best_match("k", other, at_least=0) is None
