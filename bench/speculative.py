@@ -14,6 +14,10 @@ Every configuration must produce the same text (greedy output is the model's own
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
         python bench/speculative.py --max-tokens 96 --runs 2
+
+`--context-words` puts a document of that many words before the question, so the draft's and the
+model's decode steps run at a long context (where the CPU's decode attention takes its NumPy path
+past 16,384 scores a layer: compare `--engine-args "--cpu-decode-attention mlx"`).
 """
 
 from __future__ import annotations
@@ -37,10 +41,19 @@ MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse k
              "bottle, with vivid details of the sea, the weather and the people of the village nearby."}]
 
 
-def one_stream(base_url: str, model: str, max_tokens: int) -> dict:
+def messages(context_words: int) -> list[dict]:
+    """The question, after a document of `context_words` words when asked for one."""
+    if not context_words:
+        return MESSAGES
+    from bench.scenarios import words
+
+    return [{"role": "user", "content": words(context_words, seed=7) + "\n\n" + MESSAGES[0]["content"]}]
+
+
+def one_stream(base_url: str, model: str, max_tokens: int, context_words: int = 0) -> dict:
     """Decode tok/s of one greedy stream (first token excluded), and its text."""
     # No repetition penalty: the model's generation_config sets 1.05; speculation is exact either way.
-    body = {"model": model, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "messages": messages(context_words), "max_tokens": max_tokens, "temperature": 0,
             "repetition_penalty": 1.0, "ignore_eos": True, "stream": True}
     first = last = None
     parts: list[str] = []
@@ -59,11 +72,12 @@ def one_stream(base_url: str, model: str, max_tokens: int) -> dict:
     return {"ttft": first - start, "tps": (max_tokens - 1) / (last - first), "text": "".join(parts)}
 
 
-def run_config(name: str, model: Path, engine_args: list[str], max_tokens: int, runs: int) -> dict:
+def run_config(name: str, model: Path, engine_args: list[str], max_tokens: int, runs: int,
+               context_words: int = 0) -> dict:
     log.info("%s ...", name)
     with our_stack(model, engine_args, workers=1) as (base_url, _engine):
-        one_stream(base_url, str(model), 8)  # warm-up
-        results = [one_stream(base_url, str(model), max_tokens) for _ in range(runs)]
+        one_stream(base_url, str(model), 8, context_words)  # warm-up (and, with a context, its prefix cached)
+        results = [one_stream(base_url, str(model), max_tokens, context_words) for _ in range(runs)]
         stats = httpx.get(base_url.removesuffix("/v1") + "/stats", timeout=30).json()
     spec = stats.get("speculative") or {}
     return {"name": name, "tps": statistics.median(r["tps"] for r in results),
@@ -81,6 +95,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--no-self-draft", action="store_true", help="skip the draft = model run")
+    parser.add_argument("--context-words", type=int, default=0, help="words of a document before the question")
+    parser.add_argument("--engine-args", default="", help="extra engined flags for every run, space-separated")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     if "LD_PRELOAD" not in os.environ:
@@ -95,11 +111,12 @@ def main() -> int:
         configs.append((f"first {layers} blocks as draft", ["--draft-model", str(draft), *draft_args]))
     if not args.no_self_draft:
         configs.append(("draft = the model itself", ["--draft-model", str(model), *draft_args]))
-    rows = [run_config(name, model, engine_args, args.max_tokens, args.runs) for name, engine_args in configs]
+    rows = [run_config(name, model, [*engine_args, *args.engine_args.split()], args.max_tokens, args.runs,
+                       args.context_words) for name, engine_args in configs]
 
     base = rows[0]
     print(f"\n{args.size} model, {args.max_tokens} new tokens, greedy, {args.num_draft_tokens} draft tokens, "
-          f"median of {args.runs} runs")
+          f"median of {args.runs} runs, {args.context_words} words of context, engine args {args.engine_args!r}")
     print(f"{'':<28} {'decode tok/s':>12} {'vs none':>8} {'acceptance':>10} {'tokens/pass':>11} {'TTFT ms':>8} "
           f"{'same text':>9}")
     for row in rows:

@@ -23,23 +23,13 @@ from typing import Any
 import mlx.core as mx
 
 from engine_daemon.cpu.prefill_attention import computable
-from engine_daemon.cpu.prefill_scope import active
+from engine_daemon.cpu.prefill_scope import PathSwitch, active
 
 # Scores (sequences x query heads x queries x keys) a layer's decode attention needs before the NumPy path pays.
 MIN_SCORES = 1 << 14
-_enabled = True
+switch = PathSwitch("--cpu-decode-attention")
+configure, enabled = switch.configure, switch.enabled
 _layers = 0  # layers' decode attention this path took since the engine started (`taken`)
-
-
-def configure(enabled: bool) -> None:
-    """Whether long-context decode attention on the CPU goes through NumPy (`--cpu-decode-attention`)."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-def enabled() -> bool:
-    """Whether this path is on here and now (off on a GPU), for /stats."""
-    return _enabled and mx.default_device() == mx.cpu
 
 
 def taken() -> int:
@@ -54,7 +44,7 @@ def taken() -> int:
 def claims(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether a decode step's attention (not a prompt's: `prefill_attention.claims`) takes the NumPy path."""
     global _layers
-    if not _enabled or active() or not isinstance(keys, mx.array):
+    if not switch.on or active() or not isinstance(keys, mx.array):
         return False
     batch, heads, length, _ = queries.shape
     # One query per sequence: a speculative step's several (verifying drafts) would copy the values with a column of

@@ -41,25 +41,15 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import PromptProcessingBatch
 
-from engine_daemon.cpu.prefill_scope import active, in_two, prefilling
+from engine_daemon.cpu.prefill_scope import PathSwitch, active, in_two, prefilling
 
 # Scores held at once per block (float32): 32 MB. Larger prompts are taken in blocks of queries.
 BLOCK_SCORES = 1 << 23
 # From this many scores the exponentials are shared with a second thread (its hand-off costs ~50 us).
 SPLIT_SCORES = 1 << 16
-_enabled = True
+switch = PathSwitch("--cpu-prefill-attention")
+configure, enabled = switch.configure, switch.enabled
 _pending = threading.local()  # softmaxes waiting for `evaluated_together` to evaluate their scores
-
-
-def configure(enabled: bool) -> None:
-    """Whether prefill attention on the CPU goes through NumPy (`--cpu-prefill-attention`)."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-def enabled() -> bool:
-    """Whether this path is on here and now (off on a GPU), for /stats."""
-    return _enabled and mx.default_device() == mx.cpu
 
 
 def install() -> None:
@@ -79,7 +69,7 @@ def install() -> None:
 
 def claims(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether `attention` computes this call: a prompt's attention on the CPU with a plain KV cache."""
-    return _enabled and active() and computable(queries, keys, cache, mask, sinks)
+    return switch.on and active() and computable(queries, keys, cache, mask, sinks)
 
 
 def computable(queries: mx.array, keys: Any, cache: Any, mask: Any, sinks: Any) -> bool:

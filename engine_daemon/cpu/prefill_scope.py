@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import mlx.core as mx
+
 _local = threading.local()
 _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-numpy")
 
@@ -47,3 +49,20 @@ def in_two(work: Callable[[Part], None], first: Part, second: Part) -> None:
     pending = _pool.submit(work, second)
     work(first)
     pending.result()
+
+
+class PathSwitch:
+    """The operator's `numpy`/`mlx` choice for one of the CPU's NumPy paths (`--cpu-prefill-attention`,
+    `--cpu-decode-attention`, `--cpu-prefill-swiglu`): each path module keeps one and checks `on` in its `claims`."""
+
+    def __init__(self, flag: str):
+        self.flag = flag
+        self.on = True
+
+    def configure(self, enabled: bool) -> None:
+        """Whether this path takes the work it claims (the flag's value is `numpy`)."""
+        self.on = bool(enabled)
+
+    def enabled(self) -> bool:
+        """Whether this path is on here and now (off on a GPU), for /stats."""
+        return self.on and mx.default_device() == mx.cpu

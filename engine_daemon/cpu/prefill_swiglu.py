@@ -18,28 +18,18 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from engine_daemon.cpu.prefill_scope import active, in_two
+from engine_daemon.cpu.prefill_scope import PathSwitch, active, in_two
 
 # From this many elements the work is shared with a second thread (its hand-off costs ~50 us).
 SPLIT_ELEMENTS = 1 << 15
 
-_enabled = True
-
-
-def configure(enabled: bool) -> None:
-    """Whether a prompt's SwiGLU on the CPU goes through NumPy (`--cpu-prefill-swiglu`)."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-def enabled() -> bool:
-    """Whether this path is on here and now (off on a GPU), for /stats."""
-    return _enabled and mx.default_device() == mx.cpu
+switch = PathSwitch("--cpu-prefill-swiglu")
+configure, enabled = switch.configure, switch.enabled
 
 
 def claims(gate: mx.array, up: mx.array) -> bool:
     """Whether `swiglu` computes this call: a prompt's float32 gate on the CPU."""
-    if not (_enabled and active()) or gate.shape != up.shape or gate.ndim == 0:
+    if not (switch.on and active()) or gate.shape != up.shape or gate.ndim == 0:
         return False
     return gate.dtype == up.dtype == mx.float32 and mx.default_device() == mx.cpu
 

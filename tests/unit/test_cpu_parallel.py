@@ -33,8 +33,8 @@ def split_everything(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cpu_parallel, "_parts", 1)
     # Prompts' attention and SwiGLU through NumPy are close to MLX's, not bitwise: test_prefill_attention and
     # test_prefill_swiglu cover them.
-    monkeypatch.setattr(prefill_attention, "_enabled", False)
-    monkeypatch.setattr(prefill_swiglu, "_enabled", False)
+    monkeypatch.setattr(prefill_attention.switch, "on", False)
+    monkeypatch.setattr(prefill_swiglu.switch, "on", False)
     return cpu_parallel
 
 

@@ -70,9 +70,9 @@ def test_a_real_continuous_batch_decodes_the_same_tokens(tmp_path_factory: pytes
     path = build_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", size="tiny", seed=0, arch="qwen2")
     model, _ = load(str(path))
     parallel_ops.install()
-    monkeypatch.setattr(decode_attention, "_enabled", False)
+    monkeypatch.setattr(decode_attention.switch, "on", False)
     stock = run(model)
-    monkeypatch.setattr(decode_attention, "_enabled", True)
+    monkeypatch.setattr(decode_attention.switch, "on", True)
     monkeypatch.setattr(decode_attention, "MIN_SCORES", 1)
     decoded: list[int] = []
     original = prefill_attention.attention

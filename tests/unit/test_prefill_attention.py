@@ -167,9 +167,9 @@ def test_a_real_continuous_batch_gives_the_same_tokens(arch: str, path: ModuleTy
     path_on_disk = build_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", size="tiny", seed=0, arch=arch)
     model, _ = load(str(path_on_disk))
     parallel_ops.install()
-    monkeypatch.setattr(path, "_enabled", False)
+    monkeypatch.setattr(path.switch, "on", False)
     stock = run(model)
-    monkeypatch.setattr(path, "_enabled", True)
+    monkeypatch.setattr(path.switch, "on", True)
     rows: list[int] = []
     original = getattr(path, computed)
     monkeypatch.setattr(path, computed,
