@@ -17,6 +17,7 @@ from engine_daemon.group.options import add_group_arguments, group_refusal, join
 from engine_daemon.lora.registry import is_adapter_dir
 from engine_daemon.models.names import ModelNames, ModelsConfigError
 from engine_daemon.models.store import ModelNotFound, model_roots, resolve, set_operator_names
+from engine_daemon.prefix_cache.directory import unusable
 from engine_daemon.request import template_kwargs
 from engine_daemon.scheduling.flags import add_scheduling_flags, scheduling_config
 from engine_daemon.transport.flags import add_transport_flags, parse_size
@@ -200,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a disk tier for the prefix cache (vision models' too, images included): prefixes "
                              "evicted from memory, and all on a model switch or a clean stop, are written here "
                              "(safetensors, checked by hash) and loaded after a switch back or a restart when reading "
-                             "beats prefilling. Engines may share it. Default: off. [MLX_ENGINE_PROMPT_CACHE_DIR]")
+                             "beats prefilling. Engines may share it; made if missing, refused at start (exit 2) if "
+                             "not writable. Default: off. [MLX_ENGINE_PROMPT_CACHE_DIR]")
     parser.add_argument("--prompt-cache-disk-bytes", type=parse_size,
                         default=parse_size(os.environ.get("MLX_ENGINE_PROMPT_CACHE_DISK_BYTES")) or 10 << 30,
                         help="byte cap of --prompt-cache-dir (text and vision entries together), e.g. 20GB; least "
@@ -309,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     template_kwargs.configure(args.allow_request_chat_template)
     if args.idle_unload is not None and args.idle_unload <= 0:
         log.error("--idle-unload must be a positive number of seconds")
+        return 2
+    if args.prompt_cache_dir and (problem := unusable(args.prompt_cache_dir)):
+        log.error("--prompt-cache-dir %s: %s", args.prompt_cache_dir, problem)
         return 2
     # Lazy on purpose: these load MLX, which `engined --help`, `engined keygen` and a refused
     # configuration never need (the only imports of our own modules inside a function).
