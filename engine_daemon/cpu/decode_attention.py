@@ -27,7 +27,7 @@ from engine_daemon.cpu.prefill_scope import PathSwitch, active
 
 # Scores (sequences x query heads x queries x keys) a layer's decode attention needs before the NumPy path pays.
 MIN_SCORES = 1 << 14
-switch = PathSwitch("--cpu-decode-attention")
+switch = PathSwitch()  # --cpu-decode-attention
 configure, enabled = switch.configure, switch.enabled
 _layers = 0  # layers' decode attention this path took since the engine started (`taken`)
 

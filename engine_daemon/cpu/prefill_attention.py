@@ -47,7 +47,7 @@ from engine_daemon.cpu.prefill_scope import PathSwitch, active, in_two, prefilli
 BLOCK_SCORES = 1 << 23
 # From this many scores the exponentials are shared with a second thread (its hand-off costs ~50 us).
 SPLIT_SCORES = 1 << 16
-switch = PathSwitch("--cpu-prefill-attention")
+switch = PathSwitch()  # --cpu-prefill-attention
 configure, enabled = switch.configure, switch.enabled
 _pending = threading.local()  # softmaxes waiting for `evaluated_together` to evaluate their scores
 

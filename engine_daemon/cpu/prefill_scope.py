@@ -55,8 +55,7 @@ class PathSwitch:
     """The operator's `numpy`/`mlx` choice for one of the CPU's NumPy paths (`--cpu-prefill-attention`,
     `--cpu-decode-attention`, `--cpu-prefill-swiglu`): each path module keeps one and checks `on` in its `claims`."""
 
-    def __init__(self, flag: str):
-        self.flag = flag
+    def __init__(self) -> None:
         self.on = True
 
     def configure(self, enabled: bool) -> None:

@@ -23,7 +23,7 @@ from engine_daemon.cpu.prefill_scope import PathSwitch, active, in_two
 # From this many elements the work is shared with a second thread (its hand-off costs ~50 us).
 SPLIT_ELEMENTS = 1 << 15
 
-switch = PathSwitch("--cpu-prefill-swiglu")
+switch = PathSwitch()  # --cpu-prefill-swiglu
 configure, enabled = switch.configure, switch.enabled
 
 
